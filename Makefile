@@ -1,0 +1,35 @@
+# Two commands on a fresh machine with Python 3.11+:
+#   make lab    set everything up and open the course in JupyterLab
+#   make test   set everything up and run the whole test suite
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+
+.PHONY: setup lab test tour bench lint clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -e ".[dev]"
+	touch $(STAMP)
+
+lab: setup
+	$(BIN)/jupyter lab notebooks/
+
+test: setup
+	$(BIN)/python -m pytest
+
+tour: setup
+	$(BIN)/python -m parallelkit tour
+
+bench: setup
+	$(BIN)/python benchmarks/overhead.py
+
+lint: setup
+	$(BIN)/ruff check . && $(BIN)/ruff format --check .
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info

@@ -1,0 +1,40 @@
+"""parallelkit: multi-device training strategies in JAX, small enough to read.
+
+>>> import parallelkit as pk
+>>> pk.SingleDevice().num_replicas
+1
+"""
+
+from . import data as data
+from . import inspect as inspect
+from . import models as models
+from .axes import DATA as DATA
+from .axes import MODEL as MODEL
+from .devices import DeviceCountError as DeviceCountError
+from .devices import device_summary as device_summary
+from .devices import simulate_devices as simulate_devices
+from .strategies import LeafPlacement as LeafPlacement
+from .strategies import Mirrored as Mirrored
+from .strategies import SingleDevice as SingleDevice
+from .strategies import Step as Step
+from .strategies import Strategy as Strategy
+from .strategies import TrainState as TrainState
+from .timing import StepTimes as StepTimes
+from .timing import scaling_efficiency as scaling_efficiency
+from .training import Callback as Callback
+from .training import FitResult as FitResult
+from .training import History as History
+from .training import StepRecord as StepRecord
+from .training import fit as fit
+
+__version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    # Views import matplotlib/ipywidgets: load them only when first used, keeping
+    # `import parallelkit` fast and headless-safe.
+    if name in ("viz", "widgets", "tour"):
+        import importlib
+
+        return importlib.import_module(f"{__name__}.{name}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,4 @@
+"""Mesh axis names, in one place (as haliax's ``ResourceAxis``)."""
+
+DATA = "data"  # replicas: each holds a slice of the batch
+MODEL = "model"  # tensor parallelism: each holds a slice of the weights

@@ -1,0 +1,286 @@
+"""Small in-memory datasets and a deterministic batch iterator.
+
+Every loader returns a :class:`Dataset` of NHWC ``float32`` images in ``[0, 1]``
+and ``int32`` labels. :func:`digits` and :func:`synthetic` need no files;
+:func:`load_mnist` and :func:`load_cifar10` read the usual files from a local
+directory and never download anything.
+"""
+
+from __future__ import annotations
+
+import gzip
+import pickle
+import struct
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+_MNIST_FILES = {
+    "train": ("train-images-idx3-ubyte", "train-labels-idx1-ubyte"),
+    "test": ("t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte"),
+}
+_MNIST_SOURCE = "https://storage.googleapis.com/cvdf-datasets/mnist/"
+_CIFAR_DIR = "cifar-10-batches-py"
+_CIFAR_FILES = {
+    "train": tuple(f"data_batch_{i}" for i in range(1, 6)),
+    "test": ("test_batch",),
+}
+_CIFAR_SOURCE = "https://www.cs.toronto.edu/~kriz/cifar-10-python.tar.gz"
+
+
+@dataclass(frozen=True, eq=False)
+class Dataset:
+    """Examples ``x`` (``float32``, first axis the examples) and labels ``y`` (``int32``).
+
+    Equality and hashing are by identity, as comparing arrays has no single answer.
+    """
+
+    x: np.ndarray
+    y: np.ndarray
+    num_classes: int
+    name: str
+
+    def __post_init__(self) -> None:
+        if len(self.x) != len(self.y):
+            raise ValueError(
+                f"Dataset {self.name!r} has {len(self.x)} examples but {len(self.y)} labels."
+            )
+
+    @property
+    def input_shape(self) -> tuple[int, ...]:
+        """Shape of one example, e.g. ``(28, 28, 1)``."""
+        return tuple(self.x.shape[1:])
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+
+def _check_split(split: str) -> None:
+    if split not in ("train", "test"):
+        raise ValueError(f"split must be 'train' or 'test', got {split!r}.")
+
+
+def digits() -> Dataset:
+    """scikit-learn's bundled 8x8 digits (1797 images, no download).
+
+    >>> ds = digits()
+    >>> len(ds), ds.input_shape, ds.num_classes
+    (1797, (8, 8, 1), 10)
+    """
+    from sklearn.datasets import load_digits  # heavy import; only when used
+
+    bunch = load_digits()
+    x = (bunch.images / 16.0).astype(np.float32)[..., None]
+    return Dataset(x=x, y=bunch.target.astype(np.int32), num_classes=10, name="digits")
+
+
+def synthetic(
+    num_examples: int = 4096,
+    input_shape: tuple[int, ...] = (8, 8, 1),
+    num_classes: int = 10,
+    seed: int = 0,
+) -> Dataset:
+    """Learnable random data: one random prototype per class plus gaussian noise.
+
+    Classes are balanced (up to one example) and the result depends only on the
+    arguments.
+
+    >>> ds = synthetic(num_examples=100, input_shape=(4,), num_classes=5)
+    >>> ds.x.shape, ds.x.dtype, sorted(set(ds.y.tolist()))
+    ((100, 4), dtype('float32'), [0, 1, 2, 3, 4])
+    """
+    rng = np.random.default_rng(seed)
+    prototypes = rng.uniform(0.0, 1.0, size=(num_classes, *input_shape))
+    y = rng.permutation(np.arange(num_examples) % num_classes).astype(np.int32)
+    noise = rng.normal(0.0, 0.3, size=(num_examples, *input_shape))
+    x = (prototypes[y] + noise).astype(np.float32)
+    return Dataset(x=x, y=y, num_classes=num_classes, name="synthetic")
+
+
+def _find(directory: Path, name: str) -> Path:
+    """``directory/name``, else ``directory/name.gz``."""
+    for candidate in (directory / name, directory / f"{name}.gz"):
+        if candidate.is_file():
+            return candidate
+    raise FileNotFoundError(
+        f"Neither {name} nor {name}.gz found in {directory}. Put the MNIST IDX files "
+        f"there (from e.g. {_MNIST_SOURCE})."
+    )
+
+
+def _read_idx(file: Path, ndim: int) -> np.ndarray:
+    """Read a ``uint8`` IDX array of ``ndim`` dimensions, gzipped or not."""
+    raw = gzip.decompress(file.read_bytes()) if file.suffix == ".gz" else file.read_bytes()
+    if len(raw) < 4 or raw[:2] != b"\x00\x00":
+        raise ValueError(f"{file} is not an IDX file (bad magic number {raw[:4]!r}).")
+    if raw[2] != 0x08:
+        raise ValueError(f"{file} holds IDX type 0x{raw[2]:02x}; expected 0x08 (uint8).")
+    if raw[3] != ndim:
+        raise ValueError(f"{file} has {raw[3]} dimension(s); expected {ndim}.")
+    header = 4 + 4 * ndim
+    if len(raw) < header:
+        raise ValueError(f"{file} is truncated inside its header.")
+    shape = struct.unpack(f">{ndim}i", raw[4:header])
+    if len(raw) - header != int(np.prod(shape)):
+        raise ValueError(
+            f"{file} has {len(raw) - header} data bytes; its header {shape} says {np.prod(shape)}."
+        )
+    return np.frombuffer(raw, dtype=np.uint8, offset=header).reshape(shape)
+
+
+def load_mnist(path: str | Path, split: str = "train") -> Dataset:
+    """MNIST (or anything in its IDX format) from a local directory.
+
+    Args:
+      path: directory with ``train-images-idx3-ubyte`` and ``train-labels-idx1-ubyte``
+        (``t10k-*`` for ``split="test"``), each possibly gzipped (``.gz``).
+      split: ``"train"`` or ``"test"``.
+
+    Returns:
+      Images of shape ``(N, rows, cols, 1)`` scaled to ``[0, 1]``, 10 classes.
+
+    Raises:
+      FileNotFoundError: a file is missing.
+      ValueError: a file is not a well-formed ``uint8`` IDX file, or the counts differ.
+    """
+    _check_split(split)
+    directory = Path(path)
+    image_name, label_name = _MNIST_FILES[split]
+    images = _read_idx(_find(directory, image_name), ndim=3)
+    labels = _read_idx(_find(directory, label_name), ndim=1)
+    if len(images) != len(labels):
+        raise ValueError(
+            f"MNIST {split} files in {directory} hold {len(images)} images "
+            f"but {len(labels)} labels."
+        )
+    x = (images.astype(np.float32) / 255.0)[..., None]
+    return Dataset(x=x, y=labels.astype(np.int32), num_classes=10, name="mnist")
+
+
+def load_cifar10(path: str | Path, split: str = "train") -> Dataset:
+    """CIFAR-10's "python version" batches from a local directory.
+
+    The batches are pickles: only load files you trust.
+
+    Args:
+      path: the extracted ``cifar-10-batches-py`` directory, or one containing it.
+      split: ``"train"`` (``data_batch_1`` to ``_5``) or ``"test"`` (``test_batch``).
+
+    Returns:
+      Images of shape ``(N, 32, 32, 3)`` scaled to ``[0, 1]``, 10 classes.
+
+    Raises:
+      FileNotFoundError: a batch is missing.
+      ValueError: a batch does not hold ``N x 3072`` pixels and ``N`` labels.
+    """
+    _check_split(split)
+    directory = Path(path)
+    if (directory / _CIFAR_DIR).is_dir():
+        directory = directory / _CIFAR_DIR
+    files = [directory / name for name in _CIFAR_FILES[split]]
+    missing = [f.name for f in files if not f.is_file()]
+    if missing:
+        raise FileNotFoundError(
+            f"CIFAR-10 batch(es) {', '.join(missing)} not found in {directory}. Extract "
+            f"{_CIFAR_SOURCE} and pass the {_CIFAR_DIR} directory."
+        )
+    xs, ys = [], []
+    for file in files:
+        with file.open("rb") as f:
+            batch = pickle.load(f, encoding="bytes")
+        data = np.asarray(batch[b"data"], dtype=np.uint8)
+        labels = np.asarray(batch[b"labels"], dtype=np.int32)
+        if data.ndim != 2 or data.shape[1] != 3 * 32 * 32 or len(data) != len(labels):
+            raise ValueError(
+                f"{file} holds data of shape {data.shape} and {len(labels)} labels; "
+                "expected (N, 3072) and N."
+            )
+        # Rows are channel-major (1024 R, 1024 G, 1024 B), each plane row-major 32x32.
+        xs.append(data.reshape(-1, 3, 32, 32).transpose(0, 2, 3, 1))
+        ys.append(labels)
+    x = np.concatenate(xs).astype(np.float32) / 255.0
+    return Dataset(x=x, y=np.concatenate(ys), num_classes=10, name="cifar10")
+
+
+def batches(
+    dataset: Dataset,
+    batch_size: int,
+    *,
+    steps: int | None = None,
+    epochs: int | None = None,
+    seed: int = 0,
+    shuffle: bool = True,
+) -> Iterator[dict[str, np.ndarray]]:
+    """Yield ``{"x": ..., "y": ...}`` batches of exactly ``batch_size`` examples.
+
+    Each epoch visits the examples in a fresh order drawn from one generator seeded
+    by ``seed``, so equal arguments give equal batches and fewer ``steps`` give a
+    prefix. The last ``len(dataset) % batch_size`` examples of each epoch's order are
+    dropped, so all batches have one shape (what a compiled step wants).
+
+    Args:
+      dataset: the examples.
+      batch_size: examples per batch, from 1 to ``len(dataset)``.
+      steps: stop after this many batches.
+      epochs: stop after this many passes. Give at most one of ``steps`` and
+        ``epochs``; with neither, the iterator never ends.
+      seed: seeds the shuffling.
+      shuffle: if False, every epoch goes in dataset order.
+
+    >>> it = batches(synthetic(num_examples=10), batch_size=4, epochs=1)
+    >>> [b["x"].shape for b in it]
+    [(4, 8, 8, 1), (4, 8, 8, 1)]
+    """
+    if steps is not None and epochs is not None:
+        raise ValueError(f"Give steps or epochs, not both (got steps={steps}, epochs={epochs}).")
+    if not 1 <= batch_size <= len(dataset):
+        raise ValueError(
+            f"batch_size must be from 1 to the dataset size {len(dataset)}, got {batch_size}."
+        )
+    for name, value in (("steps", steps), ("epochs", epochs)):
+        if value is not None and value < 0:
+            raise ValueError(f"{name} must be >= 0, got {value}.")
+    return _batches(dataset, batch_size, steps, epochs, seed, shuffle)
+
+
+def _batches(
+    dataset: Dataset,
+    batch_size: int,
+    steps: int | None,
+    epochs: int | None,
+    seed: int,
+    shuffle: bool,
+) -> Iterator[dict[str, np.ndarray]]:
+    # A separate generator, so that batches() checks its arguments when called.
+    rng = np.random.default_rng(seed)
+    per_epoch = len(dataset) // batch_size
+    step = epoch = 0
+    while epochs is None or epoch < epochs:
+        order = rng.permutation(len(dataset)) if shuffle else np.arange(len(dataset))
+        for i in range(per_epoch):
+            if steps is not None and step >= steps:
+                return
+            idx = order[i * batch_size : (i + 1) * batch_size]
+            yield {"x": dataset.x[idx], "y": dataset.y[idx]}
+            step += 1
+        epoch += 1
+
+
+def split(dataset: Dataset, fraction: float = 0.8, seed: int = 0) -> tuple[Dataset, Dataset]:
+    """Shuffle with ``seed`` and cut into ``(first, rest)``, ``first`` holding ``fraction``.
+
+    >>> train, test = split(synthetic(num_examples=100), fraction=0.75)
+    >>> len(train), len(test)
+    (75, 25)
+    """
+    cut = round(len(dataset) * fraction)
+    if not 0 < cut < len(dataset):
+        raise ValueError(f"fraction={fraction} of {len(dataset)} examples leaves one side empty.")
+    order = np.random.default_rng(seed).permutation(len(dataset))
+    first, rest = order[:cut], order[cut:]
+    return (
+        Dataset(dataset.x[first], dataset.y[first], dataset.num_classes, dataset.name),
+        Dataset(dataset.x[rest], dataset.y[rest], dataset.num_classes, dataset.name),
+    )

@@ -1,0 +1,138 @@
+"""Devices: simulating several on one CPU, summarising them, and choosing a set.
+
+On a laptop with no accelerator, XLA can split the host CPU into N "devices" so
+that every multi-device program runs unchanged. The count is fixed when JAX
+starts its backends (the first computation, or the first ``jax.devices()``), so
+:func:`simulate_devices` must run before that; afterwards it raises instead of
+being silently ignored, which is what happens to a late ``XLA_FLAGS``.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import jax
+
+_FORCE_COUNT_FLAG = "--xla_force_host_platform_device_count"
+
+
+class DeviceCountError(RuntimeError):
+    """JAX runs with a different number of devices than was asked for."""
+
+
+def _backends_started() -> bool:
+    from jax._src import xla_bridge  # no public way to ask without starting them
+
+    return xla_bridge.backends_are_initialized()
+
+
+def _strip_force_count(flags: str) -> str:
+    return re.sub(rf"{_FORCE_COUNT_FLAG}=\S*", "", flags).strip()
+
+
+def simulate_devices(n: int) -> list[jax.Device]:
+    """Split the host CPU into ``n`` XLA devices; call it before any JAX work.
+
+    On a machine with accelerators the CPU count is set but the accelerators stay
+    JAX's default devices, so the call changes nothing there: the returned list
+    is then the accelerators. It also puts the count into ``XLA_FLAGS`` so that
+    subprocesses started from here see the same devices.
+
+    Args:
+      n: number of CPU devices, at least 1.
+
+    Returns:
+      ``jax.devices()``: ``n`` CPU devices, or the accelerators where there are some.
+
+    Raises:
+      DeviceCountError: JAX already started with another number of CPU devices.
+        Restart the Python process (kernel) and call this first.
+    """
+    if not isinstance(n, int) or n < 1:
+        raise ValueError(f"simulate_devices(n) needs a whole number n >= 1, got {n!r}.")
+    if _backends_started():
+        have = len(jax.devices("cpu"))
+        if have != n:
+            raise DeviceCountError(
+                f"JAX already started with {have} CPU device(s), so simulate_devices({n}) "
+                "comes too late: the count is fixed at the first JAX operation. "
+                f"Restart the kernel (or process) and call pk.simulate_devices({n}) first, "
+                "before anything else touches JAX."
+            )
+        return jax.devices()
+    os.environ["XLA_FLAGS"] = f"{_strip_force_count(os.environ.get('XLA_FLAGS', ''))} {_FORCE_COUNT_FLAG}={n}".strip()
+    jax.config.update("jax_num_cpu_devices", n)
+    devices = jax.devices()
+    if devices[0].platform == "cpu" and len(devices) != n:
+        raise DeviceCountError(f"Asked for {n} simulated CPU devices but JAX made {len(devices)}.")
+    return devices
+
+
+def resolve_devices(devices: int | Sequence[jax.Device] | None = None) -> list[jax.Device]:
+    """The devices a strategy runs on: all of them, the first ``n``, or a given list.
+
+    Raises:
+      DeviceCountError: more devices asked for than JAX has.
+      ValueError: an empty list or a count below 1.
+    """
+    available = jax.devices()
+    if devices is None:
+        return list(available)
+    if isinstance(devices, int):
+        if devices < 1:
+            raise ValueError(f"A strategy needs at least one device, got devices={devices}.")
+        if devices > len(available):
+            raise DeviceCountError(
+                f"Asked for {devices} devices but JAX has {len(available)} "
+                f"({available[0].platform}). On a CPU, call pk.simulate_devices({devices}) "
+                "in a fresh kernel before using JAX, or ask for fewer devices."
+            )
+        return list(available[:devices])
+    chosen = list(devices)
+    if not chosen:
+        raise ValueError("A strategy needs at least one device, got an empty list.")
+    return chosen
+
+
+@dataclass(frozen=True)
+class DeviceSummary:
+    """What JAX runs on, for printing at the top of a notebook."""
+
+    platform: str
+    device_count: int
+    local_device_count: int
+    process_index: int
+    process_count: int
+    device_kinds: tuple[str, ...]
+    simulated: bool
+
+    def __str__(self) -> str:
+        kind = "simulated CPU devices" if self.simulated else f"{self.platform} devices"
+        return (
+            f"{self.device_count} {kind} ({', '.join(sorted(set(self.device_kinds)))}); "
+            f"process {self.process_index} of {self.process_count}, "
+            f"{self.local_device_count} local"
+        )
+
+
+def device_summary() -> DeviceSummary:
+    """Platform, device counts and process position of this JAX program.
+
+    >>> summary = device_summary()
+    >>> summary.device_count >= 1
+    True
+    """
+    devices = jax.devices()
+    platform = devices[0].platform
+    return DeviceSummary(
+        platform=platform,
+        device_count=len(devices),
+        local_device_count=jax.local_device_count(),
+        process_index=jax.process_index(),
+        process_count=jax.process_count(),
+        device_kinds=tuple(d.device_kind for d in devices),
+        simulated=platform == "cpu" and len(devices) > 1,
+    )

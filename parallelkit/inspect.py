@@ -1,0 +1,152 @@
+"""Read the compiled program: which collectives a step runs and how many bytes they move.
+
+Teaching claims such as "mirrored training all-reduces every gradient once per
+step" are shown from the compiler's own output (the optimized HLO), not asserted.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import jax
+
+COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all")
+
+_DTYPE_BYTES = {
+    "pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1,
+    "s16": 2, "u16": 2, "f16": 2, "bf16": 2,
+    "s32": 4, "u32": 4, "f32": 4,
+    "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16,
+}  # fmt: skip
+# `%name = <shape or (tuple)> op(` ; async pairs are counted once, at their `-done`.
+_INSTRUCTION = re.compile(
+    r"%(?P<name>[^\s=]+)\s*=\s*(?P<shape>\([^()]*\)|[a-z0-9]+\[[0-9,]*\](?:\{[^}]*\})?)\s+"
+    r"(?P<op>" + "|".join(COLLECTIVES) + r")(?P<suffix>-start|-done)?\((?P<rest>.*)$"
+)
+_ARRAY = re.compile(r"([a-z][a-z0-9]*)\[([0-9,]*)\]")
+_GROUPS_LIST = re.compile(r"replica_groups=\{\{([0-9,]*)\}")
+_GROUPS_IOTA = re.compile(r"replica_groups=\[(\d+),(\d+)\]")
+_GROUPS_MESH = re.compile(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}")  # mesh['a'=4,'b'=1] {'a'}
+_COMMENT = re.compile(r"/\*.*?\*/")
+
+
+@dataclass(frozen=True)
+class Collective:
+    """One collective operation in a compiled program, as seen from one device."""
+
+    op: str  # one of COLLECTIVES
+    shapes: tuple[str, ...]  # its result arrays, e.g. ("f32[64,10]",)
+    elements: int
+    bytes: int  # of its result on one device
+    group_size: int | None  # devices taking part in each group, where the HLO says
+
+
+def _arrays(shape: str) -> list[tuple[str, int, int]]:
+    out = []
+    for dtype, dims in _ARRAY.findall(shape):
+        count = 1
+        for d in filter(None, dims.split(",")):
+            count *= int(d)
+        out.append((f"{dtype}[{dims}]", count, count * _DTYPE_BYTES.get(dtype, 4)))
+    return out
+
+
+def _group_size(rest: str) -> int | None:
+    if m := _GROUPS_LIST.search(rest):
+        return len(m.group(1).split(","))
+    if m := _GROUPS_IOTA.search(rest):
+        return int(m.group(2))
+    if m := _GROUPS_MESH.search(rest):
+        sizes = dict(re.findall(r"'([^']+)'=(\d+)", m.group(1)))
+        size = 1
+        for axis in re.findall(r"'([^']+)'", m.group(2)):
+            size *= int(sizes[axis])
+        return size
+    return None
+
+
+def parse_collectives(hlo_text: str) -> list[Collective]:
+    """Every collective in an HLO module's text, in program order.
+
+    >>> hlo = "%ar = f32[64,10]{1,0} all-reduce(f32[64,10]{1,0} %g), replica_groups={{0,1,2,3}}"
+    >>> parse_collectives(hlo)
+    [Collective(op='all-reduce', shapes=('f32[64,10]',), elements=640, bytes=2560, group_size=4)]
+    >>> hlo = "%ar = (f32[10]{0}, /*index=1*/f32[]) all-reduce(%a, %b), replica_groups=mesh['x'=4] {'x'}"
+    >>> parse_collectives(hlo)[0].bytes, parse_collectives(hlo)[0].group_size
+    (44, 4)
+    """
+    found, started = [], {}  # started: async `-start` name -> its group size
+    for line in hlo_text.splitlines():
+        m = _INSTRUCTION.search(_COMMENT.sub("", line))
+        if not m:
+            continue
+        group_size = _group_size(m.group("rest"))
+        if m.group("suffix") == "-start":
+            started[m.group("name")] = group_size
+            continue
+        if m.group("suffix") == "-done":
+            operand = re.search(r"%([^\s,)]+)", m.group("rest"))
+            group_size = started.get(operand.group(1)) if operand else None
+        arrays = _arrays(m.group("shape"))
+        found.append(
+            Collective(
+                op=m.group("op"),
+                shapes=tuple(a[0] for a in arrays),
+                elements=sum(a[1] for a in arrays),
+                bytes=sum(a[2] for a in arrays),
+                group_size=group_size,
+            )
+        )
+    return found
+
+
+def compiled_text(step, *args) -> str:
+    """The optimized HLO of ``step`` (a jitted/pmapped function or a :class:`~parallelkit.Step`)."""
+    return step.lower(*args).compile().as_text()
+
+
+def collectives(step, *args) -> list[Collective]:
+    """The collectives one call ``step(*args)`` runs, read from its compiled program."""
+    return parse_collectives(compiled_text(step, *args))
+
+
+def summarize(found: list[Collective]) -> dict[str, dict[str, int]]:
+    """Per operation kind: how many, and how many bytes (per device) they carry in all."""
+    summary: dict[str, dict[str, int]] = {}
+    for c in found:
+        row = summary.setdefault(c.op, {"count": 0, "bytes": 0})
+        row["count"] += 1
+        row["bytes"] += c.bytes
+    return summary
+
+
+@contextlib.contextmanager
+def count_compilations() -> Iterator[list[float]]:
+    """Record the XLA compilations inside the block: a list with one duration (s) per compile.
+
+    >>> import jax.numpy as jnp
+    >>> f, x = jax.jit(lambda x: x * 2), jnp.ones(3)
+    >>> with count_compilations() as first:
+    ...     _ = f(x)
+    >>> with count_compilations() as second:
+    ...     _ = f(x)
+    >>> len(first), len(second)
+    (1, 0)
+    """
+    durations: list[float] = []
+
+    def listener(event: str, seconds: float, **_) -> None:
+        if event == _BACKEND_COMPILE_EVENT:
+            durations.append(seconds)
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        yield durations
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+
+
+_BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"

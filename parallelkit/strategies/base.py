@@ -1,0 +1,227 @@
+"""The contract every strategy keeps, and the training step they all share.
+
+A strategy decides *where state lives* and *how gradients meet*; the model, the
+loss, the optimizer and the data stay plain JAX, Flax and Optax. Every strategy:
+
+- ``init(params, tx)`` places parameters and optimizer state, returning a :class:`TrainState`;
+- ``step(loss_fn)`` returns a :class:`Step`: ``state, metrics = step(state, batch)``,
+  where ``batch`` is the *global* batch as host arrays and the loss is its mean;
+- ``unreplicate(tree)`` brings one host (NumPy) copy back, for inspection and checkpoints;
+- ``describe(state)`` lists where every leaf lives.
+
+Strategies that split parameters take their partition rules in their constructor,
+so ``init`` and ``step`` keep this shape for all of them.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import struct
+
+from ..devices import resolve_devices
+
+PyTree = Any
+Batch = Mapping[str, Any]
+LossFn = Callable[[PyTree, Batch], Any]  # -> loss, or (loss, aux dict)
+Metrics = dict[str, jax.Array]
+
+
+@struct.dataclass
+class TrainState:
+    """Parameters, optimizer state and step count; the optimizer rides along, static."""
+
+    step: jax.Array
+    params: PyTree
+    opt_state: PyTree
+    tx: optax.GradientTransformation = struct.field(pytree_node=False)
+
+    def apply_gradients(self, grads: PyTree) -> TrainState:
+        """One optimizer update: what every strategy does once the gradients have met."""
+        updates, opt_state = self.tx.update(grads, self.opt_state, self.params)
+        return self.replace(step=self.step + 1, params=optax.apply_updates(self.params, updates), opt_state=opt_state)
+
+
+def create_state(params: PyTree, tx: optax.GradientTransformation, opt_state: PyTree = None) -> TrainState:
+    """A fresh :class:`TrainState`, checking a given ``opt_state`` against ``tx.init(params)``.
+
+    The state holds copies: strategies donate it to their step, which must never
+    delete the caller's own arrays.
+
+    Raises:
+      ValueError: ``opt_state`` (for example from a checkpoint) does not fit ``params``.
+    """
+    expected = jax.eval_shape(tx.init, params)
+    if opt_state is None:
+        opt_state = tx.init(params)
+    else:
+        check_same_tree(expected, opt_state, what="opt_state", against="tx.init(params)")
+    params, opt_state = jax.tree.map(lambda x: jnp.array(x, copy=True), (params, opt_state))
+    return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=opt_state, tx=tx)
+
+
+def check_same_tree(expected: PyTree, actual: PyTree, *, what: str, against: str) -> None:
+    """Raise a ValueError naming the first leaf where two trees differ in structure, shape or dtype."""
+    exp_leaves, exp_def = jax.tree_util.tree_flatten_with_path(expected)
+    act_leaves, act_def = jax.tree_util.tree_flatten_with_path(actual)
+    if exp_def != act_def:
+        exp_paths = {jax.tree_util.keystr(p) for p, _ in exp_leaves}
+        act_paths = {jax.tree_util.keystr(p) for p, _ in act_leaves}
+        detail = sorted(exp_paths ^ act_paths)[:3] or [f"{exp_def} vs {act_def}"]
+        raise ValueError(
+            f"{what} does not have the structure of {against}; differing leaves: {detail}. "
+            f"Build {what} from the same parameters and optimizer."
+        )
+    for (path, exp), (_, act) in zip(exp_leaves, act_leaves, strict=True):
+        if tuple(np.shape(act)) != tuple(exp.shape) or jnp.result_type(act) != exp.dtype:
+            raise ValueError(
+                f"{what}{jax.tree_util.keystr(path)} has shape {np.shape(act)} and dtype "
+                f"{jnp.result_type(act)}, but {against} gives {exp.shape} {exp.dtype}."
+            )
+
+
+def batch_size(batch: Batch) -> int:
+    """The leading dimension shared by every array in ``batch``; raises if they disagree."""
+    sizes = {jax.tree_util.keystr(p): np.shape(x)[0] for p, x in jax.tree_util.tree_flatten_with_path(batch)[0]}
+    if not sizes:
+        raise ValueError("The batch holds no arrays.")
+    if len(set(sizes.values())) != 1:
+        raise ValueError(f"Every array in a batch needs the same leading (batch) dimension, got {sizes}.")
+    return next(iter(sizes.values()))
+
+
+def check_divisible(batch: Batch, replicas: int) -> int:
+    """The per-replica batch size; a global batch that does not split evenly is an error.
+
+    >>> check_divisible({"x": np.zeros((32, 3))}, 8)
+    4
+    """
+    size = batch_size(batch)
+    if size % replicas:
+        lower, upper = size - size % replicas, size - size % replicas + replicas
+        raise ValueError(
+            f"A global batch of {size} examples does not split evenly over {replicas} replicas. "
+            f"Use a batch size divisible by {replicas} (for example {lower or upper} or {upper})."
+        )
+    return size // replicas
+
+
+def _loss_with_aux(loss_fn: LossFn) -> Callable[[PyTree, Batch], tuple[jax.Array, dict]]:
+    def wrapped(params, batch):
+        out = loss_fn(params, batch)
+        return out if isinstance(out, tuple) else (out, {})
+
+    return wrapped
+
+
+def train_step(
+    loss_fn: LossFn,
+    state: TrainState,
+    batch: Batch,
+    sync: Callable[[PyTree], PyTree] = lambda tree: tree,
+) -> tuple[TrainState, Metrics]:
+    """The single-device step, shared by every strategy.
+
+    ``sync`` is where gradients meet: the identity on one device or under ``jit``
+    with shardings (the compiler inserts the all-reduce), ``lax.pmean`` under ``pmap``.
+    """
+    (loss, aux), grads = jax.value_and_grad(_loss_with_aux(loss_fn), has_aux=True)(state.params, batch)
+    grads, metrics = sync((grads, {"loss": loss, **aux}))
+    return state.apply_gradients(grads), metrics
+
+
+class Step:
+    """A compiled training step: ``state, metrics = step(state, batch)``.
+
+    Places the global host batch the way its strategy wants, then calls the jitted
+    (or pmapped) function. ``lower(state, batch)`` gives the lowered program, for
+    reading its HLO (see :mod:`parallelkit.inspect`).
+    """
+
+    def __init__(self, fn: Callable, place_batch: Callable[[Batch], Batch], strategy: Strategy):
+        self.fn = fn
+        self.place_batch = place_batch
+        self.strategy = strategy
+
+    def __call__(self, state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:
+        return self.fn(state, self.place_batch(batch))
+
+    def lower(self, state: TrainState, batch: Batch):
+        return self.fn.lower(state, self.place_batch(batch))
+
+    def __repr__(self) -> str:
+        return f"Step({self.strategy!r})"
+
+
+@dataclass(frozen=True)
+class LeafPlacement:
+    """Where one leaf of the state lives."""
+
+    path: str
+    shape: tuple[int, ...]  # the logical shape, as the single-device program sees it
+    dtype: str
+    devices: tuple[int, ...]  # ids of the devices holding some or all of it
+    memory_kind: str | None
+    spec: str  # the PartitionSpec, or the sharding's name
+    copies: int  # how many full copies exist across the devices
+    bytes_per_device: int
+
+
+class Strategy(abc.ABC):
+    """Base of every strategy: holds configuration (the devices), never training state."""
+
+    def __init__(self, devices: int | Sequence[jax.Device] | None = None):
+        self.devices = resolve_devices(devices)
+
+    @property
+    def num_replicas(self) -> int:
+        """How many copies of the model compute on separate slices of the batch."""
+        return len(self.devices)
+
+    @abc.abstractmethod
+    def init(self, params: PyTree, tx: optax.GradientTransformation, opt_state: PyTree = None) -> TrainState:
+        """Place parameters and optimizer state (a given ``opt_state`` is checked and placed)."""
+
+    @abc.abstractmethod
+    def step(self, loss_fn: LossFn) -> Step:
+        """Compile-once training step for ``loss_fn(params, batch) -> loss or (loss, aux)``."""
+
+    def unreplicate(self, tree: PyTree) -> PyTree:
+        """One host (NumPy) copy of ``tree``."""
+        return jax.device_get(tree)
+
+    def logical_shape(self, leaf: jax.Array) -> tuple[int, ...]:
+        return tuple(leaf.shape)
+
+    def describe(self, state: PyTree) -> list[LeafPlacement]:
+        """Where every leaf of ``state`` lives: devices, memory kind, partition spec, copies."""
+        rows = []
+        for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]:
+            shape = self.logical_shape(leaf)
+            logical_bytes = int(np.prod(shape, dtype=np.int64)) * leaf.dtype.itemsize
+            per_device = leaf.addressable_shards[0].data.nbytes
+            on_devices = sum(s.data.nbytes for s in leaf.addressable_shards)
+            sharding = leaf.sharding
+            rows.append(
+                LeafPlacement(
+                    path=jax.tree_util.keystr(path),
+                    shape=shape,
+                    dtype=str(leaf.dtype),
+                    devices=tuple(sorted(d.id for d in sharding.device_set)),
+                    memory_kind=sharding.memory_kind,
+                    spec=str(getattr(sharding, "spec", type(sharding).__name__)),
+                    copies=on_devices // logical_bytes if logical_bytes else len(sharding.device_set),
+                    bytes_per_device=per_device,
+                )
+            )
+        return rows
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(devices={self.num_replicas})"

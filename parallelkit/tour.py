@@ -1,0 +1,104 @@
+"""The tour: one model, the same data and initial parameters, every strategy.
+
+Prints a table of compile time, median step time, throughput, final loss and the
+largest difference from the single-device parameters, the number every strategy
+must keep near zero.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+
+import jax
+import numpy as np
+import optax
+
+from . import data, models
+from .devices import device_summary
+from .strategies import Mirrored, SingleDevice, Strategy
+from .training import fit
+
+# Every strategy that exists so far, built for n devices.
+STRATEGIES: dict[str, Callable[[int], Strategy]] = {
+    "SingleDevice": lambda n: SingleDevice(),
+    "Mirrored(jit)": lambda n: Mirrored(n, backend="jit"),
+    "Mirrored(pmap)": lambda n: Mirrored(n, backend="pmap"),
+}
+
+
+@dataclass(frozen=True)
+class TourRow:
+    strategy: str
+    devices: int
+    compile_s: float
+    median_step_ms: float
+    samples_per_s: float
+    final_loss: float
+    max_param_diff: float  # max |param - single-device param| after the run
+
+
+def max_abs_diff(a, b) -> float:
+    """Largest absolute difference between two parameter trees of the same structure."""
+    return max(
+        float(np.max(np.abs(np.asarray(x) - np.asarray(y))))
+        for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True)
+    )
+
+
+def run_tour(
+    model: str = "mlp", steps: int = 50, batch_size: int = 64, learning_rate: float = 1e-3, devices: int | None = None
+) -> list[TourRow]:
+    """Train ``model`` on the digits data with every strategy; the first row is the reference."""
+    n = devices or jax.device_count()
+    dataset = data.digits()
+    apply, params = models.build(model, dataset.input_shape, dataset.num_classes)
+    loss_fn = models.classifier_loss(apply)
+    rows, reference = [], None
+    for name, make in STRATEGIES.items():
+        strategy = make(n)
+        result = fit(
+            strategy, loss_fn, params, optax.adam(learning_rate), data.batches(dataset, batch_size, steps=steps)
+        )
+        trained, times = result.params, result.history.times
+        reference = trained if reference is None else reference
+        rows.append(
+            TourRow(
+                name,
+                strategy.num_replicas,
+                times.compile_seconds,
+                times.median * 1e3,
+                times.samples_per_second,
+                float(result.history.losses[-1]),
+                max_abs_diff(trained, reference),
+            )
+        )
+    return rows
+
+
+def format_table(rows: list[TourRow]) -> str:
+    """The rows as a fixed-width text table."""
+    header = (
+        f"{'strategy':<16}{'devices':>8}{'compile s':>11}{'step ms':>10}{'samples/s':>12}{'loss':>9}{'max |dp|':>11}"
+    )
+    lines = [header, "-" * len(header)]
+    for r in rows:
+        lines.append(
+            f"{r.strategy:<16}{r.devices:>8}{r.compile_s:>11.2f}{r.median_step_ms:>10.3f}{r.samples_per_s:>12.0f}{r.final_loss:>9.4f}{r.max_param_diff:>11.2e}"
+        )
+    return "\n".join(lines)
+
+
+def main(model: str, steps: int, batch_size: int, json_path: str | None = None) -> list[TourRow]:
+    summary = device_summary()
+    print(f"parallelkit tour on {summary}; {model}, {steps} steps, global batch {batch_size}")
+    rows = run_tour(model, steps, batch_size)
+    print(format_table(rows))
+    if summary.simulated:
+        print("Times are for simulated CPU devices sharing one processor: they show overheads, not speed-ups.")
+    if json_path:
+        import json
+
+        with open(json_path, "w") as f:
+            json.dump({"devices": str(summary), "rows": [asdict(r) for r in rows]}, f, indent=2)
+    return rows

@@ -1,0 +1,12 @@
+"""Figures from plain data: each function takes what the library measures and returns a
+``matplotlib.figure.Figure``.
+
+Import it on its own (``import parallelkit.viz``): ``import parallelkit`` stays free of
+matplotlib, so it is fast and headless-safe.
+"""
+
+from .placement import collectives_figure as collectives_figure
+from .placement import format_bytes as format_bytes
+from .placement import held_fractions as held_fractions
+from .placement import leaf_label as leaf_label
+from .placement import placement_figure as placement_figure

@@ -1,0 +1,208 @@
+"""Where state lives and what crosses between devices, as matplotlib figures.
+
+Both functions take plain data (what :meth:`~parallelkit.Strategy.describe` and
+:func:`parallelkit.inspect.collectives` return) and give back a
+:class:`matplotlib.figure.Figure` built without pyplot, so they work headless and
+in notebooks alike (a notebook displays a returned ``Figure`` as an image).
+
+>>> from parallelkit import LeafPlacement
+>>> rows = [LeafPlacement(".w", (4, 2), "float32", (0, 1), "device", "P()", 2, 32)]
+>>> fig = placement_figure(rows, devices=[0, 1, 2])
+>>> fig.axes[0].images[0].get_array().tolist()
+[[1.0, 1.0, 0.0]]
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+
+import jax.numpy as jnp
+import numpy as np
+from matplotlib.figure import Figure
+
+from ..inspect import COLLECTIVES, Collective, summarize
+from ..strategies import LeafPlacement
+
+_CMAP = "Blues"  # 0 (white) = holds nothing, 1 (dark) = holds a full copy
+_KEY = re.compile(r"\[['\"]?([^'\"\]]*)['\"]?\]|\.([A-Za-z_]\w*)")
+
+
+def format_bytes(n: float) -> str:
+    """Bytes in binary units, short enough for a figure cell.
+
+    >>> format_bytes(40), format_bytes(16384), format_bytes(3 * 2**20)
+    ('40 B', '16 KiB', '3 MiB')
+    """
+    units = ["B", "KiB", "MiB", "GiB"]
+    while abs(n) >= 1024 and len(units) > 1:
+        n /= 1024
+        units.pop(0)
+    return f"{n:.0f} {units[0]}" if units[0] == "B" or n == int(n) else f"{n:.1f} {units[0]}"
+
+
+def leaf_label(path: str) -> str:
+    """A key path as ``jax.tree_util.keystr`` writes it, in slash form.
+
+    >>> leaf_label(".opt_state[0].mu['hidden'][0]['kernel']")
+    'opt_state/0/mu/hidden/0/kernel'
+    """
+    parts = [a or b for a, b in _KEY.findall(path)]
+    return "/".join(parts) if parts else path
+
+
+def _logical_bytes(row: LeafPlacement) -> int:
+    return int(np.prod(row.shape, dtype=np.int64)) * jnp.dtype(row.dtype).itemsize
+
+
+def held_fractions(rows: Sequence[LeafPlacement], devices: Sequence[int]) -> np.ndarray:
+    """``[leaf, device]``: the fraction of each leaf that each device holds (1 = a full copy).
+
+    Raises:
+      ValueError: a leaf lives on a device missing from ``devices``.
+    """
+    column = {d: j for j, d in enumerate(devices)}
+    fractions = np.zeros((len(rows), len(devices)))
+    for i, row in enumerate(rows):
+        missing = sorted(set(row.devices) - set(column))
+        if missing:
+            raise ValueError(
+                f"{row.path} lives on device(s) {missing}, which are not among the columns "
+                f"{list(devices)}. Pass devices=None to draw every device that holds something."
+            )
+        logical = _logical_bytes(row)
+        fraction = row.bytes_per_device / logical if logical else 1.0
+        for d in row.devices:
+            fractions[i, column[d]] = fraction
+    return fractions
+
+
+def placement_figure(
+    rows: Sequence[LeafPlacement], devices: Sequence[int] | None = None, title: str = ""
+) -> Figure:
+    """A leaf-by-device grid: which device holds how much of each leaf of the state.
+
+    Each cell is shaded by the fraction of the leaf that the device holds (a full
+    copy is dark, a shard lighter, nothing white) and labelled with the bytes it
+    holds; each column is labelled with its device's total.
+
+    Args:
+      rows: from ``strategy.describe(state)`` (any pytree of placed arrays).
+      devices: device ids, one column each; by default every device holding a leaf.
+      title: drawn above the grid.
+
+    Returns:
+      The figure; ``fig.axes[0].images[0].get_array()`` is the ``[leaf, device]``
+      grid of fractions.
+
+    Raises:
+      ValueError: a leaf lives on a device that is not in ``devices``.
+    """
+    if devices is None:
+        devices = sorted({d for row in rows for d in row.devices})
+    devices = list(devices)
+    fractions = held_fractions(rows, devices)
+    held = np.zeros_like(fractions)
+    for i, row in enumerate(rows):
+        held[i] = np.where(fractions[i] > 0, row.bytes_per_device, 0)
+
+    fig = Figure(
+        figsize=(2.6 + 0.75 * max(len(devices), 2), 1.4 + 0.3 * max(len(rows), 1)),
+        layout="constrained",
+    )
+    ax = fig.add_subplot()
+    image = ax.imshow(fractions, cmap=_CMAP, vmin=0.0, vmax=1.0, aspect="auto")
+    for i, j in zip(*np.nonzero(fractions), strict=True):
+        dark = fractions[i, j] > 0.55
+        ax.text(
+            j,
+            i,
+            format_bytes(held[i, j]),
+            ha="center",
+            va="center",
+            fontsize=7,
+            color="white" if dark else "black",
+        )
+    ax.set_yticks(range(len(rows)), [f"{leaf_label(r.path)} {r.shape}" for r in rows], fontsize=8)
+    totals = held.sum(axis=0)
+    ax.set_xticks(
+        range(len(devices)),
+        [f"{d}\n{format_bytes(t)}" for d, t in zip(devices, totals, strict=True)],
+        fontsize=8,
+    )
+    ax.set_xlabel("device id (and the bytes it holds in all)")
+    ax.tick_params(length=0)
+    # Thin white lines between cells, so equal neighbours still read as separate devices.
+    ax.set_xticks(np.arange(len(devices) + 1) - 0.5, minor=True)
+    ax.set_yticks(np.arange(len(rows) + 1) - 0.5, minor=True)
+    ax.grid(which="minor", color="white", linewidth=1.5)
+    ax.tick_params(which="minor", length=0)
+    colorbar = fig.colorbar(image, ax=ax, shrink=0.8, ticks=[0, 0.5, 1])
+    colorbar.set_label("fraction of the leaf held")
+    if title:
+        ax.set_title(title)
+    return fig
+
+
+def collectives_figure(
+    found: Sequence[Collective],
+    gradient_bytes: int | None = None,
+    title: str = "collectives in the compiled step",
+) -> Figure:
+    """Bytes per collective kind that one step moves (per device), as bars.
+
+    Args:
+      found: from :func:`parallelkit.inspect.collectives`.
+      gradient_bytes: draw a dashed line at this height, e.g.
+        ``pk.models.param_bytes(params)``: a mirrored step all-reduces that much.
+      title: drawn above the bars.
+
+    Returns:
+      The figure; bar ``k`` of ``fig.axes[0].patches`` has the byte total of the
+      ``k``-th kind, in the order of :data:`parallelkit.inspect.COLLECTIVES`.
+    """
+    summary = summarize(list(found))
+    ops = [op for op in COLLECTIVES if op in summary] + sorted(set(summary) - set(COLLECTIVES))
+    heights = [summary[op]["bytes"] for op in ops]
+    fig = Figure(figsize=(max(4.5, 1.3 * len(ops) + 2.5), 3.6), layout="constrained")
+    ax = fig.add_subplot()
+    bars = ax.bar(range(len(ops)), heights, color="tab:blue", width=0.6)
+    for bar, op in zip(bars, ops, strict=True):
+        size, count = summary[op]["bytes"], summary[op]["count"]
+        ax.annotate(
+            f"{format_bytes(size)} = {size:,} B\n{count} op{'s' * (count != 1)}",
+            (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+            xytext=(0, 2),
+            textcoords="offset points",
+            ha="center",
+            va="bottom",
+            fontsize=8,
+        )
+    ax.set_xticks(range(len(ops)), ops)
+    ax.set_xlim(-0.75, max(len(ops), 1) - 0.25)
+    ax.set_ylabel("bytes per device, per step")
+    if gradient_bytes is not None:
+        ax.axhline(
+            gradient_bytes,
+            color="tab:red",
+            linestyle="--",
+            linewidth=1.2,
+            label=f"gradient bytes = {gradient_bytes:,} B",
+        )
+        fig.legend(loc="outside lower center", fontsize=8, frameon=False)
+    top = max([*heights, gradient_bytes or 0])
+    ax.set_ylim(0, top * 1.25 if top else 1)
+    if not ops:
+        ax.text(
+            0.5,
+            0.5,
+            "no collectives:\nnothing crosses between devices",
+            transform=ax.transAxes,
+            ha="center",
+            va="center",
+            fontsize=9,
+            color="0.4",
+        )
+    if title:
+        ax.set_title(title)
+    return fig

@@ -1,0 +1,54 @@
+"""Child process of test_equivalence: train every case on N devices, save the parameters.
+
+Usage: python tests/equivalence_worker.py DEVICES OUT.npz
+
+The device count is fixed per process, so each count runs in a process of its own.
+Every case starts from the same parameters and sees the same batches.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+
+import parallelkit as pk
+
+MODELS = ("mlp", "cnn")
+OPTIMIZERS = {"sgd": ("sgd", 0.1), "adam": ("adam", 1e-3)}
+STEPS = 12
+BATCH = 32  # divisible by 1, 2, 4 and 8
+
+
+def strategies(devices: int) -> dict:
+    return {
+        "single": pk.SingleDevice(),
+        "jit": pk.Mirrored(devices, backend="jit"),
+        "pmap": pk.Mirrored(devices, backend="pmap"),
+    }
+
+
+def main(devices: int, out: str) -> None:
+    pk.simulate_devices(devices)
+    import jax
+    import optax
+
+    dataset = pk.data.digits()
+    saved = {}
+    for model in MODELS:
+        apply, params = pk.models.build(model, dataset.input_shape, dataset.num_classes)
+        loss_fn = pk.models.classifier_loss(apply)
+        for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+            saved[f"{model}|-|init|{jax.tree_util.keystr(path)}"] = np.asarray(leaf)
+        for opt_name, (factory, lr) in OPTIMIZERS.items():
+            for name, strategy in strategies(devices).items():
+                tx = getattr(optax, factory)(lr)
+                result = pk.fit(strategy, loss_fn, params, tx, pk.data.batches(dataset, BATCH, steps=STEPS))
+                assert int(strategy.unreplicate(result.state.step)) == STEPS
+                for path, leaf in jax.tree_util.tree_flatten_with_path(result.params)[0]:
+                    saved[f"{model}|{opt_name}|{name}|{jax.tree_util.keystr(path)}"] = np.asarray(leaf)
+    np.savez(out, **saved)
+
+
+if __name__ == "__main__":
+    main(int(sys.argv[1]), sys.argv[2])

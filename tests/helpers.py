@@ -1,0 +1,38 @@
+"""Test helpers: fresh processes with their own device count, tree comparison."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# The equivalence tolerance for float32, fixed by the foundation issue.
+RTOL, ATOL = 1e-5, 1e-6
+
+
+def run_python(
+    code: str, *, devices: int | None = None, timeout: float = 300, args: tuple[str, ...] = ()
+) -> subprocess.CompletedProcess:
+    """Run ``code`` in a fresh Python process (its own JAX, its own device count).
+
+    With ``devices``, the child calls ``pk.simulate_devices(devices)`` before ``code``.
+    """
+    prelude = f"import parallelkit as pk; pk.simulate_devices({devices})\n" if devices else ""
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    return subprocess.run(
+        [sys.executable, "-c", prelude + code, *args],
+        capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env, check=False,
+    )  # fmt: skip
+
+
+def tree_allclose(actual, expected, rtol: float = RTOL, atol: float = ATOL) -> None:
+    """Assert two trees have the same structure and allclose leaves."""
+    jax.tree.map(
+        lambda a, e: np.testing.assert_allclose(np.asarray(a), np.asarray(e), rtol=rtol, atol=atol), actual, expected
+    )

@@ -1,0 +1,58 @@
+"""Mirrored (both backends) reproduces SingleDevice on 1, 2, 4 and 8 devices.
+
+Each device count runs in its own process (tests/equivalence_worker.py); every
+case starts from the same parameters and data. Tolerance: float32, rtol 1e-5, atol 1e-6.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from equivalence_worker import MODELS, OPTIMIZERS
+from helpers import ATOL, ROOT, RTOL
+
+DEVICE_COUNTS = (1, 2, 4, 8)
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory) -> dict[int, dict[str, np.ndarray]]:
+    """Parameters after training, per device count; the worker processes run concurrently."""
+    out = tmp_path_factory.mktemp("equivalence")
+    procs = {
+        n: subprocess.Popen(
+            [sys.executable, str(ROOT / "tests" / "equivalence_worker.py"), str(n), str(out / f"{n}.npz")],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=ROOT,
+        )  # fmt: skip
+        for n in DEVICE_COUNTS
+    }
+    results = {}
+    for n, proc in procs.items():
+        _, stderr = proc.communicate(timeout=900)
+        assert proc.returncode == 0, f"worker with {n} devices failed:\n{stderr[-3000:]}"
+        with np.load(out / f"{n}.npz") as f:
+            results[n] = dict(f)
+    return results
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["jit", "pmap"])
+@pytest.mark.parametrize("optimizer", list(OPTIMIZERS))
+@pytest.mark.parametrize("model", MODELS)
+@pytest.mark.parametrize("devices", DEVICE_COUNTS)
+def test_mirrored_equals_single_device(devices, model, optimizer, backend, trained):
+    params = trained[devices]
+    prefix = f"{model}|{optimizer}|"
+    reference = {k.split("|")[3]: v for k, v in params.items() if k.startswith(prefix + "single|")}
+    mirrored = {k.split("|")[3]: v for k, v in params.items() if k.startswith(f"{prefix}{backend}|")}
+    assert reference and mirrored.keys() == reference.keys()
+    for path, expected in reference.items():
+        np.testing.assert_allclose(mirrored[path], expected, rtol=RTOL, atol=ATOL, err_msg=path)
+    # The comparison means something only if training moved the parameters.
+    moved = [not np.allclose(v, params[f"{model}|-|init|{p}"]) for p, v in reference.items()]
+    assert all(moved), "a parameter did not change during training"

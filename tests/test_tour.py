@@ -1,0 +1,35 @@
+"""`python -m parallelkit tour`: every strategy, one table, all equal to the reference."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from helpers import ROOT
+
+import parallelkit as pk
+
+
+def test_tour_command_prints_and_saves_the_table(tmp_path):
+    out = tmp_path / "tour.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "parallelkit", "tour", "--devices", "2", "--steps", "6", "--json", str(out)],
+        capture_output=True, text=True, timeout=300, cwd=ROOT, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert "2 simulated CPU devices" in proc.stdout and "max |dp|" in proc.stdout
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["strategy"] for r in rows] == list(pk.tour.STRATEGIES)
+    assert [r["devices"] for r in rows] == [1, 2, 2]
+    assert rows[0]["max_param_diff"] == 0.0
+    for row in rows:
+        assert row["max_param_diff"] < 1e-5, row
+        assert row["median_step_ms"] > 0 and row["samples_per_s"] > 0
+        assert row["final_loss"] == rows[0]["final_loss"] or abs(row["final_loss"] - rows[0]["final_loss"]) < 1e-5
+
+
+def test_max_abs_diff():
+    a = {"w": [1.0, 2.0], "b": 0.5}
+    b = {"w": [1.0, 2.5], "b": 0.25}
+    assert pk.tour.max_abs_diff(a, b) == 0.5

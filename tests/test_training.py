@@ -1,0 +1,103 @@
+"""fit: records, callbacks, timing kept apart from compiling, interruption, continuation."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import optax
+import pytest
+from helpers import tree_allclose
+
+import parallelkit as pk
+
+
+class Recorder(pk.Callback):
+    def __init__(self, stop_after: int | None = None):
+        self.events, self.stop_after = [], stop_after
+
+    def on_train_begin(self, info):
+        self.events.append(("begin", info))
+
+    def on_step_end(self, record):
+        self.events.append(("step", record))
+        if record.step == self.stop_after:
+            raise KeyboardInterrupt  # as when a learner presses "interrupt kernel"
+
+    def on_train_end(self, history, interrupted):
+        self.events.append(("end", (len(history.records), interrupted)))
+
+
+def test_fit_records_every_step_and_tells_callbacks(mlp, digits):
+    loss_fn, params = mlp
+    recorder = Recorder()
+    result = pk.fit(
+        pk.Mirrored(4), loss_fn, params, optax.adam(1e-2), pk.data.batches(digits, 64, steps=20), callbacks=[recorder]
+    )
+    kinds = [kind for kind, _ in recorder.events]
+    assert kinds == ["begin"] + ["step"] * 20 + ["end"]
+    info = recorder.events[0][1]
+    assert (info.strategy, info.devices, info.simulated) == ("Mirrored(backend='jit', devices=4)", 4, True)
+    records = result.history.records
+    assert [r.step for r in records] == list(range(1, 21))
+    assert [r.compiled for r in records] == [True] + [False] * 19
+    assert all(set(r.metrics) == {"loss", "accuracy"} for r in records)
+    assert result.history.losses[-1] < result.history.losses[0]  # it learns
+    times = result.history.times
+    assert times.first_step_seconds == records[0].seconds
+    assert times.step_seconds == tuple(r.seconds for r in records[1:])
+    assert times.median == pytest.approx(np.median([r.seconds for r in records[1:]]))
+    assert times.samples_per_second == pytest.approx(64 / times.median)
+    assert recorder.events[-1] == ("end", (20, False)) and not result.interrupted
+
+
+def test_steps_limits_an_endless_iterator(mlp, digits):
+    loss_fn, params = mlp
+    result = pk.fit(pk.SingleDevice(), loss_fn, params, optax.sgd(0.1), pk.data.batches(digits, 32), steps=5)
+    assert len(result.history.records) == 5
+    assert int(result.state.step) == 5
+
+
+def test_interrupt_keeps_the_work_done(mlp, digits):
+    loss_fn, params = mlp
+    recorder = Recorder(stop_after=3)
+    strategy = pk.Mirrored(backend="pmap")
+    result = pk.fit(
+        strategy, loss_fn, params, optax.sgd(0.1), pk.data.batches(digits, 64, steps=10), callbacks=[recorder]
+    )
+    assert result.interrupted and len(result.history.records) == 3
+    assert recorder.events[-1] == ("end", (3, True))
+    uninterrupted = pk.fit(strategy, loss_fn, params, optax.sgd(0.1), pk.data.batches(digits, 64, steps=3))
+    tree_allclose(result.params, uninterrupted.params, rtol=0, atol=0)
+
+
+def test_continuing_from_a_state_equals_one_long_run(mlp, digits):
+    loss_fn, params = mlp
+    strategy, tx = pk.Mirrored(), optax.adam(1e-3)
+    batches = list(pk.data.batches(digits, 64, steps=8))
+    first = pk.fit(strategy, loss_fn, params, tx, batches[:5])
+    rest = pk.fit(strategy, loss_fn, params, tx, batches[5:], state=first.state)
+    whole = pk.fit(strategy, loss_fn, params, tx, batches)
+    assert int(strategy.unreplicate(rest.state.step)) == 8
+    tree_allclose(rest.params, whole.params, rtol=0, atol=0)
+
+
+def test_loss_without_aux_is_accepted(mlp, batch):
+    _, params = mlp
+    apply, _ = pk.models.build("mlp", (8, 8, 1), 10)
+
+    def loss_only(p, b):
+        return optax.softmax_cross_entropy_with_integer_labels(apply(p, b["x"]), b["y"]).mean()
+
+    strategy = pk.Mirrored(backend="pmap")
+    _, metrics = strategy.step(loss_only)(strategy.init(params, optax.sgd(0.1)), batch)
+    assert set(metrics) == {"loss"}
+
+
+def test_history_times_need_a_step():
+    with pytest.raises(ValueError, match="No step"):
+        _ = pk.History().times
+
+
+def test_scaling_efficiency():
+    assert pk.scaling_efficiency(800.0, 100.0, 8) == 1.0
+    assert jax.device_count() == 8
