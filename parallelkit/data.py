@@ -44,9 +44,7 @@ class Dataset:
 
     def __post_init__(self) -> None:
         if len(self.x) != len(self.y):
-            raise ValueError(
-                f"Dataset {self.name!r} has {len(self.x)} examples but {len(self.y)} labels."
-            )
+            raise ValueError(f"Dataset {self.name!r} has {len(self.x)} examples but {len(self.y)} labels.")
 
     @property
     def input_shape(self) -> tuple[int, ...]:
@@ -105,8 +103,7 @@ def _find(directory: Path, name: str) -> Path:
         if candidate.is_file():
             return candidate
     raise FileNotFoundError(
-        f"Neither {name} nor {name}.gz found in {directory}. Put the MNIST IDX files "
-        f"there (from e.g. {_MNIST_SOURCE})."
+        f"Neither {name} nor {name}.gz found in {directory}. Put the MNIST IDX files there (from e.g. {_MNIST_SOURCE})."
     )
 
 
@@ -124,9 +121,7 @@ def _read_idx(file: Path, ndim: int) -> np.ndarray:
         raise ValueError(f"{file} is truncated inside its header.")
     shape = struct.unpack(f">{ndim}i", raw[4:header])
     if len(raw) - header != int(np.prod(shape)):
-        raise ValueError(
-            f"{file} has {len(raw) - header} data bytes; its header {shape} says {np.prod(shape)}."
-        )
+        raise ValueError(f"{file} has {len(raw) - header} data bytes; its header {shape} says {np.prod(shape)}.")
     return np.frombuffer(raw, dtype=np.uint8, offset=header).reshape(shape)
 
 
@@ -151,10 +146,7 @@ def load_mnist(path: str | Path, split: str = "train") -> Dataset:
     images = _read_idx(_find(directory, image_name), ndim=3)
     labels = _read_idx(_find(directory, label_name), ndim=1)
     if len(images) != len(labels):
-        raise ValueError(
-            f"MNIST {split} files in {directory} hold {len(images)} images "
-            f"but {len(labels)} labels."
-        )
+        raise ValueError(f"MNIST {split} files in {directory} hold {len(images)} images but {len(labels)} labels.")
     x = (images.astype(np.float32) / 255.0)[..., None]
     return Dataset(x=x, y=labels.astype(np.int32), num_classes=10, name="mnist")
 
@@ -194,8 +186,7 @@ def load_cifar10(path: str | Path, split: str = "train") -> Dataset:
         labels = np.asarray(batch[b"labels"], dtype=np.int32)
         if data.ndim != 2 or data.shape[1] != 3 * 32 * 32 or len(data) != len(labels):
             raise ValueError(
-                f"{file} holds data of shape {data.shape} and {len(labels)} labels; "
-                "expected (N, 3072) and N."
+                f"{file} holds data of shape {data.shape} and {len(labels)} labels; expected (N, 3072) and N."
             )
         # Rows are channel-major (1024 R, 1024 G, 1024 B), each plane row-major 32x32.
         xs.append(data.reshape(-1, 3, 32, 32).transpose(0, 2, 3, 1))
@@ -236,9 +227,7 @@ def batches(
     if steps is not None and epochs is not None:
         raise ValueError(f"Give steps or epochs, not both (got steps={steps}, epochs={epochs}).")
     if not 1 <= batch_size <= len(dataset):
-        raise ValueError(
-            f"batch_size must be from 1 to the dataset size {len(dataset)}, got {batch_size}."
-        )
+        raise ValueError(f"batch_size must be from 1 to the dataset size {len(dataset)}, got {batch_size}.")
     for name, value in (("steps", steps), ("epochs", epochs)):
         if value is not None and value < 0:
             raise ValueError(f"{name} must be >= 0, got {value}.")

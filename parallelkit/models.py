@@ -78,7 +78,7 @@ def build(name: str, input_shape: Sequence[int], num_classes: int, seed: int = 0
     """A named model ("mlp" or "cnn"), initialised from ``seed``, in functional form.
 
     >>> apply, params = build("mlp", (8, 8, 1), 10)
-    >>> apply(params, jnp.zeros((2, 8, 8, 1))).shape
+    >>> apply(params, jax.numpy.zeros((2, 8, 8, 1))).shape
     (2, 10)
     """
     rngs = nnx.Rngs(seed)

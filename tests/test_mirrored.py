@@ -129,9 +129,12 @@ def test_indivisible_batch_names_both_numbers(backend, mlp, digits):
         strategy.step(loss_fn)(strategy.init(params, optax.sgd(0.1)), odd)
 
 
-def test_batch_arrays_must_agree_on_size(batch):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_batch_arrays_must_agree_on_size(backend, mlp, batch):
+    loss_fn, params = mlp
+    strategy = pk.Mirrored(backend=backend)
     with pytest.raises(ValueError, match="same leading"):
-        pk.Mirrored().place_batch({"x": batch["x"], "y": batch["y"][:32]})
+        strategy.step(loss_fn)(strategy.init(params, optax.sgd(0.1)), {"x": batch["x"], "y": batch["y"][:32]})
 
 
 def test_more_devices_than_exist():

@@ -125,9 +125,7 @@ def test_collectives_bars_in_canonical_order_with_counts():
 def test_no_collectives_draws_no_bars(mlp, batch):
     loss_fn, params = mlp
     strategy = pk.SingleDevice()
-    found = pk.inspect.collectives(
-        strategy.step(loss_fn), strategy.init(params, optax.sgd(0.1)), batch
-    )
+    found = pk.inspect.collectives(strategy.step(loss_fn), strategy.init(params, optax.sgd(0.1)), batch)
     assert found == []
     ax = viz.collectives_figure(found, gradient_bytes=100).axes[0]
     assert not ax.patches

@@ -89,12 +89,13 @@ def check_same_tree(expected: PyTree, actual: PyTree, *, what: str, against: str
 
 def batch_size(batch: Batch) -> int:
     """The leading dimension shared by every array in ``batch``; raises if they disagree."""
-    sizes = {jax.tree_util.keystr(p): np.shape(x)[0] for p, x in jax.tree_util.tree_flatten_with_path(batch)[0]}
+    sizes = [x.shape[0] for x in jax.tree.leaves(batch)]  # on every step: keep it cheap
     if not sizes:
         raise ValueError("The batch holds no arrays.")
-    if len(set(sizes.values())) != 1:
-        raise ValueError(f"Every array in a batch needs the same leading (batch) dimension, got {sizes}.")
-    return next(iter(sizes.values()))
+    if min(sizes) != max(sizes):
+        named = {jax.tree_util.keystr(p): x.shape[0] for p, x in jax.tree_util.tree_flatten_with_path(batch)[0]}
+        raise ValueError(f"Every array in a batch needs the same leading (batch) dimension, got {named}.")
+    return sizes[0]
 
 
 def check_divisible(batch: Batch, replicas: int) -> int:
@@ -132,6 +133,7 @@ def train_step(
     ``sync`` is where gradients meet: the identity on one device or under ``jit``
     with shardings (the compiler inserts the all-reduce), ``lax.pmean`` under ``pmap``.
     """
+    batch_size(batch)  # runs while tracing: arrays of one batch must agree on its size
     (loss, aux), grads = jax.value_and_grad(_loss_with_aux(loss_fn), has_aux=True)(state.params, batch)
     grads, metrics = sync((grads, {"loss": loss, **aux}))
     return state.apply_gradients(grads), metrics
@@ -206,7 +208,7 @@ class Strategy(abc.ABC):
         for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]:
             shape = self.logical_shape(leaf)
             logical_bytes = int(np.prod(shape, dtype=np.int64)) * leaf.dtype.itemsize
-            per_device = leaf.addressable_shards[0].data.nbytes
+            per_device = max(s.data.nbytes for s in leaf.addressable_shards)
             on_devices = sum(s.data.nbytes for s in leaf.addressable_shards)
             sharding = leaf.sharding
             rows.append(

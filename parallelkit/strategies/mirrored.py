@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
+from functools import cached_property
 
 import jax
 import numpy as np
@@ -70,9 +71,11 @@ class _MirroredJit(Mirrored, JitStrategy):
         super().__init__(devices)
         self.mesh = Mesh(np.array(self.devices), (DATA,))
 
+    @cached_property
     def state_sharding(self) -> NamedSharding:
         return NamedSharding(self.mesh, P())  # P(): every device holds the whole array
 
+    @cached_property
     def batch_sharding(self) -> NamedSharding:
         return NamedSharding(self.mesh, P(DATA))  # the leading (batch) axis split over `data`
 
@@ -91,8 +94,13 @@ class _MirroredPmap(Mirrored):
         )
 
     def place_batch(self, batch: Batch) -> Batch:
-        per_replica = check_divisible(batch, self.num_replicas)
-        return jax.tree.map(lambda x: np.reshape(x, (self.num_replicas, per_replica, *np.shape(x)[1:])), batch)
+        """Reshape each global array to ``(replicas, per_replica, ...)``; pmap sends row i to device i."""
+        n = self.num_replicas
+        try:
+            return jax.tree.map(lambda x: x.reshape(n, -1, *x.shape[1:]), batch)
+        except ValueError:
+            check_divisible(batch, n)  # explains the error; the check is off the per-step path
+            raise
 
     def step(self, loss_fn: LossFn) -> Step:
         sync = functools.partial(jax.lax.pmean, axis_name=DATA)

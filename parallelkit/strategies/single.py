@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from functools import cached_property
+
 import jax
 from jax.sharding import SingleDeviceSharding
 
@@ -25,10 +27,13 @@ class SingleDevice(JitStrategy):
     def device(self) -> jax.Device:
         return self.devices[0]
 
+    @cached_property
     def state_sharding(self) -> SingleDeviceSharding:
         return SingleDeviceSharding(self.device)
 
-    batch_sharding = state_sharding
+    @cached_property
+    def batch_sharding(self) -> SingleDeviceSharding:
+        return self.state_sharding
 
     def __repr__(self) -> str:
         return f"SingleDevice({self.device})"

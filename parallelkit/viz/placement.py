@@ -77,9 +77,7 @@ def held_fractions(rows: Sequence[LeafPlacement], devices: Sequence[int]) -> np.
     return fractions
 
 
-def placement_figure(
-    rows: Sequence[LeafPlacement], devices: Sequence[int] | None = None, title: str = ""
-) -> Figure:
+def placement_figure(rows: Sequence[LeafPlacement], devices: Sequence[int] | None = None, title: str = "") -> Figure:
     """A leaf-by-device grid: which device holds how much of each leaf of the state.
 
     Each cell is shaded by the fraction of the leaf that the device holds (a full
