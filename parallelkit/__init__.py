@@ -6,6 +6,8 @@
 """
 
 from . import data as data
+from . import distributed as distributed
+from . import gradsync as gradsync
 from . import inspect as inspect
 from . import models as models
 from .axes import DATA as DATA
@@ -13,8 +15,11 @@ from .axes import MODEL as MODEL
 from .devices import DeviceCountError as DeviceCountError
 from .devices import device_summary as device_summary
 from .devices import simulate_devices as simulate_devices
+from .strategies import CentralStorage as CentralStorage
 from .strategies import LeafPlacement as LeafPlacement
 from .strategies import Mirrored as Mirrored
+from .strategies import MultiWorkerMirrored as MultiWorkerMirrored
+from .strategies import ParameterServer as ParameterServer
 from .strategies import SingleDevice as SingleDevice
 from .strategies import Step as Step
 from .strategies import Strategy as Strategy

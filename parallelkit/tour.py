@@ -16,7 +16,7 @@ import optax
 
 from . import data, models
 from .devices import device_summary
-from .strategies import Mirrored, SingleDevice, Strategy
+from .strategies import CentralStorage, Mirrored, ParameterServer, SingleDevice, Strategy
 from .training import fit
 
 # Every strategy that exists so far, built for n devices.
@@ -24,6 +24,8 @@ STRATEGIES: dict[str, Callable[[int], Strategy]] = {
     "SingleDevice": lambda n: SingleDevice(),
     "Mirrored(jit)": lambda n: Mirrored(n, backend="jit"),
     "Mirrored(pmap)": lambda n: Mirrored(n, backend="pmap"),
+    "CentralStorage": lambda n: CentralStorage(n),
+    "PS(2 shards)": lambda n: ParameterServer(2, devices=n),
 }
 
 

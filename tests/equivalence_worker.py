@@ -18,6 +18,7 @@ MODELS = ("mlp", "cnn")
 OPTIMIZERS = {"sgd": ("sgd", 0.1), "adam": ("adam", 1e-3)}
 STEPS = 12
 BATCH = 32  # divisible by 1, 2, 4 and 8
+PS_SHARDS = (1, 2, 3)  # 3 does not divide the parameter count: the partition must still balance
 
 
 def strategies(devices: int) -> dict:
@@ -25,6 +26,8 @@ def strategies(devices: int) -> dict:
         "single": pk.SingleDevice(),
         "jit": pk.Mirrored(devices, backend="jit"),
         "pmap": pk.Mirrored(devices, backend="pmap"),
+        "central": pk.CentralStorage(devices),
+        **{f"ps{k}": pk.ParameterServer(k, devices=devices) for k in PS_SHARDS},
     }
 
 

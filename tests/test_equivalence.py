@@ -1,4 +1,4 @@
-"""Mirrored (both backends) reproduces SingleDevice on 1, 2, 4 and 8 devices.
+"""Mirrored (both backends), CentralStorage and ParameterServer reproduce SingleDevice on 1, 2, 4 and 8 devices.
 
 Each device count runs in its own process (tests/equivalence_worker.py); every
 case starts from the same parameters and data. Tolerance: float32, rtol 1e-5, atol 1e-6.
@@ -11,7 +11,7 @@ import sys
 
 import numpy as np
 import pytest
-from equivalence_worker import MODELS, OPTIMIZERS
+from equivalence_worker import MODELS, OPTIMIZERS, PS_SHARDS
 from helpers import ATOL, ROOT, RTOL
 
 DEVICE_COUNTS = (1, 2, 4, 8)
@@ -56,3 +56,19 @@ def test_mirrored_equals_single_device(devices, model, optimizer, backend, train
     # The comparison means something only if training moved the parameters.
     moved = [not np.allclose(v, params[f"{model}|-|init|{p}"]) for p, v in reference.items()]
     assert all(moved), "a parameter did not change during training"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["central", *(f"ps{k}" for k in PS_SHARDS)])
+@pytest.mark.parametrize("optimizer", list(OPTIMIZERS))
+@pytest.mark.parametrize("model", MODELS)
+@pytest.mark.parametrize("devices", DEVICE_COUNTS)
+def test_off_device_state_equals_single_device(devices, model, optimizer, name, trained):
+    """CentralStorage and ParameterServer(sync, 1/2/3 shards): state off the compute devices, same parameters."""
+    params = trained[devices]
+    prefix = f"{model}|{optimizer}|"
+    reference = {k.split("|")[3]: v for k, v in params.items() if k.startswith(prefix + "single|")}
+    candidate = {k.split("|")[3]: v for k, v in params.items() if k.startswith(f"{prefix}{name}|")}
+    assert reference and candidate.keys() == reference.keys()
+    for path, expected in reference.items():
+        np.testing.assert_allclose(candidate[path], expected, rtol=RTOL, atol=ATOL, err_msg=path)

@@ -4,5 +4,8 @@ from .base import LeafPlacement as LeafPlacement
 from .base import Step as Step
 from .base import Strategy as Strategy
 from .base import TrainState as TrainState
+from .central import CentralStorage as CentralStorage
 from .mirrored import Mirrored as Mirrored
+from .multiworker import MultiWorkerMirrored as MultiWorkerMirrored
+from .parameter_server import ParameterServer as ParameterServer
 from .single import SingleDevice as SingleDevice

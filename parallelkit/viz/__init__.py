@@ -10,3 +10,6 @@ from .placement import format_bytes as format_bytes
 from .placement import held_fractions as held_fractions
 from .placement import leaf_label as leaf_label
 from .placement import placement_figure as placement_figure
+from .gradsync import gradient_sync_figure as gradient_sync_figure
+from .gradsync import ring_figure as ring_figure
+from .gradsync import spread_figure as spread_figure

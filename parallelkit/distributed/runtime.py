@@ -1,0 +1,182 @@
+"""Joining the cluster: preflight checks, then ``jax.distributed.initialize``."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from .cluster import (
+    ENV_HEARTBEAT_TIMEOUT,
+    ENV_INIT_TIMEOUT,
+    ENV_READY_FILE,
+    ENV_SHUTDOWN_TIMEOUT,
+    ClusterError,
+    ClusterSpec,
+    check_coordinator,
+    resolve_cluster,
+)
+
+log = logging.getLogger(__name__)
+
+# JAX's defaults are 300 s (init), 100 s (heartbeat), 300 s (shutdown): a lost peer
+# then looks like a hang for minutes. Ours are shorter; the launcher's shorter still.
+DEFAULT_INIT_TIMEOUT = 60
+DEFAULT_HEARTBEAT_TIMEOUT = 30
+DEFAULT_SHUTDOWN_TIMEOUT = 60
+
+_joined: ClusterSpec | None = None
+
+
+def _env_int(name: str, default: int) -> int:
+    return int(os.environ[name]) if os.environ.get(name) else default
+
+
+def initialize(
+    coordinator_address: str | None = None,
+    num_processes: int | None = None,
+    process_id: int | None = None,
+    *,
+    local_devices: int | None = None,
+    ps_hosts: str | Sequence[str] | None = None,
+    worker_hosts: str | Sequence[str] | None = None,
+    job_name: str | None = None,
+    task_index: int | None = None,
+    initialization_timeout: int | None = None,
+    heartbeat_timeout: int | None = None,
+    shutdown_timeout: int | None = None,
+) -> ClusterSpec:
+    """Join the cluster this process belongs to; call it once, before any JAX work.
+
+    Resolves the cluster (see :func:`resolve_cluster` for the order of sources),
+    logs what it found and where, runs preflight checks, then calls
+    ``jax.distributed.initialize``. With no cluster found it does nothing and the
+    program runs as one process. Calling it again with the same cluster is a no-op.
+
+    Conceptually, this is::
+
+        jax.distributed.initialize(coordinator_address, num_processes, process_id)
+
+    with the arguments found for you and the classic hangs turned into errors.
+
+    Args:
+      coordinator_address, num_processes, process_id: explicit cluster, as for JAX.
+      local_devices: on CPU, simulate this many devices in this process.
+      ps_hosts, worker_hosts, job_name, task_index: TensorFlow-style cluster flags.
+      initialization_timeout: seconds to wait for every process to join (default 60,
+        or the launcher's ``PK_INIT_TIMEOUT``).
+      heartbeat_timeout: seconds without a heartbeat before a peer counts as dead (default 30).
+      shutdown_timeout: seconds to wait for the others at exit (default 60).
+
+    Returns:
+      The :class:`ClusterSpec` joined.
+
+    Raises:
+      ClusterError: inconsistent description, JAX already started, coordinator
+        unresolvable or unreachable within ``initialization_timeout``, id out of range.
+      DeviceCountError: ``local_devices`` asked for after JAX started with another count.
+    """
+    global _joined
+    spec = resolve_cluster(
+        coordinator_address,
+        num_processes,
+        process_id,
+        local_devices=local_devices,
+        ps_hosts=ps_hosts,
+        worker_hosts=worker_hosts,
+        job_name=job_name,
+        task_index=task_index,
+    )
+    log.info("parallelkit cluster: %s", spec.describe())
+    if _joined is not None:
+        if spec != _joined:
+            raise ClusterError(
+                f"This process already joined a cluster ({_joined.describe()}); it cannot join another "
+                f"({spec.describe()}). Restart the process to change clusters."
+            )
+        return _joined
+    init_timeout = initialization_timeout or _env_int(ENV_INIT_TIMEOUT, DEFAULT_INIT_TIMEOUT)
+    heartbeat = heartbeat_timeout or _env_int(ENV_HEARTBEAT_TIMEOUT, DEFAULT_HEARTBEAT_TIMEOUT)
+    shutdown = shutdown_timeout or _env_int(ENV_SHUTDOWN_TIMEOUT, DEFAULT_SHUTDOWN_TIMEOUT)
+
+    from ..devices import _FORCE_COUNT_FLAG, DeviceCountError, _backends_started, simulate_devices
+
+    if not spec.is_single_process and _backends_started():
+        raise ClusterError(
+            "JAX has already started (something ran a computation or listed devices), so this process can no "
+            "longer join a cluster. Call pk.distributed.initialize() first thing in the program, before any JAX work."
+        )
+    if spec.is_single_process:
+        if spec.local_devices:
+            simulate_devices(spec.local_devices)  # raises DeviceCountError when too late
+        _joined = spec
+        _mark("joined")
+        return spec
+    _mark("started")
+    if spec.coordinator_address is not None:
+        check_coordinator(spec, timeout=init_timeout)
+
+    import jax
+
+    if spec.local_devices:
+        # simulate_devices would list the devices, which starts JAX too early for
+        # jax.distributed: set the count now, check it once the cluster is up.
+        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_FORCE_COUNT_FLAG}={spec.local_devices}".strip()
+        jax.config.update("jax_num_cpu_devices", spec.local_devices)
+    # CPU devices of different processes talk through gloo (it only affects the CPU backend).
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(
+        coordinator_address=spec.coordinator_address,
+        num_processes=spec.num_processes,
+        process_id=spec.process_id,
+        initialization_timeout=init_timeout,
+        heartbeat_timeout_seconds=heartbeat,
+        shutdown_timeout_seconds=shutdown,
+    )
+    _joined = spec
+    got = jax.local_device_count()
+    if spec.local_devices and jax.local_devices()[0].platform == "cpu" and got != spec.local_devices:
+        raise DeviceCountError(f"Asked for {spec.local_devices} CPU devices per process, got {got}.")
+    log.info(
+        "parallelkit cluster joined: process %d of %d, %d local / %d global devices",
+        jax.process_index(),
+        jax.process_count(),
+        jax.local_device_count(),
+        jax.device_count(),
+    )
+    _exit_at_once_on_uncaught_exceptions()
+    _mark("joined")
+    return spec
+
+
+def _mark(stage: str) -> None:
+    """Tell a watching launcher how far this process got ("started" joining, "joined").
+
+    The launcher names the process that never started when a cluster does not form:
+    the ones that did start are all stuck waiting for it.
+    """
+    prefix = os.environ.get(ENV_READY_FILE)
+    if prefix:
+        Path(f"{prefix}.{stage}").touch()
+
+
+def _exit_at_once_on_uncaught_exceptions() -> None:
+    """An uncaught exception ends this cluster process at once, with exit code 1.
+
+    Otherwise Python's exit would run JAX's shutdown barrier, which waits for peers
+    that are themselves blocked in a collective with this process: every process
+    hangs until a timeout and then aborts, and the exception looks like a crash.
+    Exiting at once turns it into a dead peer, which JAX and the launcher detect
+    quickly. The traceback is printed first, as usual.
+    """
+    previous = sys.excepthook
+
+    def hook(kind, value, tb):
+        previous(kind, value, tb)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
+
+    sys.excepthook = hook

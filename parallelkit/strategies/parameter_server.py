@@ -1,0 +1,275 @@
+"""Parameter servers (TensorFlow's ParameterServerStrategy, ``--ps_hosts``): state sharded over PS shards.
+
+Parameters and optimizer state are cut into ``num_shards`` pieces, balanced by
+bytes, and each piece lives on its own parameter-server shard. Each step, the
+workers **pull** every shard, compute gradients on their slice of the batch, and
+**push** each gradient piece to the shard that owns it; every shard averages the
+pushed rows and applies the optimizer update to its piece, independently.
+
+What runs for real and what is simulated, in this one-process teaching version:
+
+- real: the shards are separate arrays, each in the host memory (``pinned_host``)
+  of one device (shard ``j`` beside device ``j % n``); pulls and pushes are real
+  copies between memories; each shard's update is its own compiled program.
+- simulated: the PS tasks are not separate processes (the multi-process version
+  belongs to :mod:`parallelkit.distributed`); asynchrony is a seeded schedule of
+  delays (see ``mode="async"``), not a race between processes.
+
+The partition follows TensorFlow's variable partitioners in spirit: the parameters
+are flattened in tree order into one vector and cut into ``num_shards`` contiguous
+slices whose sizes differ by at most one element, so 3 shards balance as well as
+2. A large variable may span two shards; :meth:`ParameterServer.partition` shows
+which slice of which variable each shard holds.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import struct
+
+from .base import Batch, LossFn, PyTree, Step, TrainState, check_same_tree
+from .central import OffDeviceStrategy, PushPullStep, apply_mean_gradients, compute_sharding, host_sharding, replica_gradients
+
+MODES = ("sync", "async")
+
+
+@dataclass(frozen=True)
+class Piece:
+    """One contiguous run of one variable, held by one shard."""
+
+    path: str  # the variable, as ``jax.tree_util.keystr`` writes it
+    start: int  # first element, in the variable's flattened (row-major) order
+    stop: int  # one past the last
+
+
+@dataclass(frozen=True)
+class Partition:
+    """How a parameter tree is cut into shards: flat bounds, plus what it takes to rebuild the tree."""
+
+    bounds: tuple[tuple[int, int], ...]  # [start, stop) of each shard in the flat vector
+    treedef: jax.tree_util.PyTreeDef
+    paths: tuple[str, ...]
+    shapes: tuple[tuple[int, ...], ...]
+    dtype: str
+
+    @classmethod
+    def of(cls, params: PyTree, num_shards: int) -> Partition:
+        """Cut ``params`` into ``num_shards`` slices of near-equal size (they differ by at most one element).
+
+        >>> Partition.of({"w": np.zeros((2, 3)), "b": np.zeros(4)}, 3).bounds
+        ((0, 3), (3, 7), (7, 10))
+        """
+        leaves, treedef = jax.tree_util.tree_flatten_with_path(params)
+        dtypes = {str(jnp.result_type(x)) for _, x in leaves}
+        if len(dtypes) > 1:
+            raise ValueError(
+                f"ParameterServer shards one flat vector, so every parameter needs one dtype; got {sorted(dtypes)}. "
+                "Cast the parameters to one dtype first."
+            )
+        total = sum(int(np.size(x)) for _, x in leaves)
+        if isinstance(num_shards, bool) or not isinstance(num_shards, int) or not 1 <= num_shards <= total:
+            raise ValueError(
+                f"num_shards={num_shards!r}: the parameters hold {total} elements, so they can be split over "
+                f"1 to {total} shards. Choose an integer in that range."
+            )
+        edges = np.linspace(0, total, num_shards + 1).round().astype(int)  # sizes differ by at most one
+        return cls(
+            bounds=tuple((int(a), int(b)) for a, b in zip(edges[:-1], edges[1:], strict=True)),
+            treedef=treedef,
+            paths=tuple(jax.tree_util.keystr(p) for p, _ in leaves),
+            shapes=tuple(tuple(np.shape(x)) for _, x in leaves),
+            dtype=dtypes.pop(),
+        )
+
+    @property
+    def num_shards(self) -> int:
+        return len(self.bounds)
+
+    def split(self, params: PyTree) -> tuple[jax.Array, ...]:
+        """The flat slice of ``params`` each shard holds (traceable)."""
+        flat = jnp.concatenate([jnp.ravel(x) for x in jax.tree.leaves(params)])
+        return tuple(flat[a:b] for a, b in self.bounds)
+
+    def join(self, shards: Sequence[jax.Array]) -> PyTree:
+        """The parameter tree from the shards' slices (traceable; NumPy in, NumPy out)."""
+        xp = np if all(isinstance(s, np.ndarray) for s in shards) else jnp
+        flat = xp.concatenate([xp.ravel(s) for s in shards])
+        sizes = np.cumsum([int(np.prod(s, dtype=np.int64)) for s in self.shapes])[:-1]
+        return self.treedef.unflatten([x.reshape(s) for x, s in zip(xp.split(flat, sizes), self.shapes, strict=True)])
+
+    def pieces(self, shard: int) -> list[Piece]:
+        """Which run of which variable ``shard`` holds."""
+        lo, hi = self.bounds[shard]
+        out, offset = [], 0
+        for path, shape in zip(self.paths, self.shapes, strict=True):
+            size = int(np.prod(shape, dtype=np.int64))
+            start, stop = max(lo, offset), min(hi, offset + size)
+            if start < stop:
+                out.append(Piece(path, start - offset, stop - offset))
+            offset += size
+        return out
+
+    def table(self, devices: Sequence[jax.Device] | None = None) -> str:
+        """The assignment as a text table: shard, device, elements, bytes, and the pieces it holds."""
+        itemsize = np.dtype(self.dtype).itemsize
+        sizes = dict(zip(self.paths, (int(np.prod(s, dtype=np.int64)) for s in self.shapes), strict=True))
+        lines = [f"{'shard':<6}{'device':<10}{'elements':>10}{'bytes':>10}  pieces", "-" * 72]
+        for j, (a, b) in enumerate(self.bounds):
+            where = str(devices[j % len(devices)].id) if devices else "-"
+            pieces = ", ".join(
+                p.path if (p.start, p.stop) == (0, sizes[p.path]) else f"{p.path}[{p.start}:{p.stop}]"
+                for p in self.pieces(j)
+            )
+            lines.append(f"{j:<6}{where:<10}{b - a:>10}{(b - a) * itemsize:>10}  {pieces}")
+        return "\n".join(lines)
+
+
+@struct.dataclass
+class Sharded:
+    """Parameters as the PS shards hold them: one flat slice per shard; ``partition`` rebuilds the tree."""
+
+    shards: tuple[jax.Array, ...]
+    partition: Partition = struct.field(pytree_node=False)
+
+
+class ParameterServer(OffDeviceStrategy):
+    """Parameters and optimizer state sharded over ``num_shards`` PS shards; workers pull and push.
+
+    Conceptually, with ``n`` workers, shards ``s_1..s_k`` and a global batch ``b``::
+
+        params = concat(s_1, ..., s_k)                    # pull: every worker gets every shard
+        grads_i = grad(loss_fn)(params, b[i * len(b) // n : (i + 1) * len(b) // n])
+        for j in range(k):                                # push: each piece goes to its owner,
+            s_j = update_j(s_j, mean(grads_i[piece j] for i in range(n)))   # which updates it
+
+    In ``"sync"`` mode this equals the single-device step (for optimizers that act
+    element by element, such as SGD, momentum and Adam; each shard keeps the
+    optimizer state of its own slice, as TensorFlow's PS tasks do, so a transform
+    that needs the global gradient norm would see only its shard's part).
+
+    In ``"async"`` mode, the workers of step ``t`` compute on parameters ``d_t``
+    updates old, ``d_t`` drawn uniformly from ``0..min(staleness, t)`` by a generator
+    seeded with ``seed``: the bounded-staleness model of asynchronous PS training,
+    on a reproducible schedule (``step.fn.delays`` records it). ``staleness=0`` is
+    exactly ``"sync"``. The step remembers the last ``staleness + 1`` pulls, as
+    workers keep the copy they pulled: use a fresh ``step(loss_fn)`` for each run.
+
+    Args:
+      num_shards: how many PS shards, from 1 to the number of parameter elements.
+      mode: ``"sync"`` or ``"async"``.
+      staleness: the largest delay, in updates, in ``"async"`` mode (``>= 0``).
+      devices: how many workers (the first ``n`` devices), or which; all by default.
+      seed: seeds the async delay schedule.
+    """
+
+    def __init__(
+        self,
+        num_shards: int = 1,
+        mode: str = "sync",
+        staleness: int = 0,
+        devices: int | Sequence[jax.Device] | None = None,
+        seed: int = 0,
+    ):
+        if mode not in MODES:
+            raise ValueError(f"ParameterServer(mode={mode!r}): choose one of {MODES}.")
+        if isinstance(staleness, bool) or not isinstance(staleness, int) or staleness < 0:
+            raise ValueError(f"staleness={staleness!r}: it counts updates, so use an integer >= 0 (0 means sync).")
+        if mode == "sync" and staleness:
+            raise ValueError(f"staleness={staleness} needs mode='async'; sync training is never stale.")
+        if isinstance(num_shards, bool) or not isinstance(num_shards, int) or num_shards < 1:
+            raise ValueError(f"num_shards={num_shards!r}: use an integer >= 1 (one shard per PS task).")
+        super().__init__(devices)
+        self.num_shards, self.mode, self.staleness, self.seed = num_shards, mode, staleness, seed
+        self.shard_storage = tuple(host_sharding(self.devices[j % self.num_replicas]) for j in range(num_shards))
+
+    def partition(self, params: PyTree) -> Partition:
+        """How ``params`` are cut over the shards (``print(strategy.partition(params).table(strategy.devices))``)."""
+        return Partition.of(params, self.num_shards)
+
+    def init(self, params: PyTree, tx: optax.GradientTransformation, opt_state: PyTree = None) -> TrainState:
+        part = self.partition(params)
+        slices = part.split(params)
+        if opt_state is not None:  # a given state is per shard: tx.init of each shard's slice
+            check_same_tree(jax.eval_shape(lambda: tuple(tx.init(s) for s in slices)), opt_state,
+                            what="opt_state", against="the shards' tx.init")  # fmt: skip
+        else:
+            opt_state = tuple(tx.init(s) for s in slices)
+        placed = [jax.device_put((s, o), where) for s, o, where in zip(slices, opt_state, self.shard_storage, strict=True)]
+        return TrainState(
+            step=jax.device_put(jnp.zeros((), jnp.int32), self.shard_storage[0]),
+            params=Sharded(tuple(p for p, _ in placed), part),
+            opt_state=tuple(o for _, o in placed),
+            tx=tx,
+        )
+
+    def step(self, loss_fn: LossFn) -> Step:
+        updates = [
+            jax.jit(
+                functools.partial(_shard_update, compute=compute_sharding(where)),
+                static_argnums=0,
+                in_shardings=(where, where, where, compute_sharding(where), compute_sharding(where)),
+                out_shardings=(where, where, where, compute_sharding(where)),
+                donate_argnums=(2, 3),
+            )
+            for where in self.shard_storage
+        ]
+
+        def flat_loss(shards: Sharded, batch: Batch):
+            return loss_fn(shards.partition.join(shards.shards), batch)
+
+        def pull(state: TrainState) -> Sharded:
+            return jax.device_put(state.params, self.replicated)  # every shard to every worker
+
+        def push_update(state: TrainState, grads: Sharded, metrics: dict):
+            new = []
+            for j, (update, where) in enumerate(zip(updates, self.shard_storage, strict=True)):
+                rows, mets = jax.device_put((grads.shards[j], metrics if j == 0 else {}), compute_sharding(where))
+                step = state.step if j == 0 else jax.device_put(state.step, where)
+                new.append(update(state.tx, step, state.params.shards[j], state.opt_state[j], rows, mets))
+            params = Sharded(tuple(n[1] for n in new), state.params.partition)
+            return state.replace(step=new[0][0], params=params, opt_state=tuple(n[2] for n in new)), new[0][3]
+
+        choose = _StalePull(self.staleness, self.seed) if self.mode == "async" else None
+        return Step(PushPullStep(pull, replica_gradients(flat_loss, self.mesh), push_update, choose), self.place_batch, self)
+
+    def unreplicate(self, tree: PyTree) -> PyTree:
+        """One host copy; sharded parameters come back as the original tree."""
+        host = jax.device_get(tree)
+        return jax.tree.map(
+            lambda x: x.partition.join(x.shards) if isinstance(x, Sharded) else x,
+            host,
+            is_leaf=lambda x: isinstance(x, Sharded),
+        )
+
+    def __repr__(self) -> str:
+        extra = f", staleness={self.staleness}" if self.mode == "async" else ""
+        return f"ParameterServer(num_shards={self.num_shards}, mode={self.mode!r}{extra}, workers={self.num_replicas})"
+
+
+def _shard_update(tx, step, params, opt_state, rows, metrics, *, compute):
+    """One shard's update: the shared :func:`apply_mean_gradients` on its own slice and optimizer state."""
+    state, metrics = apply_mean_gradients(TrainState(step, params, opt_state, tx), rows, metrics, compute)
+    return state.step, state.params, state.opt_state, metrics
+
+
+class _StalePull:
+    """Simulated asynchrony: hand the workers a pull up to ``staleness`` updates old, on a seeded schedule."""
+
+    def __init__(self, staleness: int, seed: int):
+        self.pulls: collections.deque = collections.deque(maxlen=staleness + 1)
+        self.rng = np.random.default_rng(seed)
+        self.delays: list[int] = []
+
+    def __call__(self, params: Sharded) -> Sharded:
+        self.pulls.append(params)
+        delay = int(self.rng.integers(0, len(self.pulls)))  # 0..min(staleness, updates so far)
+        self.delays.append(delay)
+        return self.pulls[-1 - delay]

@@ -1,0 +1,141 @@
+"""Gradient synchronisation as figures: per-replica gradients, their spread, a ring all-reduce.
+
+Each function takes data from :mod:`parallelkit.gradsync` and returns a
+:class:`matplotlib.figure.Figure` (no pyplot).
+
+>>> import numpy as np
+>>> from parallelkit.gradsync import GradSync
+>>> g = np.array([[1.0, 2.0], [3.0, 4.0]])  # 2 replicas, one layer of 2 numbers
+>>> sync = GradSync(("w",), (g,), (np.tile(g.mean(0), (2, 1)),), np.array([0.5, 0.7]))
+>>> fig = gradient_sync_figure(sync, "w")
+>>> fig.axes[0].images[0].get_array().tolist(), fig.axes[1].images[0].get_array().tolist()
+([[1.0, 2.0], [3.0, 4.0]], [[2.0, 3.0], [2.0, 3.0]])
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+from matplotlib.figure import Figure
+
+from ..gradsync import GradSync, RingTrace
+
+_CMAP = "RdBu_r"  # gradients are signed: red positive, blue negative, white zero
+
+
+def _layer_index(sync: GradSync, layer: int | str) -> int:
+    if isinstance(layer, str):
+        if layer not in sync.layers:
+            raise ValueError(f"No layer {layer!r}; the layers are {list(sync.layers)}.")
+        return sync.layers.index(layer)
+    return layer
+
+
+def gradient_sync_figure(sync: GradSync, layer: int | str = 0, max_elements: int = 512) -> Figure:
+    """One layer's gradient on every replica, before and after the all-reduce, and their norms.
+
+    Args:
+      sync: from :class:`parallelkit.gradsync.GradientProbe`.
+      layer: index or name (``sync.layers``).
+      max_elements: draw the first this many numbers of the (flattened) layer.
+
+    Returns:
+      The figure: ``axes[0]`` shows ``before`` as ``[replicas, elements]``, ``axes[1]``
+      ``after``; ``axes[2]`` has one bar per replica, its gradient's L2 norm, and a line
+      at the synced gradient's norm.
+    """
+    k = _layer_index(sync, layer)
+    n = sync.replicas
+    before = sync.before[k].reshape(n, -1)[:, :max_elements]
+    after = sync.after[k].reshape(n, -1)[:, :max_elements]
+    scale = float(np.abs(before).max()) or 1.0
+    fig = Figure(figsize=(10, 1.6 + 0.22 * n), layout="constrained")
+    axes = fig.subplots(1, 3, width_ratios=[3, 3, 1.4])
+    for ax, grid, what in ((axes[0], before, "before sync"), (axes[1], after, "after the all-reduce")):
+        image = ax.imshow(grid, cmap=_CMAP, vmin=-scale, vmax=scale, aspect="auto", interpolation="nearest")
+        ax.set_title(what, fontsize=9)
+        ax.set_xlabel(f"element of {sync.layers[k]} (first {grid.shape[1]})", fontsize=8)
+        ax.set_yticks(range(n))
+        ax.tick_params(labelsize=7)
+    axes[0].set_ylabel("replica")
+    fig.colorbar(image, ax=axes[:2], shrink=0.8).set_label("gradient", fontsize=8)
+    norms = sync.replica_norms()[:, k]
+    axes[2].barh(range(n), norms, color="tab:blue")
+    axes[2].axvline(float(np.linalg.norm(sync.synced[k])), color="tab:red", linestyle="--", label="synced")
+    axes[2].invert_yaxis()
+    axes[2].set_title("norm per replica", fontsize=9)
+    axes[2].tick_params(labelsize=7)
+    axes[2].legend(fontsize=7, loc="lower right")
+    fig.suptitle(f"step {sync.step}: {sync.layers[k]}, {n} replicas (spread {sync.spread()[k]:.2e} -> 0)", fontsize=10)
+    return fig
+
+
+def spread_figure(syncs: Sequence[GradSync]) -> Figure:
+    """Spread between replicas per layer over steps: positive before sync, zero after.
+
+    Returns:
+      The figure; line ``j`` of ``axes[0]`` is ``[s.spread()[j] for s in syncs]``, and of
+      ``axes[1]`` the same after sync.
+    """
+    fig = Figure(figsize=(9, 3.2), layout="constrained")
+    axes = fig.subplots(1, 2, sharey=True)
+    steps = [s.step for s in syncs]
+    for ax, after in ((axes[0], False), (axes[1], True)):
+        spreads = np.array([s.spread(after) for s in syncs])
+        for j, name in enumerate(syncs[0].layers):
+            ax.plot(steps, spreads[:, j], marker=".", label=name)
+        ax.set_title("after the all-reduce" if after else "before sync", fontsize=9)
+        ax.set_xlabel("step")
+    axes[0].set_ylabel("spread between replicas (RMS)")
+    axes[0].legend(fontsize=7)
+    return fig
+
+
+def ring_figure(ring: RingTrace, step: int | None = None) -> Figure:
+    """A ring all-reduce, step by step: which replica holds how much of each chunk's sum.
+
+    Each panel is one ring step: a ``[replica, chunk]`` grid of how many replicas'
+    gradients that chunk of the buffer already holds (1 at the start, ``n`` when done),
+    with an arrow for every chunk sent to the next replica.
+
+    Args:
+      ring: from :func:`parallelkit.gradsync.ring_allreduce`.
+      step: draw only this step (0-based); all steps by default.
+
+    Returns:
+      The figure; ``axes[k].images[0].get_array()`` is the drawn step's ``contributions``.
+    """
+    n = len(ring.inputs)
+    shown = list(range(len(ring.steps))) if step is None else [step]
+    cols = min(len(shown), 4)
+    rows = -(-len(shown) // cols)
+    fig = Figure(figsize=(2.6 * cols, 2.4 * rows + 0.4), layout="constrained")
+    axes = np.atleast_1d(fig.subplots(rows, cols, squeeze=False)).ravel()
+    for ax, k in zip(axes, shown, strict=False):
+        s = ring.steps[k]
+        ax.imshow(s.contributions, cmap="Greens", vmin=0, vmax=n, aspect="auto")
+        for r, c in np.ndindex(s.contributions.shape):
+            ax.text(c, r, str(s.contributions[r, c]), ha="center", va="center", fontsize=7)
+        for t in s.transfers:
+            # an arrow from the sender's cell to the receiver's cell of the same chunk
+            ax.annotate(
+                "",
+                xy=(t.chunk + 0.3, t.dst),
+                xytext=(t.chunk + 0.3, t.src),
+                arrowprops={"arrowstyle": "->", "color": "tab:red", "lw": 1, "connectionstyle": "arc3,rad=0.3"},
+            )
+        ax.set_title(f"{k + 1}. {s.phase}", fontsize=8)
+        ax.set_xticks(range(n))
+        ax.set_yticks(range(n))
+        ax.tick_params(labelsize=6)
+        ax.set_xlabel("chunk", fontsize=7)
+        ax.set_ylabel("replica", fontsize=7)
+    for ax in axes[len(shown) :]:
+        ax.axis("off")
+    sent = ring.bytes_sent()[0]
+    fig.suptitle(
+        f"ring all-reduce over {n} replicas: each sends {sent:,} B = 2(n-1)/n of its {ring.inputs.shape[1] * 4:,} B",
+        fontsize=9,
+    )
+    return fig

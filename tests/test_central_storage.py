@@ -1,0 +1,104 @@
+"""CentralStorage with 8 simulated devices: one host copy of the state, placement, compilation, errors."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import optax
+import pytest
+from helpers import tree_allclose
+
+import parallelkit as pk
+from parallelkit.strategies.central import host_sharding
+
+
+def _assert_one_host_copy(state, strategy):
+    for leaf in jax.tree.leaves(state):
+        assert leaf.sharding == strategy.storage
+        assert leaf.sharding.memory_kind == "pinned_host"
+        assert leaf.sharding.device_set == {jax.devices()[0]}
+        assert len(leaf.addressable_shards) == 1
+
+
+def test_state_lives_once_in_host_memory_after_init_and_after_a_step(mlp, batch):
+    loss_fn, params = mlp
+    strategy = pk.CentralStorage()
+    state = strategy.init(params, optax.adam(1e-3))
+    assert len(jax.tree.leaves(state)) == 1 + 3 * len(jax.tree.leaves(params)) + 1  # step, params, mu, nu, count
+    _assert_one_host_copy(state, strategy)
+    state, metrics = strategy.step(loss_fn)(state, batch)
+    _assert_one_host_copy(state, strategy)
+    assert set(metrics) == {"loss", "accuracy"} and all(np.shape(v) == () for v in metrics.values())
+
+
+def test_describe_shows_memory_kind_and_one_copy(mlp):
+    _, params = mlp
+    strategy = pk.CentralStorage()
+    rows = strategy.describe(strategy.init(params, optax.sgd(0.1)).params)
+    assert {r.path for r in rows} == {jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]}
+    for row in rows:
+        assert row.memory_kind == "pinned_host" and row.copies == 1 and row.devices == (0,)
+        assert row.bytes_per_device == np.prod(row.shape) * 4
+
+
+def test_workers_compute_without_collectives(mlp, batch):
+    """The workers' program holds no all-reduce: the reduction happens on the storage device."""
+    loss_fn, params = mlp
+    strategy = pk.CentralStorage()
+    assert pk.inspect.collectives(strategy.step(loss_fn), strategy.init(params, optax.sgd(0.1)), batch) == []
+
+
+def test_matches_single_device_on_one_step_with_sgd(mlp, batch):
+    loss_fn, params = mlp
+    results = []
+    for strategy in (pk.SingleDevice(), pk.CentralStorage()):
+        state, metrics = strategy.step(loss_fn)(strategy.init(params, optax.sgd(0.5)), batch)
+        results.append((strategy.unreplicate(state.params), float(metrics["loss"])))
+    tree_allclose(results[1][0], results[0][0])
+    assert abs(results[1][1] - results[0][1]) < 1e-6
+
+
+def test_second_step_does_not_recompile(mlp, digits):
+    loss_fn, params = mlp
+    strategy = pk.CentralStorage()
+    step, state = strategy.step(loss_fn), strategy.init(params, optax.adam(1e-3))
+    first, second, third = pk.data.batches(digits, 64, steps=3)
+    with pk.inspect.count_compilations() as compiles:
+        state, _ = step(state, first)
+        jax.block_until_ready(state)
+    assert len(compiles) >= 1
+    with pk.inspect.count_compilations() as compiles:
+        state, _ = step(state, second)
+        state, _ = step(state, third)
+        jax.block_until_ready(state)
+    assert compiles == []
+
+
+def test_step_keeps_callers_params(mlp, batch):
+    loss_fn, params = mlp
+    before = jax.device_get(params)
+    strategy = pk.CentralStorage(4)
+    state, _ = strategy.step(loss_fn)(strategy.init(params, optax.sgd(0.1)), batch)
+    tree_allclose(params, before, rtol=0, atol=0)
+    host = strategy.unreplicate(state.params)
+    assert all(isinstance(x, np.ndarray) for x in jax.tree.leaves(host))
+
+
+def test_indivisible_batch_names_both_numbers(mlp, digits):
+    loss_fn, params = mlp
+    strategy = pk.CentralStorage()
+    odd = next(pk.data.batches(digits, 100, steps=1))
+    with pytest.raises(ValueError, match=r"batch of 100 examples does not split evenly over 8 replicas.*96 or 104"):
+        strategy.step(loss_fn)(strategy.init(params, optax.sgd(0.1)), odd)
+
+
+def test_host_memory_is_pinned_host_on_cpu_devices():
+    assert host_sharding(jax.devices()[3]).memory_kind == "pinned_host"
+    assert pk.CentralStorage(2, storage=jax.devices()[5]).storage.device_set == {jax.devices()[5]}
+
+
+def test_repr_and_devices():
+    assert repr(pk.CentralStorage(2)) == "CentralStorage(devices=2, storage=pinned_host)"
+    assert pk.CentralStorage().num_replicas == 8
+    with pytest.raises(pk.DeviceCountError):
+        pk.CentralStorage(16)

@@ -1,0 +1,104 @@
+"""MultiWorkerMirrored on a real 2-process x 2-device cluster equals SingleDevice.
+
+One local cluster (pk.distributed.run_local) runs everything once; each process
+trains MultiWorkerMirrored (both ways of feeding the batch) and the SingleDevice
+reference on one of its own devices, and reports back. Tolerance: float32, rtol 1e-5, atol 1e-6.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+from helpers import tree_allclose
+
+import parallelkit as pk
+
+PROCESSES, DEVICES_PER_PROCESS = 2, 2
+STEPS, BATCH = 8, 32
+
+
+def train_in_cluster() -> dict:
+    """Runs in every process of the cluster (already joined by run_local)."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    dataset = pk.data.digits()
+    apply, params = pk.models.build("mlp", dataset.input_shape, dataset.num_classes)
+    loss_fn = pk.models.classifier_loss(apply)
+    out = {"process": jax.process_index(), "count": jax.process_count(), "devices": jax.device_count()}
+
+    # A global psum: each device contributes its global index + 1, so 1 + 2 + 3 + 4 = 10 everywhere.
+    strategy = pk.MultiWorkerMirrored()
+    ones = jax.make_array_from_callback(
+        (jax.device_count(),), strategy.batch_sharding, lambda i: np.arange(1.0, jax.device_count() + 1)[i]
+    )
+    total = jax.jit(jnp.sum, out_shardings=NamedSharding(strategy.mesh, P()))(ones)
+    out["psum"] = float(total.addressable_data(0))
+
+    def run(strat, feed_local=False):
+        batches = pk.data.batches(dataset, BATCH, steps=STEPS)
+        if feed_local:  # this process's rows only, as a sharded input pipeline would give them
+            rows = BATCH // jax.process_count()
+            lo = jax.process_index() * rows
+            batches = ({k: v[lo : lo + rows] for k, v in b.items()} for b in batches)
+        result = pk.fit(strat, loss_fn, params, optax.adam(1e-3), batches)
+        return result, result.params
+
+    result, out["global"] = run(strategy)
+    out["losses"] = result.history.losses
+    out["placement"] = [(p.spec, p.devices, p.copies) for p in strategy.describe(result.state.params)]
+    _, out["local"] = run(pk.MultiWorkerMirrored(batch="local"), feed_local=True)
+    _, out["single"] = run(pk.SingleDevice(jax.local_devices()[0]))
+    out["init"] = jax.device_get(params)
+    return out
+
+
+@pytest.fixture(scope="module")
+def cluster_results():
+    start = time.monotonic()
+    results = pk.distributed.run_local(
+        train_in_cluster, PROCESSES, DEVICES_PER_PROCESS, timeout=120, stream=False
+    )  # fmt: skip
+    print(f"2x2 cluster training: {time.monotonic() - start:.1f} s")
+    return results
+
+
+@pytest.mark.multihost
+@pytest.mark.timeout(180)
+def test_cluster_shape_and_global_psum(cluster_results):
+    assert [r["process"] for r in cluster_results] == [0, 1]
+    for r in cluster_results:
+        assert r["count"] == PROCESSES and r["devices"] == PROCESSES * DEVICES_PER_PROCESS
+        assert r["psum"] == 10.0
+
+
+@pytest.mark.multihost
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("feed", ["global", "local"])
+def test_multiworker_mirrored_equals_single_device(cluster_results, feed):
+    for r in cluster_results:
+        tree_allclose(r[feed], r["single"])
+        moved = [not np.allclose(a, b) for a, b in zip(_leaves(r[feed]), _leaves(r["init"]), strict=True)]
+        assert all(moved), "a parameter did not change during training"
+    # Both processes hold the same replica.
+    tree_allclose(cluster_results[0][feed], cluster_results[1][feed], rtol=0, atol=0)
+
+
+@pytest.mark.multihost
+@pytest.mark.timeout(180)
+def test_state_is_replicated_over_every_device_of_every_process(cluster_results):
+    for spec, devices, copies in cluster_results[0]["placement"]:
+        assert spec == "P()" and len(devices) == 4
+        assert copies == DEVICES_PER_PROCESS  # the copies this process can see; the other holds 2 more
+    assert np.all(np.isfinite(cluster_results[0]["losses"]))
+
+
+def _leaves(tree):
+    import jax
+
+    return jax.tree.leaves(tree)
