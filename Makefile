@@ -27,6 +27,7 @@ tour: setup
 
 bench: setup
 	$(BIN)/python benchmarks/overhead.py
+	$(BIN)/python benchmarks/strategies.py
 
 lint: setup
 	$(BIN)/ruff check . && $(BIN)/ruff format --check .

@@ -28,8 +28,13 @@ def tf(job, index, workers=WORKERS3, ps=PS3):
 
 def test_explicit_arguments_win_over_everything():
     env = {"TF_CONFIG": json.dumps({"cluster": {"worker": ["a:1"]}, "task": {"type": "worker", "index": 0}})}
-    spec = resolve_cluster("10.0.0.1:1234", 4, 3, worker_hosts="x:1", job_name="worker", task_index=0, env=env)
-    assert (spec.coordinator_address, spec.num_processes, spec.process_id, spec.source) == ("10.0.0.1:1234", 4, 3, "explicit")
+    spec = resolve_cluster("head-node:1234", 4, 3, worker_hosts="x:1", job_name="worker", task_index=0, env=env)
+    assert (spec.coordinator_address, spec.num_processes, spec.process_id, spec.source) == (
+        "head-node:1234",
+        4,
+        3,
+        "explicit",
+    )
 
 
 @pytest.mark.parametrize(
@@ -127,7 +132,7 @@ def test_launcher_environment_comes_after_explicit_arguments():
     "env, source",
     [
         ({"SLURM_JOB_ID": "17"}, "auto (SLURM)"),
-        ({"KUBERNETES_SERVICE_HOST": "10.0.0.1"}, "auto (Kubernetes)"),
+        ({"KUBERNETES_SERVICE_HOST": "kubernetes.default.svc"}, "auto (Kubernetes)"),
         ({"OMPI_COMM_WORLD_SIZE": "4"}, "auto (Open MPI)"),
         ({}, "single"),
     ],

@@ -12,6 +12,7 @@ import sys
 import textwrap
 import time
 
+import numpy as np
 import pytest
 from helpers import ROOT
 
@@ -168,3 +169,70 @@ def _env():
     import os
 
     return {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+
+
+@pytest.mark.timeout(60)
+def test_without_a_launcher_a_lonely_process_exits_with_a_sentence_at_its_init_timeout():
+    """No launcher watching (as under SLURM): the process that waits for a missing peer says why and exits 1."""
+    from parallelkit.distributed.launcher import free_port
+
+    code = (
+        "import parallelkit as pk; "
+        f"pk.distributed.initialize('127.0.0.1:{free_port()}', 2, 0, local_devices=1, initialization_timeout=4)"
+    )
+    start = time.monotonic()
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=50, env=_env(), check=False
+    )
+    elapsed = time.monotonic() - start
+    assert result.returncode == 1, result.stderr[-2000:]
+    assert "the cluster did not form within 4 s" in result.stderr and "not all 2 processes joined" in result.stderr
+    assert elapsed < 4 + 8  # before JAX's own abort, which comes about 5 s after its timeout
+
+
+def _train_with_progress(steps: int):
+    import optax
+
+    import parallelkit as pk
+
+    data = pk.data.digits()
+    apply, params = pk.models.build("mlp", data.input_shape, data.num_classes)
+    result = pk.fit(
+        pk.MultiWorkerMirrored(),
+        pk.models.classifier_loss(apply),
+        params,
+        optax.sgd(0.1),
+        pk.data.batches(data, 32, steps=steps),
+        steps=steps,
+        callbacks=[pk.distributed.ReportProgress()],
+    )
+    return [r.seconds for r in result.history.records], result.history.losses.tolist()
+
+
+@pytest.mark.timeout(90)
+def test_progress_of_a_cluster_process_drives_callbacks_in_the_caller():
+    from parallelkit.training import Callback
+
+    class Recorder(Callback):
+        def __init__(self):
+            self.events = []
+
+        def on_train_begin(self, info):
+            self.events.append(("begin", info.devices, info.steps))
+
+        def on_step_end(self, record):
+            self.events.append(("step", record.step, record.seconds, record.loss))
+
+        def on_train_end(self, history, interrupted):
+            self.events.append(("end", len(history.records), interrupted))
+
+    recorder, printed = Recorder(), []
+    forward = pk.distributed.ForwardProgress([recorder], process=1, print_fn=printed.append)
+    results = pk.distributed.run_local(_train_with_progress, 2, 2, args=(6,), timeout=60, print_fn=forward)
+    seconds, losses = results[1]
+    assert recorder.events[0] == ("begin", 4, 6)  # the global devices: 2 processes x 2
+    expected = [("step", i, s, loss) for i, (s, loss) in enumerate(zip(seconds, losses, strict=True), start=1)]
+    assert recorder.events[1:-1] == expected
+    assert recorder.events[-1] == ("end", 6, False)
+    assert forward.history.times.median == np.median(seconds[1:])
+    assert not any("pk-progress" in line for line in printed)  # progress lines are consumed, not printed

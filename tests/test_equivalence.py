@@ -40,22 +40,26 @@ def trained(tmp_path_factory) -> dict[int, dict[str, np.ndarray]]:
     return results
 
 
+def assert_equals_single_device(params: dict[str, np.ndarray], model: str, optimizer: str, name: str) -> None:
+    """Strategy ``name``'s trained parameters equal SingleDevice's, and training moved them."""
+    prefix = f"{model}|{optimizer}|"
+    reference = {k.split("|")[3]: v for k, v in params.items() if k.startswith(prefix + "single|")}
+    candidate = {k.split("|")[3]: v for k, v in params.items() if k.startswith(f"{prefix}{name}|")}
+    assert reference and candidate.keys() == reference.keys()
+    for path, expected in reference.items():
+        np.testing.assert_allclose(candidate[path], expected, rtol=RTOL, atol=ATOL, err_msg=path)
+    # The comparison means something only if training moved the parameters.
+    moved = [not np.allclose(v, params[f"{model}|-|init|{p}"]) for p, v in reference.items()]
+    assert all(moved), "a parameter did not change during training"
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("backend", ["jit", "pmap"])
 @pytest.mark.parametrize("optimizer", list(OPTIMIZERS))
 @pytest.mark.parametrize("model", MODELS)
 @pytest.mark.parametrize("devices", DEVICE_COUNTS)
 def test_mirrored_equals_single_device(devices, model, optimizer, backend, trained):
-    params = trained[devices]
-    prefix = f"{model}|{optimizer}|"
-    reference = {k.split("|")[3]: v for k, v in params.items() if k.startswith(prefix + "single|")}
-    mirrored = {k.split("|")[3]: v for k, v in params.items() if k.startswith(f"{prefix}{backend}|")}
-    assert reference and mirrored.keys() == reference.keys()
-    for path, expected in reference.items():
-        np.testing.assert_allclose(mirrored[path], expected, rtol=RTOL, atol=ATOL, err_msg=path)
-    # The comparison means something only if training moved the parameters.
-    moved = [not np.allclose(v, params[f"{model}|-|init|{p}"]) for p, v in reference.items()]
-    assert all(moved), "a parameter did not change during training"
+    assert_equals_single_device(trained[devices], model, optimizer, backend)
 
 
 @pytest.mark.slow
@@ -65,10 +69,4 @@ def test_mirrored_equals_single_device(devices, model, optimizer, backend, train
 @pytest.mark.parametrize("devices", DEVICE_COUNTS)
 def test_off_device_state_equals_single_device(devices, model, optimizer, name, trained):
     """CentralStorage and ParameterServer(sync, 1/2/3 shards): state off the compute devices, same parameters."""
-    params = trained[devices]
-    prefix = f"{model}|{optimizer}|"
-    reference = {k.split("|")[3]: v for k, v in params.items() if k.startswith(prefix + "single|")}
-    candidate = {k.split("|")[3]: v for k, v in params.items() if k.startswith(f"{prefix}{name}|")}
-    assert reference and candidate.keys() == reference.keys()
-    for path, expected in reference.items():
-        np.testing.assert_allclose(candidate[path], expected, rtol=RTOL, atol=ATOL, err_msg=path)
+    assert_equals_single_device(trained[devices], model, optimizer, name)

@@ -14,4 +14,6 @@ from .launcher import LaunchError as LaunchError
 from .launcher import ProcessReport as ProcessReport
 from .launcher import launch as launch
 from .launcher import run_local as run_local
+from .progress import ForwardProgress as ForwardProgress
+from .progress import ReportProgress as ReportProgress
 from .runtime import initialize as initialize

@@ -161,7 +161,8 @@ def launch(
       command: the program, for example ``[sys.executable, "train.py", "--steps", "10"]``.
       processes, devices_per_process: the cluster's shape.
       timeout: seconds for the whole run; past it every process is killed.
-      init_timeout: seconds each process has to join (also JAX's initialization timeout).
+      init_timeout: seconds each process has to join (the processes themselves give up 5 s later,
+        so the launcher can name the one that is missing).
       heartbeat_timeout: seconds after which JAX declares a silent peer dead.
       grace: seconds the others get to exit on their own after one fails, before SIGKILL.
       host: the coordinator's address; loopback unless told otherwise.
@@ -188,7 +189,8 @@ def launch(
             ENV_COORDINATOR: address,
             ENV_NUM_PROCESSES: str(processes),
             ENV_LOCAL_DEVICES: str(devices_per_process),
-            ENV_INIT_TIMEOUT: str(init_timeout),
+            # A little longer than the launcher's own check, which can name the missing process.
+            ENV_INIT_TIMEOUT: str(init_timeout + 5),
             ENV_HEARTBEAT_TIMEOUT: str(heartbeat_timeout),
             ENV_SHUTDOWN_TIMEOUT: str(max(init_timeout, 10)),
             "PYTHONUNBUFFERED": "1",
@@ -334,13 +336,11 @@ def run_local(
 
     Conceptually, this is ``[fn(*args) for process in cluster]``, run in parallel.
     """
-    try:
-        import cloudpickle as pickler
-    except ImportError:  # plain pickle: fn must be importable by name
-        pickler = pickle
+    import cloudpickle  # functions defined in a notebook travel by value
+
     with tempfile.TemporaryDirectory(prefix="pk-run-") as tmp:
         payload = Path(tmp) / "payload.pkl"
-        payload.write_bytes(pickler.dumps((fn, tuple(args), dict(kwargs or {}))))
+        payload.write_bytes(cloudpickle.dumps((fn, tuple(args), dict(kwargs or {}))))
         command = [sys.executable, "-m", "parallelkit.distributed._child", str(payload), tmp]
         launch(command, processes, devices_per_process, **launch_options)
         return [pickle.loads((Path(tmp) / f"result-{i}.pkl").read_bytes()) for i in range(processes)]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -127,14 +128,21 @@ def initialize(
         jax.config.update("jax_num_cpu_devices", spec.local_devices)
     # CPU devices of different processes talk through gloo (it only affects the CPU backend).
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize(
-        coordinator_address=spec.coordinator_address,
-        num_processes=spec.num_processes,
-        process_id=spec.process_id,
-        initialization_timeout=init_timeout,
-        heartbeat_timeout_seconds=heartbeat,
-        shutdown_timeout_seconds=shutdown,
-    )
+    # JAX aborts (SIGABRT, a C++ log) a few seconds after its own timeout; say why first, and exit cleanly.
+    watchdog = threading.Timer(init_timeout, _cluster_did_not_form, args=(spec, init_timeout))
+    watchdog.daemon = True
+    watchdog.start()
+    try:
+        jax.distributed.initialize(
+            coordinator_address=spec.coordinator_address,
+            num_processes=spec.num_processes,
+            process_id=spec.process_id,
+            initialization_timeout=init_timeout,
+            heartbeat_timeout_seconds=heartbeat,
+            shutdown_timeout_seconds=shutdown,
+        )
+    finally:
+        watchdog.cancel()
     _joined = spec
     got = jax.local_device_count()
     if spec.local_devices and jax.local_devices()[0].platform == "cpu" and got != spec.local_devices:
@@ -149,6 +157,17 @@ def initialize(
     _exit_at_once_on_uncaught_exceptions()
     _mark("joined")
     return spec
+
+
+def _cluster_did_not_form(spec: ClusterSpec, seconds: float) -> None:
+    print(
+        f"parallelkit: the cluster did not form within {seconds:g} s: this is {spec.describe()}, and not all "
+        f"{spec.num_processes} processes joined. One never started, crashed before pk.distributed.initialize(), "
+        "or was given another coordinator address or process count. Exiting.",
+        file=sys.stderr,
+        flush=True,
+    )
+    os._exit(1)
 
 
 def _mark(stage: str) -> None:
