@@ -5,11 +5,14 @@
 1
 """
 
+from . import checkpoint as checkpoint
 from . import data as data
 from . import distributed as distributed
 from . import gradsync as gradsync
 from . import inspect as inspect
 from . import models as models
+from . import schedules as schedules
+from . import traffic as traffic
 from .axes import DATA as DATA
 from .axes import MODEL as MODEL
 from .devices import DeviceCountError as DeviceCountError

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import secrets
 import shutil
 import socket
@@ -39,6 +40,21 @@ CHROMIUM_ARGS = [
 ]
 NOTEBOOK = "01_mirrored.ipynb"
 SCREENSHOTS = ROOT / "build" / "screenshots"
+RACE_ROWS = "() => [...document.querySelectorAll('.pk-race .pk-race-row')].map(r => Number(r.dataset.steps))"
+# Every widget update the browser receives, in order. Lab handles kernel messages one after
+# another and the first widget waits for the widget code to load, so a view can jump from
+# nothing to the last value; the received updates still show each value the kernel sent.
+RECORD_UPDATES = """() => {
+    window.pkUpdates = [];
+    const kernel = window.jupyterapp.shell.currentWidget.sessionContext.session.kernel;
+    kernel.iopubMessage.connect((_, msg) => {
+        const data = msg.header.msg_type === 'comm_msg' ? msg.content.data : null;
+        const value = data && data.method === 'update' && data.state ? data.state.value : null;
+        if (typeof value === 'string' && value.includes('pk-')) window.pkUpdates.push(value);
+    });
+}"""
+DASHBOARD_STEP = re.compile(r"step <b class='pk-value'>(\d+)</b>")
+RACE_ROW_STEPS = re.compile(r"class='pk-race-row' data-name='[^']*' data-steps='(\d+)'")
 
 pytestmark = [pytest.mark.browser, pytest.mark.timeout(300)]
 
@@ -62,6 +78,12 @@ def browser_ready():
         pytest.skip(reason)
 
 
+def _setting(name: str) -> int:
+    """An integer from the notebook's settings cell, e.g. ``LIVE_STEPS = 400``."""
+    source = (ROOT / "notebooks" / NOTEBOOK).read_text()
+    return int(re.search(rf"\b{name} = (\d+)", source).group(1))
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -76,6 +98,11 @@ def lab(browser_ready, tmp_path_factory):
     shutil.copytree(ROOT / "notebooks", root, ignore=shutil.ignore_patterns(".ipynb_checkpoints"))
     settings = home / "settings" / "@jupyterlab" / "apputils-extension"
     settings.mkdir(parents=True)
+    notebook_settings = home / "settings" / "@jupyterlab" / "notebook-extension"
+    notebook_settings.mkdir(parents=True)
+    # Keep every cell attached and rendered: by default Lab skips rendering cells outside the
+    # viewport, and run-all scrolls away from the widgets this test reads.
+    (notebook_settings / "tracker.jupyterlab-settings").write_text(json.dumps({"windowingMode": "none"}))
     # Keep the "Jupyter news" toast away: it would cover the notebook.
     (settings / "notification.jupyterlab-settings").write_text(
         json.dumps({"fetchNews": "false", "checkForUpdates": False})
@@ -121,10 +148,11 @@ def test_notebook_widgets_update_live_in_chromium(lab):
     from playwright.sync_api import sync_playwright
 
     base, token = lab
+    live_steps, race_steps = _setting("LIVE_STEPS"), _setting("RACE_STEPS")
     with sync_playwright() as p:
         browser = p.chromium.launch(executable_path=str(CHROMIUM), headless=True, args=CHROMIUM_ARGS)
+        page = browser.new_page(viewport={"width": 1400, "height": 1000})
         try:
-            page = browser.new_page(viewport={"width": 1400, "height": 1000})
             page.goto(f"{base}/lab/tree/{NOTEBOOK}?token={token}")
             page.wait_for_selector(".jp-Notebook .jp-Cell", timeout=60_000)
             page.wait_for_function(
@@ -135,24 +163,42 @@ def test_notebook_widgets_update_live_in_chromium(lab):
                 " && window.jupyterapp.shell.currentWidget.sessionContext.session.kernel.status === 'idle'",
                 timeout=60_000,
             )
+            page.evaluate(RECORD_UPDATES)
             page.evaluate("() => window.jupyterapp.commands.execute('notebook:run-all-cells')")
 
-            # The dashboard renders, then its step counter moves while training runs.
-            steps = page.locator(".pk-dashboard .pk-steps .pk-value")
-            steps.wait_for(timeout=120_000)
-            seen, deadline = [], time.monotonic() + 120
-            while time.monotonic() < deadline:
-                seen.append(steps.inner_text())
-                if "done" in page.locator(".pk-dashboard .pk-header").inner_text():
-                    break
-                time.sleep(0.05)
-            values = sorted({int(v) for v in seen if v.strip().isdigit()})  # empty while a redraw is in flight
-            assert values[-1] == 400, f"the dashboard stopped at step {values[-1]}"
-            assert len([v for v in values if 0 < v < 400]) >= 2, f"no live updates seen, only {values}"
-            median = page.locator(".pk-dashboard .pk-median .pk-value").inner_text()
+            # The dashboard renders and ends at the last step; on the way, the browser received
+            # the step counter's intermediate values, in order, while training ran.
+            page.wait_for_function(
+                "() => (document.querySelector('.pk-dashboard .pk-header')?.textContent || '').includes('done')",
+                timeout=180_000,
+            )
+            shown = page.locator(".pk-dashboard .pk-steps .pk-value").text_content()
+            assert shown == str(live_steps), f"the dashboard shows step {shown!r}"
+            received = [int(m) for u in page.evaluate("() => window.pkUpdates") for m in DASHBOARD_STEP.findall(u)]
+            assert received == sorted(received) and received[-1] == live_steps, f"updates out of order: {received}"
+            assert len({v for v in received if 0 < v < live_steps}) >= 2, f"no live updates received: {received}"
+            median = page.locator(".pk-dashboard .pk-median .pk-value").text_content()
             assert median.endswith(" ms") and float(median.split()[0]) > 0
             assert page.locator(".pk-dashboard .widget-hprogress").count() == 1
             assert page.locator(".pk-dashboard svg.pk-line polyline").get_attribute("points")
+
+            # The strategy race: its table moves run by run (each run's first step compiles, so every
+            # state lasts long enough to see), then every row is complete and the chart is drawn.
+            page.wait_for_function(
+                "() => (document.querySelector('.pk-race .pk-race-header')?.textContent || '').includes('done')",
+                timeout=180_000,
+            )
+            final = tuple(page.evaluate(RACE_ROWS))
+            assert final == (race_steps,) * 3, f"the race table shows steps {final}"
+            tables = [tuple(map(int, RACE_ROW_STEPS.findall(u))) for u in page.evaluate("() => window.pkUpdates")]
+            tables = [t for t in tables if len(t) == 3]
+            assert tables == sorted(tables) and tables[-1] == final, f"race updates out of order: {tables}"
+            assert len(set(tables)) >= 3, f"the race table did not update while it ran: {tables}"
+            assert (race_steps, 0, 0) in tables, f"no state between the first and second run: {sorted(set(tables))}"
+            assert "simulated" in page.locator(".pk-race .pk-race-header").text_content()
+            chart = page.locator(".pk-race img")
+            chart.scroll_into_view_if_needed()
+            assert chart.count() == 1 and chart.evaluate("img => img.naturalWidth") > 100
 
             # The gradient explorer and the last (proof) cell.
             proof = page.locator(".jp-OutputArea-output", has_text="PROOF Mirrored(pmap)")
@@ -169,8 +215,14 @@ def test_notebook_widgets_update_live_in_chromium(lab):
             assert page.locator(".jp-OutputArea-output[data-mime-type='application/vnd.jupyter.stderr']",
                                 has_text="Traceback").count() == 0  # fmt: skip
 
-            page.locator(".pk-dashboard").scroll_into_view_if_needed()
             SCREENSHOTS.mkdir(parents=True, exist_ok=True)
+            page.locator(".pk-dashboard").scroll_into_view_if_needed()
             page.screenshot(path=str(SCREENSHOTS / "01_mirrored_dashboard.png"))
+            page.locator(".pk-race").scroll_into_view_if_needed()
+            page.screenshot(path=str(SCREENSHOTS / "01_mirrored_race.png"))
+        except Exception:
+            SCREENSHOTS.mkdir(parents=True, exist_ok=True)
+            page.screenshot(path=str(SCREENSHOTS / "01_mirrored_failure.png"))  # what the browser showed
+            raise
         finally:
             browser.close()

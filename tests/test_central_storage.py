@@ -35,7 +35,9 @@ def test_describe_shows_memory_kind_and_one_copy(mlp):
     _, params = mlp
     strategy = pk.CentralStorage()
     rows = strategy.describe(strategy.init(params, optax.sgd(0.1)).params)
-    assert {r.path for r in rows} == {jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]}
+    assert {r.path for r in rows} == {
+        jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]
+    }
     for row in rows:
         assert row.memory_kind == "pinned_host" and row.copies == 1 and row.devices == (0,)
         assert row.bytes_per_device == np.prod(row.shape) * 4

@@ -158,8 +158,10 @@ def test_initialize_logs_what_it_resolved_and_from_where(monkeypatch, caplog):
 
 def test_unresolvable_coordinator_is_an_error():
     spec = ClusterSpec("no-such-host.invalid:1234", 2, 1, "explicit")
-    with pytest.raises(ClusterError, match="does not resolve"):
-        check_coordinator(spec, timeout=1)
+    start = time.monotonic()
+    with pytest.raises(ClusterError, match="did not resolve within 1 s"):
+        check_coordinator(spec, timeout=1)  # retried until the timeout: DNS records can appear late
+    assert time.monotonic() - start < 3
 
 
 def test_unreachable_coordinator_fails_within_the_timeout():

@@ -10,10 +10,12 @@ import pytest
 from helpers import run_python
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+from matplotlib.colors import to_rgba
 from matplotlib.figure import Figure
 
 import parallelkit as pk
 import parallelkit.viz as viz
+from parallelkit.schedules import gpipe_schedule
 
 
 @pytest.fixture
@@ -148,3 +150,103 @@ def test_import_parallelkit_does_not_import_matplotlib():
         "assert 'matplotlib.pyplot' not in sys.modules, 'viz must not import pyplot'\n"
     )
     assert result.returncode == 0, result.stderr
+
+
+# -- placement of every strategy, drawn from describe() --------------------------------------
+
+STRATEGIES = {
+    "SingleDevice": lambda: pk.SingleDevice(),
+    "Mirrored(jit)": lambda: pk.Mirrored(backend="jit"),
+    "Mirrored(pmap)": lambda: pk.Mirrored(backend="pmap"),
+    "CentralStorage": lambda: pk.CentralStorage(4),
+    "ParameterServer": lambda: pk.ParameterServer(3, devices=2),
+}
+
+
+def _hatched_cells(fig: Figure) -> set[tuple[int, int]]:
+    """(leaf, device column) of every hatched (host-memory) cell."""
+    return {(round(p.get_y() + 0.5), round(p.get_x() + 0.5)) for p in fig.axes[0].patches if p.get_hatch()}
+
+
+@pytest.mark.parametrize("name", STRATEGIES)
+def test_placement_figure_draws_describe_rows(name, small_params):
+    strategy = STRATEGIES[name]()
+    rows = strategy.describe(strategy.init(small_params, optax.adam(1e-3)))
+    ids = [d.id for d in jax.devices()]
+    fig = viz.placement_figure(rows, devices=ids, title=name)
+    # Recomputed from the rows alone: bytes held / the leaf's bytes, on the devices that hold it.
+    expected = np.zeros((len(rows), len(ids)))
+    host, texts = set(), []
+    for i, row in enumerate(rows):
+        logical = int(np.prod(row.shape)) * np.dtype(row.dtype).itemsize
+        for d in row.devices:
+            expected[i, ids.index(d)] = row.bytes_per_device / logical
+            if row.memory_kind == "pinned_host":
+                host.add((i, ids.index(d)))
+    for i, j in zip(*np.nonzero(expected), strict=True):
+        texts.append(viz.format_bytes(rows[i].bytes_per_device) + ("\nhost" if (i, j) in host else ""))
+    np.testing.assert_array_equal(_grid(fig), expected)
+    assert _hatched_cells(fig) == host
+    assert _cell_texts(fig) == texts
+    labels = [t.get_text() for t in fig.axes[0].get_yticklabels()]
+    assert labels == [f"{viz.leaf_label(r.path)} {r.shape}" for r in rows]
+    kinds = viz.memory_kinds(rows, ids)
+    assert {(i, j) for i, j in zip(*np.nonzero(kinds == "pinned_host"), strict=True)} == host
+    legend = [t.get_text() for legend in fig.legends for t in legend.get_texts()]
+    assert legend == (["host memory (pinned_host)"] if host else [])
+
+
+def test_placement_per_strategy_says_where_state_lives(small_params):
+    """What each figure above shows, stated per strategy from describe()."""
+    n_leaves = None
+    for name, make in STRATEGIES.items():
+        strategy = make()
+        rows = strategy.describe(strategy.init(small_params, optax.adam(1e-3)))
+        devices = {r.devices for r in rows}
+        kinds = {r.memory_kind for r in rows}
+        if name == "SingleDevice":
+            assert devices == {(strategy.device.id,)} and kinds == {"device"}
+            n_leaves = len(rows)
+        elif name.startswith("Mirrored"):
+            assert devices == {tuple(d.id for d in strategy.devices)} and kinds == {"device"}
+            assert all(r.copies == strategy.num_replicas for r in rows) and len(rows) == n_leaves
+        elif name == "CentralStorage":  # one copy of everything, in host memory beside one device
+            assert devices == {(strategy.devices[0].id,)} and kinds == {"pinned_host"}
+            assert all(r.copies == 1 for r in rows) and len(rows) == n_leaves
+        else:  # parameter server: shard j in the host memory beside worker j % n
+            assert kinds == {"pinned_host"}
+            shards = [r for r in rows if r.path.startswith(".params.shards")]
+            assert [r.devices for r in shards] == [(strategy.devices[j % 2].id,) for j in range(3)]
+            assert sum(r.bytes_per_device for r in shards) == pk.models.param_bytes(small_params)
+
+
+def test_partition_figure_draws_each_shards_pieces(small_params):
+    strategy = pk.ParameterServer(3, devices=2)
+    partition = strategy.partition(small_params)
+    ids = [d.id for d in strategy.devices]
+    fig = viz.partition_figure(partition, devices=ids)
+    drawn = [(round(p.get_y() + p.get_height() / 2), p.get_x(), p.get_width()) for p in fig.axes[0].patches]
+    expected = []
+    for j in range(partition.num_shards):
+        offset = 0
+        for piece in partition.pieces(j):
+            expected.append((j, offset, piece.stop - piece.start))
+            offset += piece.stop - piece.start
+        assert offset == partition.bounds[j][1] - partition.bounds[j][0]  # the pieces fill the shard
+    assert drawn == expected
+    labels = [t.get_text().splitlines()[0] for t in fig.axes[0].get_yticklabels()]
+    assert labels == [f"shard {j} · device {ids[j % 2]} (host)" for j in range(3)]
+    legend = [t.get_text() for t in fig.legends[0].get_texts()]
+    assert legend == [viz.leaf_label(p) for p in partition.paths]
+
+
+def test_pipeline_gantt_bars_equal_the_schedule():
+    slots = gpipe_schedule(stages=3, microbatches=4)
+    fig = viz.pipeline_gantt_figure(slots)
+    ax = fig.axes[0]
+    drawn = [(p.get_x(), p.get_width(), p.get_y() + p.get_height() / 2) for p in ax.patches]
+    assert drawn == [(s.start, s.end - s.start, s.stage) for s in slots]
+    colors = [p.get_facecolor() for p in ax.patches]
+    assert colors == [to_rgba(viz.pipeline.COLORS[s.kind]) for s in slots]
+    assert [t.get_text() for t in ax.texts] == [str(s.microbatch) for s in slots]
+    assert f"{(3 - 1) / (4 + 3 - 1):.0%}" in ax.get_title()

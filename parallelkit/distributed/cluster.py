@@ -253,16 +253,21 @@ def check_coordinator(spec: ClusterSpec, timeout: float) -> None:
     as a silent wait and then an abort; here it is one sentence.
 
     Raises:
-      ClusterError: the name does not resolve, or nothing listens there within ``timeout`` seconds.
+      ClusterError: the name does not resolve, or nothing listens there, within ``timeout`` seconds.
     """
     host, port = split_address(spec.coordinator_address)
-    try:
-        socket.getaddrinfo(host, port)
-    except socket.gaierror as err:
-        raise ClusterError(
-            f"The coordinator address {spec.coordinator_address!r} ({spec.source}) does not resolve: {err}. "
-            "Check the host name (and DNS, or the headless service on Kubernetes)."
-        ) from err
+    deadline = time.monotonic() + timeout
+    while True:  # a new pod's DNS record (Kubernetes headless service) may appear a little late
+        try:
+            socket.getaddrinfo(host, port)
+            break
+        except socket.gaierror as err:
+            if time.monotonic() >= deadline:
+                raise ClusterError(
+                    f"The coordinator address {spec.coordinator_address!r} ({spec.source}) did not resolve within "
+                    f"{timeout:g} s: {err}. Check the host name (and DNS, or the headless service on Kubernetes)."
+                ) from err
+            time.sleep(min(1.0, max(deadline - time.monotonic(), 0.0)))
     if spec.process_id == 0:  # process 0 starts the coordinator: its port must be free here
         with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as s:
             s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -275,7 +280,6 @@ def check_coordinator(spec: ClusterSpec, timeout: float) -> None:
                     "or choose another port."
                 ) from err
         return
-    deadline = time.monotonic() + timeout
     while True:
         try:
             with socket.create_connection((host, port), timeout=min(2.0, timeout)):

@@ -132,6 +132,11 @@ def explain_exit(returncode: int, output: str) -> str:
     return f"exited with code {returncode}" + (f"; last output: {lines[-1].strip()}" if lines else "")
 
 
+def _informative(lines: Sequence[str]) -> list[str]:
+    """Output lines worth showing in an error: without gloo's connection chatter."""
+    return [line for line in lines if not line.lstrip().startswith("[Gloo]")]
+
+
 def _reader(index: int, stream, lines: queue.Queue) -> None:
     for line in iter(stream.readline, ""):
         lines.put((index, line.rstrip("\n")))
@@ -300,7 +305,7 @@ def _watch(procs, readers, reports, lines, workdir, start, timeout, init_timeout
     for r in reports:
         if r is not first and r.returncode:
             lines_out.append(f"  process {r.index} {r.cause}.".replace("..", "."))
-    tail = "\n    ".join(list(first.tail)[-8:]) or "(no output)"
+    tail = "\n    ".join(_informative(first.tail)[-8:]) or "(no output)"
     lines_out.append(f"  last output of process {first.index}:\n    {tail}")
     raise LaunchError("\n".join(lines_out), reports)
 

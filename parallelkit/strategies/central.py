@@ -116,6 +116,11 @@ class PushPullStep:
     def lower(self, state: TrainState, batch: Batch):
         return self.compute.lower(self.pull(state), batch)
 
+    @property
+    def delays(self) -> list[int]:
+        """How many updates old each step's pulled parameters were, so far (empty when never stale)."""
+        return list(getattr(self.choose, "delays", []))
+
 
 class OffDeviceStrategy(Strategy):
     """Shared base: workers on a ``data`` mesh compute, the state lives elsewhere."""

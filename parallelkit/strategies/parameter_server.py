@@ -36,7 +36,14 @@ import optax
 from flax import struct
 
 from .base import Batch, LossFn, PyTree, Step, TrainState, check_same_tree
-from .central import OffDeviceStrategy, PushPullStep, apply_mean_gradients, compute_sharding, host_sharding, replica_gradients
+from .central import (
+    OffDeviceStrategy,
+    PushPullStep,
+    apply_mean_gradients,
+    compute_sharding,
+    host_sharding,
+    replica_gradients,
+)
 
 MODES = ("sync", "async")
 
@@ -202,7 +209,9 @@ class ParameterServer(OffDeviceStrategy):
                             what="opt_state", against="the shards' tx.init")  # fmt: skip
         else:
             opt_state = tuple(tx.init(s) for s in slices)
-        placed = [jax.device_put((s, o), where) for s, o, where in zip(slices, opt_state, self.shard_storage, strict=True)]
+        placed = [
+            jax.device_put((s, o), where) for s, o, where in zip(slices, opt_state, self.shard_storage, strict=True)
+        ]
         return TrainState(
             step=jax.device_put(jnp.zeros((), jnp.int32), self.shard_storage[0]),
             params=Sharded(tuple(p for p, _ in placed), part),
@@ -238,7 +247,9 @@ class ParameterServer(OffDeviceStrategy):
             return state.replace(step=new[0][0], params=params, opt_state=tuple(n[2] for n in new)), new[0][3]
 
         choose = _StalePull(self.staleness, self.seed) if self.mode == "async" else None
-        return Step(PushPullStep(pull, replica_gradients(flat_loss, self.mesh), push_update, choose), self.place_batch, self)
+        return Step(
+            PushPullStep(pull, replica_gradients(flat_loss, self.mesh), push_update, choose), self.place_batch, self
+        )
 
     def unreplicate(self, tree: PyTree) -> PyTree:
         """One host copy; sharded parameters come back as the original tree."""

@@ -5,11 +5,15 @@ Import it on its own (``import parallelkit.viz``): ``import parallelkit`` stays 
 matplotlib, so it is fast and headless-safe.
 """
 
+from .gradsync import gradient_sync_figure as gradient_sync_figure
+from .gradsync import ring_figure as ring_figure
+from .gradsync import spread_figure as spread_figure
+from .pipeline import pipeline_gantt_figure as pipeline_gantt_figure
 from .placement import collectives_figure as collectives_figure
 from .placement import format_bytes as format_bytes
 from .placement import held_fractions as held_fractions
 from .placement import leaf_label as leaf_label
+from .placement import memory_kinds as memory_kinds
+from .placement import partition_figure as partition_figure
 from .placement import placement_figure as placement_figure
-from .gradsync import gradient_sync_figure as gradient_sync_figure
-from .gradsync import ring_figure as ring_figure
-from .gradsync import spread_figure as spread_figure
+from .race import race_figure as race_figure

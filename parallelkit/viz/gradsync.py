@@ -110,13 +110,26 @@ def ring_figure(ring: RingTrace, step: int | None = None) -> Figure:
     shown = list(range(len(ring.steps))) if step is None else [step]
     cols = min(len(shown), 4)
     rows = -(-len(shown) // cols)
-    fig = Figure(figsize=(2.6 * cols, 2.4 * rows + 0.4), layout="constrained")
-    axes = np.atleast_1d(fig.subplots(rows, cols, squeeze=False)).ravel()
+    # Fixed margins and shared, outer-only tick labels: a constrained layout of 2(n-1) panels
+    # of n x n numbers costs seconds to draw, and every panel has the same axes anyway.
+    fig = Figure(figsize=(2.3 * cols + 0.6, 2.2 * rows + 0.7))
+    fig.subplots_adjust(left=0.6 / fig.get_figwidth(), right=0.98, bottom=0.45 / fig.get_figheight(),
+                        top=1 - 0.75 / fig.get_figheight(), wspace=0.12, hspace=0.3)  # fmt: skip
+    axes = np.atleast_1d(fig.subplots(rows, cols, squeeze=False, sharex=True, sharey=True)).ravel()
     for ax, k in zip(axes, shown, strict=False):
         s = ring.steps[k]
         ax.imshow(s.contributions, cmap="Greens", vmin=0, vmax=n, aspect="auto")
         for r, c in np.ndindex(s.contributions.shape):
-            ax.text(c, r, str(s.contributions[r, c]), ha="center", va="center", fontsize=7)
+            dark = s.contributions[r, c] > 0.6 * n
+            ax.text(
+                c,
+                r,
+                str(s.contributions[r, c]),
+                ha="center",
+                va="center",
+                fontsize=7,
+                color="white" if dark else "black",
+            )
         for t in s.transfers:
             # an arrow from the sender's cell to the receiver's cell of the same chunk
             ax.annotate(
@@ -131,6 +144,7 @@ def ring_figure(ring: RingTrace, step: int | None = None) -> Figure:
         ax.tick_params(labelsize=6)
         ax.set_xlabel("chunk", fontsize=7)
         ax.set_ylabel("replica", fontsize=7)
+        ax.label_outer()
     for ax in axes[len(shown) :]:
         ax.axis("off")
     sent = ring.bytes_sent()[0]

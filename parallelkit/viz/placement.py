@@ -1,7 +1,8 @@
 """Where state lives and what crosses between devices, as matplotlib figures.
 
-Both functions take plain data (what :meth:`~parallelkit.Strategy.describe` and
-:func:`parallelkit.inspect.collectives` return) and give back a
+The functions take plain data (what :meth:`~parallelkit.Strategy.describe`,
+:meth:`~parallelkit.ParameterServer.partition` and :func:`parallelkit.inspect.collectives`
+return) and give back a
 :class:`matplotlib.figure.Figure` built without pyplot, so they work headless and
 in notebooks alike (a notebook displays a returned ``Figure`` as an image).
 
@@ -20,11 +21,15 @@ from collections.abc import Sequence
 import jax.numpy as jnp
 import numpy as np
 from matplotlib.figure import Figure
+from matplotlib.patches import Patch, Rectangle
 
 from ..inspect import COLLECTIVES, Collective, summarize
 from ..strategies import LeafPlacement
+from ..strategies.parameter_server import Partition
 
 _CMAP = "Blues"  # 0 (white) = holds nothing, 1 (dark) = holds a full copy
+HOST_MEMORY_KINDS = ("pinned_host", "unpinned_host")  # host RAM beside a device, not the device's own memory
+_HOST_HATCH = "////"
 _KEY = re.compile(r"\[['\"]?([^'\"\]]*)['\"]?\]|\.([A-Za-z_]\w*)")
 
 
@@ -77,12 +82,26 @@ def held_fractions(rows: Sequence[LeafPlacement], devices: Sequence[int]) -> np.
     return fractions
 
 
+def memory_kinds(rows: Sequence[LeafPlacement], devices: Sequence[int]) -> np.ndarray:
+    """``[leaf, device]``: the memory kind each device holds its part of each leaf in ("" where it holds none).
+
+    >>> rows = [LeafPlacement(".w", (2,), "float32", (1,), "pinned_host", "SingleDeviceSharding", 1, 8)]
+    >>> memory_kinds(rows, [0, 1]).tolist()
+    [['', 'pinned_host']]
+    """
+    held = held_fractions(rows, devices) > 0
+    kinds = np.array([[row.memory_kind or "device"] * len(devices) for row in rows], dtype=object).reshape(held.shape)
+    return np.where(held, kinds, "")
+
+
 def placement_figure(rows: Sequence[LeafPlacement], devices: Sequence[int] | None = None, title: str = "") -> Figure:
     """A leaf-by-device grid: which device holds how much of each leaf of the state.
 
     Each cell is shaded by the fraction of the leaf that the device holds (a full
     copy is dark, a shard lighter, nothing white) and labelled with the bytes it
-    holds; each column is labelled with its device's total.
+    holds; each column is labelled with its device's total. Cells in host memory
+    (``pinned_host``: central storage, parameter-server shards) are hatched and
+    labelled ``host``, since they sit in RAM beside the device, not on it.
 
     Args:
       rows: from ``strategy.describe(state)`` (any pytree of placed arrays).
@@ -91,7 +110,8 @@ def placement_figure(rows: Sequence[LeafPlacement], devices: Sequence[int] | Non
 
     Returns:
       The figure; ``fig.axes[0].images[0].get_array()`` is the ``[leaf, device]``
-      grid of fractions.
+      grid of fractions, and ``fig.axes[0].patches`` holds one hatched rectangle per
+      host-memory cell, centred on it (see :func:`memory_kinds`).
 
     Raises:
       ValueError: a leaf lives on a device that is not in ``devices``.
@@ -110,12 +130,18 @@ def placement_figure(rows: Sequence[LeafPlacement], devices: Sequence[int] | Non
     )
     ax = fig.add_subplot()
     image = ax.imshow(fractions, cmap=_CMAP, vmin=0.0, vmax=1.0, aspect="auto")
+    kinds = memory_kinds(rows, devices)
     for i, j in zip(*np.nonzero(fractions), strict=True):
         dark = fractions[i, j] > 0.55
+        host = kinds[i, j] in HOST_MEMORY_KINDS
+        if host:
+            ax.add_patch(
+                Rectangle((j - 0.5, i - 0.5), 1, 1, fill=False, hatch=_HOST_HATCH, edgecolor="tab:orange", lw=0)
+            )
         ax.text(
             j,
             i,
-            format_bytes(held[i, j]),
+            format_bytes(held[i, j]) + ("\nhost" if host else ""),
             ha="center",
             va="center",
             fontsize=7,
@@ -137,8 +163,66 @@ def placement_figure(rows: Sequence[LeafPlacement], devices: Sequence[int] | Non
     ax.tick_params(which="minor", length=0)
     colorbar = fig.colorbar(image, ax=ax, shrink=0.8, ticks=[0, 0.5, 1])
     colorbar.set_label("fraction of the leaf held")
+    host_kinds = sorted({k for k in kinds.ravel() if k in HOST_MEMORY_KINDS})
+    if host_kinds:
+        swatch = Patch(facecolor="white", edgecolor="tab:orange", hatch=_HOST_HATCH)
+        fig.legend([swatch], [f"host memory ({', '.join(host_kinds)})"], loc="outside lower center", fontsize=8)
     if title:
         ax.set_title(title)
+    return fig
+
+
+def partition_figure(partition: Partition, devices: Sequence[int] | None = None, title: str = "") -> Figure:
+    """What each parameter-server shard holds: one bar per shard, one segment per piece of a variable.
+
+    The parameters, flattened in tree order, are cut into contiguous slices (see
+    :meth:`parallelkit.ParameterServer.partition`); a variable may span two shards.
+
+    Args:
+      partition: from ``strategy.partition(params)``.
+      devices: device ids in worker order (``[d.id for d in strategy.devices]``): shard
+        ``j`` lives in the host memory beside ``devices[j % len(devices)]``.
+      title: drawn above the bars.
+
+    Returns:
+      The figure; ``fig.axes[0].patches`` holds one rectangle per piece, shard by
+      shard in the order of ``partition.pieces(j)``: at height ``j``, starting at the
+      piece's offset inside the shard, as wide as its element count.
+    """
+    names = list(dict.fromkeys(partition.paths))
+    colors = {name: f"C{k % 10}" for k, name in enumerate(names)}
+    fig = Figure(figsize=(9, 1.2 + 0.45 * partition.num_shards), layout="constrained")
+    ax = fig.add_subplot()
+    itemsize = np.dtype(partition.dtype).itemsize
+    widest = max(b - a for a, b in partition.bounds)
+    for j in range(partition.num_shards):
+        left = 0
+        for piece in partition.pieces(j):
+            width = piece.stop - piece.start
+            ax.barh(j, width, left=left, height=0.7, color=colors[piece.path], edgecolor="white")
+            if width < 0.15 * widest:  # too narrow for a label: the legend names its colour
+                left += width
+                continue
+            ax.text(
+                left + width / 2,
+                j,
+                f"{leaf_label(piece.path)}[{piece.start}:{piece.stop}]",
+                ha="center",
+                va="center",
+                fontsize=7,
+                clip_on=True,
+            )
+            left += width
+    labels = []
+    for j, (a, b) in enumerate(partition.bounds):
+        where = f" · device {devices[j % len(devices)]} (host)" if devices else ""
+        labels.append(f"shard {j}{where}\n{b - a:,} elements, {format_bytes((b - a) * itemsize)}")
+    ax.set_yticks(range(partition.num_shards), labels, fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlabel("element within the shard")
+    handles = [Patch(color=colors[n]) for n in names]
+    fig.legend(handles, [leaf_label(n) for n in names], loc="outside right upper", fontsize=7, frameon=False)
+    ax.set_title(title or f"{partition.num_shards} parameter-server shards: which slice of which variable each holds")
     return fig
 
 

@@ -6,7 +6,9 @@ ipywidgets. Every view falls back to text outside a notebook.
 
 from .dashboard import TimingDashboard as TimingDashboard
 from .dashboard import in_notebook as in_notebook
+from .explorer import GradSyncExplorer as GradSyncExplorer
 from .live import LiveTimes as LiveTimes
 from .live import RaceRow as RaceRow
+from .live import RaceStandings as RaceStandings
 from .live import TimingSummary as TimingSummary
-from .explorer import GradSyncExplorer as GradSyncExplorer
+from .race import StrategyRace as StrategyRace

@@ -150,9 +150,7 @@ class _DashboardWidgets:
         simulated = " (simulated: times show overhead, not speed-up)" if s.simulated else ""
         state = " · <b style='color:#c00'>interrupted</b>" if s.interrupted else (" · done" if s.finished else "")
         title = f"{self.title} · " if self.title else ""
-        self.header.value = (
-            f"<b>{title}{s.strategy}</b> · {s.devices} device{'s' * (s.devices != 1)}{simulated}{state}"
-        )
+        self.header.value = f"<b>{title}{s.strategy}</b> · {s.devices} device{'s' * (s.devices != 1)}{simulated}{state}"
         self.progress.max = max(s.steps_total or s.steps_done, 1)
         self.progress.value = min(s.steps_done, self.progress.max)
         total = f"/{s.steps_total}" if s.steps_total else ""

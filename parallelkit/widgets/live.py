@@ -112,34 +112,111 @@ def format_summary(s: TimingSummary) -> str:
 
 @dataclass(frozen=True)
 class RaceRow:
-    """One strategy of a :class:`~parallelkit.widgets.StrategyRace`, relative to the reference."""
+    """One strategy of a :class:`~parallelkit.widgets.StrategyRace`, measured against the reference."""
 
     name: str
     devices: int
     steps_done: int
-    median_seconds: float
+    steps_total: int | None
+    compile_seconds: float
+    median_seconds: float  # steady state, as ``History.times.median``
     samples_per_second: float
-    ratio_to_reference: float  # median step time / the reference's (SingleDevice) median
-    scaling_efficiency: float  # throughput_N / (N x throughput_1)
+    ratio_to_reference: float  # median step time / the reference's median: 1.0 for the reference itself
+    scaling_efficiency: float  # throughput_N / (N x throughput_1): 1.0 is perfect linear scaling
     final_loss: float
+    finished: bool
+
+
+@dataclass(frozen=True)
+class RaceStandings:
+    """Where a race stands: one row per strategy (in race order), and how to read them."""
+
+    rows: tuple[RaceRow, ...]
+    reference: str | None  # the row the ratios and efficiencies are relative to
+    simulated: bool  # simulated CPU devices: the times show overhead, not speed-up
+    running: str | None = None  # the strategy training now
+    interrupted: bool = False
+
+    def row(self, name: str) -> RaceRow:
+        for r in self.rows:
+            if r.name == name:
+                return r
+        raise KeyError(f"No strategy {name!r} in this race; it has {[r.name for r in self.rows]}.")
 
 
 def race_rows(runs: dict[str, LiveTimes], reference: str | None) -> list[RaceRow]:
-    """Compare runs with ``runs[reference]`` (the single-device one): ratio and scaling efficiency."""
+    """Compare every run with ``runs[reference]`` (a single-device run): step-time ratio and scaling efficiency.
+
+    The efficiency is ``throughput_N / (N x throughput_1)``, with ``throughput_1`` the
+    reference's throughput per device (its own throughput when it runs on one device).
+    Runs without a steady step yet, or without a reference, get ``nan``.
+
+    >>> runs = {"one": LiveTimes(devices=1, batch_size=64), "four": LiveTimes(devices=4, batch_size=64)}
+    >>> for s in (1.0, 0.04, 0.04):
+    ...     runs["one"].add(s)
+    >>> for s in (2.0, 0.02, 0.02):
+    ...     runs["four"].add(s)
+    >>> [(r.ratio_to_reference, r.scaling_efficiency) for r in race_rows(runs, "one")]
+    [(1.0, 1.0), (0.5, 0.5)]
+    """
+    nan = float("nan")
     ref = runs[reference].summary() if reference in runs and runs[reference].seconds else None
     rows = []
     for name, log in runs.items():
         s = log.summary()
-        ratio = s.median_seconds / ref.median_seconds if ref else float("nan")
-        eff = (
-            scaling_efficiency(s.samples_per_second, ref.samples_per_second, s.devices) if ref else float("nan")
+        ratio = s.median_seconds / ref.median_seconds if ref else nan
+        eff = scaling_efficiency(s.samples_per_second, ref.samples_per_second / ref.devices, s.devices) if ref else nan
+        rows.append(
+            RaceRow(
+                name,
+                s.devices,
+                s.steps_done,
+                s.steps_total,
+                s.compile_seconds,
+                s.median_seconds,
+                s.samples_per_second,
+                ratio,
+                eff,
+                s.loss,
+                s.finished,
+            )
         )
-        rows.append(RaceRow(name, s.devices, s.steps_done, s.median_seconds, s.samples_per_second, ratio, eff, s.loss))
     return rows
 
 
-def svg_polyline(values: np.ndarray | list[float], width: int = 360, height: int = 90) -> str:
-    """A tiny SVG line chart of ``values`` (no matplotlib: cheap enough to redraw live).
+def format_race(standings: RaceStandings) -> str:
+    """The race as a text table: the view outside a notebook.
+
+    >>> row = RaceRow("SingleDevice", 1, 30, 30, 0.5, 0.002, 32000.0, 1.0, 1.0, 0.25, True)
+    >>> print(format_race(RaceStandings((row,), "SingleDevice", simulated=False)))
+    strategy          devices   steps  compile s  median ms   samples/s  x ref  efficiency      loss
+    SingleDevice            1   30/30       0.50      2.000      32,000   1.00        100%    0.2500
+    """
+    lines = [
+        f"{'strategy':<16}{'devices':>9}{'steps':>8}{'compile s':>11}{'median ms':>11}"
+        f"{'samples/s':>12}{'x ref':>7}{'efficiency':>12}{'loss':>10}"
+    ]
+    for r in standings.rows:
+        steps = f"{r.steps_done}/{r.steps_total}" if r.steps_total else str(r.steps_done)
+        numbers = (
+            (r.compile_seconds, 11, ".2f"),
+            (r.median_seconds * 1e3, 11, ".3f"),
+            (r.samples_per_second, 12, ",.0f"),
+            (r.ratio_to_reference, 7, ".2f"),
+            (r.scaling_efficiency, 12, ".0%"),
+            (r.final_loss, 10, ".4f"),
+        )
+        cells = "".join(f"{'–' if v != v else format(v, spec):>{width}}" for v, width, spec in numbers)  # nan: not run
+        lines.append(f"{r.name:<16}{r.devices:>9}{steps:>8}{cells}")
+    if standings.simulated:
+        lines.append("simulated CPU devices sharing one processor: these times show overhead, not speed-up")
+    if standings.interrupted:
+        lines.append("INTERRUPTED: the race stopped early")
+    return "\n".join(lines)
+
+
+def svg_polyline(values: np.ndarray | list[float], unit: str = "ms", width: int = 360, height: int = 90) -> str:
+    """A tiny SVG line chart of ``values``, in ``unit`` (no matplotlib: cheap enough to redraw live).
 
     The points are in ``data-values`` too, so a browser test can read what was drawn.
     """
@@ -158,5 +235,5 @@ def svg_polyline(values: np.ndarray | list[float], width: int = 360, height: int
         f'<svg class="pk-line" width="{width}" height="{height}" data-values="{data}" '
         f'style="border:1px solid #ddd;background:#fff">'
         f'<polyline fill="none" stroke="#1f77b4" stroke-width="1.5" points="{points}"/>'
-        f'<text x="{pad}" y="12" font-size="10" fill="#555">max {top * 1e3:.2f} ms</text></svg>'
+        f'<text x="{pad}" y="12" font-size="10" fill="#555">max {top:.2f} {unit}</text></svg>'
     )

@@ -1,0 +1,349 @@
+"""Traffic accounting: the bytes one training step moves, measured, beside the textbook formulas.
+
+Every figure is per replica and per step, in bytes, on one of three kinds of link:
+
+- ``host->device``: from host memory to a compute device (the batch slice; the pull of
+  parameters kept off the devices);
+- ``device->host``: from a compute device back to host memory (the push of gradients);
+- ``device<->device``: between the replicas (collectives).
+
+Where the numbers come from:
+
+- collectives (Mirrored, both backends): the compiled program's own all-reduce
+  (:func:`parallelkit.inspect.collectives`); what each replica *sends* is that payload
+  times a ring all-reduce's ``2(n-1)/n`` (how XLA or NCCL actually route it may differ);
+- pulls and pushes (CentralStorage, ParameterServer): the arrays the strategy really
+  moves, pulled and computed once here, measured on each device;
+- the batch: the placed batch, measured on each device.
+
+The formulas, with ``P`` the parameter bytes (a gradient has the same size) and ``n``
+replicas: ring all-reduce ``2(n-1)/n x P`` sent per replica; central storage ``P`` out
+to and ``P`` back from every replica; parameter servers a pull and a push of ``P`` per
+worker, each split over the ``k`` shards. Scalar metrics (the loss and the ``aux``
+values, ``M`` bytes) travel with the gradients and get rows of their own.
+
+:class:`TopologyModel` turns these bytes into a rough communication time per step, under
+assumptions it states, to ask when central storage beats mirroring.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import jax
+import numpy as np
+
+from .inspect import collectives
+from .strategies.base import Batch, LossFn, Strategy, TrainState, _loss_with_aux
+from .strategies.central import CentralStorage, PushPullStep
+from .strategies.mirrored import Mirrored
+from .strategies.parameter_server import ParameterServer
+from .strategies.single import SingleDevice
+
+H2D, D2H, D2D = "host->device", "device->host", "device<->device"
+LINKS = (H2D, D2H, D2D)
+
+
+@dataclass(frozen=True)
+class Flow:
+    """One kind of transfer in a step: bytes per replica, measured and by the formula."""
+
+    link: str  # one of LINKS
+    what: str  # e.g. "parameters (pull)"
+    measured: float  # bytes per replica per step
+    expected: float  # the formula's value, bytes per replica per step
+    formula: str  # e.g. "2(n-1)/n x P"
+    source: str  # where ``measured`` comes from
+
+
+@dataclass(frozen=True)
+class StepTraffic:
+    """What one step of one strategy moves, flow by flow (bytes per replica).
+
+    ``owner_bytes`` is the load on each central owner of the state (CentralStorage's
+    storage, each PS shard): gradient bytes it receives per step from all replicas,
+    which equals the parameter bytes it sends. Replicated strategies have no owner.
+    """
+
+    strategy: str
+    pattern: str  # "local", "all-reduce", "central" or "sharded"
+    replicas: int
+    param_bytes: int  # P
+    metric_bytes: int  # M: the scalar metrics one replica reports
+    flows: tuple[Flow, ...]
+    owner_bytes: tuple[int, ...] = ()
+
+    def total(self, link: str, expected: bool = False) -> float:
+        """Bytes per replica per step on ``link`` (measured, or by the formulas)."""
+        if link not in LINKS:
+            raise ValueError(f"Unknown link {link!r}: choose one of {LINKS}.")
+        return sum(f.expected if expected else f.measured for f in self.flows if f.link == link)
+
+    @property
+    def host_to_device(self) -> float:
+        return self.total(H2D)
+
+    @property
+    def device_to_host(self) -> float:
+        return self.total(D2H)
+
+    @property
+    def between_replicas(self) -> float:
+        return self.total(D2D)
+
+    def flow(self, what: str) -> Flow:
+        """The flow whose ``what`` starts with ``what``."""
+        for f in self.flows:
+            if f.what.startswith(what):
+                return f
+        raise KeyError(f"{self.strategy} has no flow {what!r}; it has {[f.what for f in self.flows]}.")
+
+    def table(self) -> str:
+        """The flows as a text table, measured beside the formula."""
+        head = f"{self.strategy}: {self.replicas} replica(s), P = {self.param_bytes:,} B, M = {self.metric_bytes} B"
+        lines = [
+            head,
+            f"  {'link':<17}{'what':<36}{'measured B':>11}{'formula B':>11}  formula  [measured from]",
+        ]
+        for f in self.flows:
+            lines.append(
+                f"  {f.link:<17}{f.what:<36}{f.measured:>11,.0f}{f.expected:>11,.0f}  {f.formula}  [{f.source}]"
+            )
+        if self.owner_bytes:
+            loads = ", ".join(f"{b:,}" for b in self.owner_bytes)
+            lines.append(f"  owner load (gradient bytes in = parameter bytes out, per step): {loads}")
+        return "\n".join(lines)
+
+
+def compare_table(traffics: Sequence[StepTraffic]) -> str:
+    """One line per strategy: bytes per replica per step on each link, measured (formula in brackets)."""
+    width = max([len("strategy"), *(len(t.strategy) for t in traffics)]) + 2
+    head = f"{'strategy':<{width}}{'host->device':>20}{'device->host':>20}{'between replicas':>20}"
+    lines = [head, "-" * len(head)]
+    for t in traffics:
+        cells = "".join(f"{f'{t.total(k):,.0f} ({t.total(k, expected=True):,.0f})':>20}" for k in LINKS)
+        lines.append(f"{t.strategy:<{width}}{cells}")
+    return "\n".join(lines)
+
+
+def ring_factor(n: int) -> float:
+    """``2(n-1)/n``: the share of an all-reduced array each replica sends in a ring all-reduce.
+
+    >>> ring_factor(1), ring_factor(2), ring_factor(8)
+    (0.0, 1.0, 1.75)
+    """
+    return 2 * (n - 1) / n
+
+
+def _bytes_per_device(tree) -> dict[int, int]:
+    """Bytes of ``tree`` on each device holding part of it."""
+    held: dict[int, int] = {}
+    for leaf in jax.tree.leaves(tree):
+        for shard in leaf.addressable_shards:
+            held[shard.device.id] = held.get(shard.device.id, 0) + shard.data.nbytes
+    return held
+
+
+def _per_replica(tree, devices: Sequence[jax.Device]) -> int:
+    """Bytes of ``tree`` that each of ``devices`` holds (the same on every one, else an error)."""
+    held = _bytes_per_device(tree)
+    values = {held.get(d.id, 0) for d in devices}
+    if len(values) != 1:
+        raise RuntimeError(f"Replicas hold different amounts of one flow: {held}; expected equal shares.")
+    return values.pop()
+
+
+def _batch_bytes(strategy: Strategy, batch: Batch) -> tuple[int, int]:
+    """(bytes of the global batch, bytes one replica receives) after the strategy places it."""
+    total = sum(np.asarray(x).nbytes for x in jax.tree.leaves(batch))
+    placed = strategy.place_batch(batch)
+    leaves = jax.tree.leaves(placed)
+    if all(isinstance(x, jax.Array) for x in leaves):
+        return total, _per_replica(placed, strategy.devices)
+    # pmap's layout: host arrays of shape (replicas, per_replica, ...); row i goes to device i
+    return total, sum(np.asarray(x)[0].nbytes for x in leaves)
+
+
+def _metric_bytes(loss_fn: LossFn, params, batch: Batch, replicas: int) -> int:
+    """Bytes of the scalar metrics (loss and aux) one replica reports, from the loss's output shapes."""
+    local = jax.tree.map(lambda x: jax.ShapeDtypeStruct((x.shape[0] // replicas, *x.shape[1:]), x.dtype), batch)
+    out = jax.eval_shape(_loss_with_aux(loss_fn), params, local)
+    return sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(out))
+
+
+def _batch_flow(n: int, total: int, per_replica: int) -> Flow:
+    return Flow(H2D, "batch slice", per_replica, total / n, "B/n", "placed batch, per device")
+
+
+def step_traffic(strategy: Strategy, loss_fn: LossFn, state: TrainState, batch: Batch) -> StepTraffic:
+    """Measure the bytes one step of ``strategy`` moves, beside the textbook formulas.
+
+    Compiles the step (or, for CentralStorage and ParameterServer, runs one pull and the
+    workers' gradient computation, without touching ``state``); it does not train.
+
+    Args:
+      strategy: a SingleDevice, Mirrored (either backend), CentralStorage or ParameterServer.
+      loss_fn: the loss the step trains.
+      state: from ``strategy.init``; left unchanged.
+      batch: one global batch of host arrays.
+
+    Returns:
+      A :class:`StepTraffic`; ``print(traffic.table())`` shows it.
+
+    Raises:
+      TypeError: another kind of strategy.
+    """
+    n = strategy.num_replicas
+    total_batch, batch_per_replica = _batch_bytes(strategy, batch)
+    flows = [_batch_flow(n, total_batch, batch_per_replica)]
+    name = repr(strategy)
+    if isinstance(strategy, SingleDevice | Mirrored):
+        params = strategy.unreplicate(state.params)
+        p_bytes, m_bytes = _param_bytes(params), _metric_bytes(loss_fn, params, batch, n)
+        found = collectives(strategy.step(loss_fn), state, batch)
+        reduced = sum(c.bytes for c in found if c.op == "all-reduce")
+        other = sum(c.bytes for c in found if c.op != "all-reduce")
+        if isinstance(strategy, SingleDevice) or n == 1:
+            flows.append(Flow(D2D, "collectives", reduced + other, 0, "0", "compiled HLO"))
+            return StepTraffic(name, "local", n, p_bytes, m_bytes, tuple(flows))
+        # XLA fuses the gradients and the averaged metrics into one all-reduce; the metrics' share is their size.
+        share = min(m_bytes, reduced)
+        source = f"HLO all-reduce of {reduced:,} B x 2(n-1)/n"
+        ring = ring_factor(n)
+        flows += [
+            Flow(D2D, "gradients (all-reduce)", ring * (reduced - share), ring * p_bytes, "2(n-1)/n x P", source),
+            Flow(D2D, "metrics (same all-reduce)", ring * share, ring * m_bytes, "2(n-1)/n x M", source),
+            Flow(D2D, "other collectives", other, 0, "0", "compiled HLO"),
+        ]
+        return StepTraffic(name, "all-reduce", n, p_bytes, m_bytes, tuple(flows))
+    if isinstance(strategy, CentralStorage | ParameterServer):
+        step = strategy.step(loss_fn)
+        if not isinstance(step.fn, PushPullStep):
+            raise TypeError(f"{name}'s step is not a pull/compute/push step; step_traffic cannot follow it.")
+        pulled = step.fn.pull(state)  # real copies, host memory -> every worker
+        grads, metrics = step.fn.compute(pulled, strategy.place_batch(batch))  # rows stay on their workers
+        params = strategy.unreplicate(state.params)
+        p_bytes, m_bytes = _param_bytes(params), _metric_bytes(loss_fn, params, batch, n)
+        found = collectives(step, state, batch)
+        if isinstance(strategy, ParameterServer):
+            k = strategy.num_shards
+            pull, push = f"parameters from {k} shard(s) (pull)", f"gradients to {k} shard(s) (push)"
+            formula, pattern = "P = P_1 + ... + P_k", "sharded"
+            owners = tuple(int(rows.nbytes) for rows in grads.shards)  # n rows of each shard's slice
+        else:
+            pull, push, formula, pattern = "parameters (pull)", "gradients (push)", "P", "central"
+            owners = (sum(int(x.nbytes) for x in jax.tree.leaves(grads)),)
+        flows += [
+            Flow(H2D, pull, _per_replica(pulled, strategy.devices), p_bytes, formula, "pulled arrays, per device"),
+            Flow(D2H, push, _per_replica(grads, strategy.devices), p_bytes, formula, "pushed gradient rows"),
+            Flow(D2H, "metrics (push)", _per_replica(metrics, strategy.devices), m_bytes, "M", "pushed metric rows"),
+            Flow(D2D, "collectives", sum(c.bytes for c in found), 0, "0", "compiled HLO of the workers"),
+        ]
+        return StepTraffic(name, pattern, n, p_bytes, m_bytes, tuple(flows), owners)
+    raise TypeError(
+        f"step_traffic knows SingleDevice, Mirrored, CentralStorage and ParameterServer; got {name}. "
+        "For other strategies, read the collectives with pk.inspect.collectives(step, state, batch)."
+    )
+
+
+def _param_bytes(params) -> int:
+    return sum(int(np.asarray(x).nbytes) for x in jax.tree.leaves(params))
+
+
+@dataclass(frozen=True)
+class TopologyModel:
+    """A back-of-the-envelope model of one step's communication time (latency-bandwidth, "alpha-beta").
+
+    It is a model, not a measurement. Its assumptions, all of them:
+
+    - sending ``b`` bytes over a link costs ``latency + b / bandwidth``; links are full
+      duplex (sending and receiving at once do not slow each other);
+    - each device has its own link of ``host_link_GBps`` (one direction) to host memory
+      (PCIe); the host side that every device's transfers cross (its PCIe root, its
+      memory) carries at most ``host_total_GBps`` in each direction (``None``: no limit);
+    - devices talk to each other over links of ``device_link_GBps`` (NVLink, PCIe
+      peer-to-peer), or, with ``device_link_GBps=None``, not directly at all: a message
+      then goes up to host memory and down again, costing two latencies and crossing
+      the shared host side;
+    - mirrored: a ring all-reduce of ``P`` bytes over ``n`` devices runs ``2(n-1)`` rounds,
+      in each of which every device sends ``P/n`` bytes to the next, all at once;
+    - central storage: every device pulls ``P`` before it computes and pushes ``P`` after,
+      all devices at once, all through the one host;
+    - parameter servers: ``k`` shards, each with a host side of ``host_total_GBps`` of its
+      own (separate machines), each serving its ``P/k`` to every worker;
+    - compute, the optimizer update, the batch and any overlap of communication with
+      compute are left out (real systems overlap: the ring can start during the backward
+      pass, a pull cannot start before the previous update ends).
+
+    >>> nvlink = TopologyModel(device_link_GBps=300, host_link_GBps=25, host_total_GBps=50, latency_us=5)
+    >>> round(nvlink.mirrored_seconds(400e6, 8) * 1e3, 2), round(nvlink.central_seconds(400e6, 8) * 1e3, 1)
+    (2.4, 128.0)
+    """
+
+    device_link_GBps: float | None
+    host_link_GBps: float
+    host_total_GBps: float | None = None
+    latency_us: float = 0.0
+
+    def __post_init__(self) -> None:
+        for name in ("device_link_GBps", "host_link_GBps", "host_total_GBps"):
+            value = getattr(self, name)
+            if (value is not None or name == "host_link_GBps") and not (isinstance(value, int | float) and value > 0):
+                raise ValueError(f"TopologyModel({name}={value!r}): a bandwidth must be a number > 0 (GB/s).")
+        if self.latency_us < 0:
+            raise ValueError(f"TopologyModel(latency_us={self.latency_us!r}): a latency must be >= 0 (microseconds).")
+
+    def _per_byte(self, per_device: float, through_host: float) -> float:
+        """Seconds per byte when each device moves ``per_device`` bytes and the host side ``through_host``."""
+        own = per_device / (self.host_link_GBps * 1e9)
+        shared = through_host / (self.host_total_GBps * 1e9) if self.host_total_GBps else 0.0
+        return max(own, shared)
+
+    def _ring_round(self, n: int) -> tuple[float, float]:
+        """(latency, seconds per byte of ``P``) of one ring round: every device sends ``P/n`` to the next."""
+        alpha = self.latency_us * 1e-6
+        if self.device_link_GBps is None:  # up to the host and down again: n messages of P/n cross it
+            return 2 * alpha, self._per_byte(1 / n, 1.0)
+        return alpha, 1 / (n * self.device_link_GBps * 1e9)
+
+    def mirrored_seconds(self, param_bytes: float, n: int) -> float:
+        """Ring all-reduce: ``2(n-1)`` rounds, each moving ``P/n`` per device."""
+        if n <= 1:
+            return 0.0
+        alpha, per_byte = self._ring_round(n)
+        return 2 * (n - 1) * (alpha + param_bytes * per_byte)
+
+    def central_seconds(self, param_bytes: float, n: int) -> float:
+        """A pull of ``P`` to every device, then a push of ``P`` from every device, all through one host."""
+        return 2 * (self.latency_us * 1e-6 + param_bytes * self._per_byte(1.0, n))
+
+    def parameter_server_seconds(self, param_bytes: float, n: int, shards: int) -> float:
+        """A pull and a push of ``P`` per worker, ``P/k`` from each shard; the ``k`` shards serve in parallel."""
+        return 2 * (self.latency_us * 1e-6 + param_bytes * self._per_byte(1.0, n / shards))
+
+    def seconds(self, traffic: StepTraffic) -> float:
+        """The model's communication time for a measured step (its parameter bytes, replicas and owners)."""
+        p, n = traffic.param_bytes, traffic.replicas
+        if traffic.pattern == "local":
+            return 0.0
+        if traffic.pattern == "all-reduce":
+            return self.mirrored_seconds(p, n)
+        if traffic.pattern == "central":
+            return self.central_seconds(p, n)
+        return self.parameter_server_seconds(p, n, len(traffic.owner_bytes))
+
+    def crossover_bytes(self, n: int) -> float:
+        """The parameter bytes below which central storage is faster than mirrored (0: never; inf: always).
+
+        Both times are ``latency terms + P x per-byte cost``, so they cross at most once:
+        mirrored pays ``2(n-1)`` round latencies, central storage 2.
+        """
+        if n <= 1:
+            return 0.0  # one device: mirrored sends nothing
+        alpha, per_byte = self._ring_round(n)
+        extra_latency = (n - 1) * alpha - self.latency_us * 1e-6  # mirrored's, beyond central's
+        cheaper = self._per_byte(1.0, n) - (n - 1) * per_byte  # central's bytes cost this much more
+        if cheaper <= 0:
+            return float("inf") if extra_latency >= 0 else 0.0
+        return max(extra_latency / cheaper, 0.0)
