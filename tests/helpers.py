@@ -1,4 +1,4 @@
-"""Test helpers: fresh processes with their own device count, tree comparison."""
+"""Test helpers: fresh processes with their own device count, tree comparison, recompilation check."""
 
 from __future__ import annotations
 
@@ -36,3 +36,22 @@ def tree_allclose(actual, expected, rtol: float = RTOL, atol: float = ATOL) -> N
     jax.tree.map(
         lambda a, e: np.testing.assert_allclose(np.asarray(a), np.asarray(e), rtol=rtol, atol=atol), actual, expected
     )
+
+
+def assert_steps_compile_once(strategy, loss_fn, params, dataset) -> None:
+    """The first step compiles; the second and third (same shapes) compile nothing."""
+    import optax
+
+    import parallelkit as pk
+
+    step, state = strategy.step(loss_fn), strategy.init(params, optax.adam(1e-3))
+    first, second, third = pk.data.batches(dataset, 64, steps=3)
+    with pk.inspect.count_compilations() as compiles:
+        state, _ = step(state, first)
+        jax.block_until_ready(state)
+    assert len(compiles) >= 1
+    with pk.inspect.count_compilations() as compiles:
+        state, _ = step(state, second)
+        state, _ = step(state, third)
+        jax.block_until_ready(state)
+    assert compiles == []

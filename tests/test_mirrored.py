@@ -6,7 +6,7 @@ import jax
 import numpy as np
 import optax
 import pytest
-from helpers import tree_allclose
+from helpers import assert_steps_compile_once, tree_allclose
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -74,19 +74,7 @@ def test_describe_reports_full_copies(backend, mlp):
 @pytest.mark.parametrize("make", [pk.SingleDevice, *(lambda b=b: pk.Mirrored(backend=b) for b in BACKENDS)])
 def test_second_step_does_not_recompile(make, mlp, digits):
     loss_fn, params = mlp
-    strategy = make()
-    step = strategy.step(loss_fn)
-    state = strategy.init(params, optax.adam(1e-3))
-    first, second, third = pk.data.batches(digits, 64, steps=3)
-    with pk.inspect.count_compilations() as compiles:
-        state, _ = step(state, first)
-        jax.block_until_ready(state)
-    assert len(compiles) >= 1
-    with pk.inspect.count_compilations() as compiles:
-        state, _ = step(state, second)
-        state, _ = step(state, third)
-        jax.block_until_ready(state)
-    assert compiles == []
+    assert_steps_compile_once(make(), loss_fn, params, digits)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -6,7 +6,7 @@ import jax
 import numpy as np
 import optax
 import pytest
-from helpers import tree_allclose
+from helpers import assert_steps_compile_once, tree_allclose
 
 import parallelkit as pk
 from parallelkit.strategies.parameter_server import Partition, Sharded
@@ -165,18 +165,7 @@ def test_unreplicate_gives_back_the_original_tree(mlp):
 
 def test_second_step_does_not_recompile(mlp, digits):
     loss_fn, params = mlp
-    strategy = pk.ParameterServer(3, mode="async", staleness=2)
-    step, state = strategy.step(loss_fn), strategy.init(params, optax.adam(1e-3))
-    first, second, third = pk.data.batches(digits, 64, steps=3)
-    with pk.inspect.count_compilations() as compiles:
-        state, _ = step(state, first)
-        jax.block_until_ready(state)
-    assert len(compiles) >= 1
-    with pk.inspect.count_compilations() as compiles:
-        state, _ = step(state, second)
-        state, _ = step(state, third)
-        jax.block_until_ready(state)
-    assert compiles == []
+    assert_steps_compile_once(pk.ParameterServer(3, mode="async", staleness=2), loss_fn, params, digits)
 
 
 def test_repr():

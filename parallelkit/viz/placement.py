@@ -226,6 +226,19 @@ def partition_figure(partition: Partition, devices: Sequence[int] | None = None,
     return fig
 
 
+def annotate_bar(ax, bar, text: str) -> None:
+    """Write ``text`` just above a bar of a bar chart."""
+    ax.annotate(
+        text,
+        (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+        xytext=(0, 2),
+        textcoords="offset points",
+        ha="center",
+        va="bottom",
+        fontsize=8,
+    )
+
+
 def collectives_figure(
     found: Sequence[Collective],
     gradient_bytes: int | None = None,
@@ -251,15 +264,7 @@ def collectives_figure(
     bars = ax.bar(range(len(ops)), heights, color="tab:blue", width=0.6)
     for bar, op in zip(bars, ops, strict=True):
         size, count = summary[op]["bytes"], summary[op]["count"]
-        ax.annotate(
-            f"{format_bytes(size)} = {size:,} B\n{count} op{'s' * (count != 1)}",
-            (bar.get_x() + bar.get_width() / 2, bar.get_height()),
-            xytext=(0, 2),
-            textcoords="offset points",
-            ha="center",
-            va="bottom",
-            fontsize=8,
-        )
+        annotate_bar(ax, bar, f"{format_bytes(size)} = {size:,} B\n{count} op{'s' * (count != 1)}")
     ax.set_xticks(range(len(ops)), ops)
     ax.set_xlim(-0.75, max(len(ops), 1) - 0.25)
     ax.set_ylabel("bytes per device, per step")

@@ -19,6 +19,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 from matplotlib.figure import Figure
 
+from .placement import annotate_bar
+
 if TYPE_CHECKING:
     from ..widgets.live import RaceStandings
 
@@ -59,15 +61,7 @@ def race_figure(standings: RaceStandings, title: str = "") -> Figure:
     bars = axes[0].bar(x, median_ms, color=colors, width=0.6)
     for bar, r in zip(bars, rows, strict=True):
         if r.ratio_to_reference == r.ratio_to_reference:
-            axes[0].annotate(
-                f"x{r.ratio_to_reference:.2f}",
-                (bar.get_x() + bar.get_width() / 2, bar.get_height()),
-                xytext=(0, 2),
-                textcoords="offset points",
-                ha="center",
-                va="bottom",
-                fontsize=8,
-            )
+            annotate_bar(axes[0], bar, f"x{r.ratio_to_reference:.2f}")
     axes[0].set_ylabel("median step time (ms)")
     axes[0].set_title(f"step time (x = ratio to {standings.reference})", fontsize=9)
 
