@@ -34,7 +34,7 @@ import jax
 import numpy as np
 import optax
 
-from .strategies.base import PyTree, Strategy, TrainState
+from .strategies.base import PyTree, Strategy, TrainState, path_label
 
 if TYPE_CHECKING:
     import orbax.checkpoint as ocp
@@ -69,15 +69,8 @@ def host_step(strategy: Strategy, state: TrainState) -> int:
 
 def _leaf_table(tree: PyTree) -> dict[str, tuple[tuple[int, ...], str]]:
     """``{"params/head/kernel": (shape, dtype)}``: a tree's leaves, with paths as orbax's metadata spells them."""
-
-    def name(key) -> str:
-        for attr in ("key", "name", "idx"):
-            if hasattr(key, attr):
-                return str(getattr(key, attr))
-        return str(key)
-
     return {
-        "/".join(name(k) for k in path): (tuple(leaf.shape), str(np.dtype(leaf.dtype)))
+        path_label(path): (tuple(leaf.shape), str(np.dtype(leaf.dtype)))
         for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]
     }
 

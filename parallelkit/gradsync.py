@@ -33,12 +33,16 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from .axes import DATA
-from .strategies.base import Batch, LossFn, PyTree, Strategy, TrainState, _loss_with_aux, check_divisible
-
-
-def path_label(path) -> str:
-    """A key path in slash form: ``('hidden', 'kernel')`` -> ``'hidden/kernel'``."""
-    return "/".join(str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in path)
+from .strategies.base import (
+    Batch,
+    LossFn,
+    PyTree,
+    Strategy,
+    TrainState,
+    _loss_with_aux,
+    check_divisible,
+    path_label,
+)
 
 
 @dataclass(frozen=True)

@@ -114,6 +114,24 @@ def check_divisible(batch: Batch, replicas: int) -> int:
     return size // replicas
 
 
+def put_batch(batch: Batch, sharding: jax.sharding.Sharding, replicas: int) -> Batch:
+    """``jax.device_put`` of the global batch onto ``sharding``, with a clear error when it does not split.
+
+    The divisibility check runs only when ``device_put`` refuses, keeping the
+    per-step path as short as a hand-written one; it raises the clear error.
+    """
+    try:
+        return jax.device_put(batch, sharding)
+    except ValueError:
+        check_divisible(batch, replicas)
+        raise
+
+
+def path_label(path: tuple) -> str:
+    """A key path in slash form: ``(DictKey('hidden'), DictKey('kernel'))`` -> ``'hidden/kernel'``."""
+    return jax.tree_util.keystr(path, simple=True, separator="/")
+
+
 def _loss_with_aux(loss_fn: LossFn) -> Callable[[PyTree, Batch], tuple[jax.Array, dict]]:
     def wrapped(params, batch):
         out = loss_fn(params, batch)

@@ -30,7 +30,7 @@ from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 
 from ..axes import DATA
-from .base import Batch, LossFn, PyTree, Step, Strategy, TrainState, _loss_with_aux, check_divisible, create_state
+from .base import Batch, LossFn, PyTree, Step, Strategy, TrainState, _loss_with_aux, create_state, put_batch
 
 HOST_MEMORY = "pinned_host"
 
@@ -139,11 +139,7 @@ class OffDeviceStrategy(Strategy):
 
     def place_batch(self, batch: Batch) -> Batch:
         """Send each slice of the global batch to its worker (a clear error when it does not split)."""
-        try:
-            return jax.device_put(batch, self.batch_sharding)
-        except ValueError:
-            check_divisible(batch, self.num_replicas)
-            raise
+        return put_batch(batch, self.batch_sharding, self.num_replicas)
 
 
 class CentralStorage(OffDeviceStrategy):

@@ -34,6 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import struct
+from jax.sharding import SingleDeviceSharding
 
 from .base import Batch, LossFn, PyTree, Step, TrainState, check_same_tree
 from .central import (
@@ -220,16 +221,8 @@ class ParameterServer(OffDeviceStrategy):
         )
 
     def step(self, loss_fn: LossFn) -> Step:
-        updates = [
-            jax.jit(
-                functools.partial(_shard_update, compute=compute_sharding(where)),
-                static_argnums=0,
-                in_shardings=(where, where, where, compute_sharding(where), compute_sharding(where)),
-                out_shardings=(where, where, where, compute_sharding(where)),
-                donate_argnums=(2, 3),
-            )
-            for where in self.shard_storage
-        ]
+        updates = [_shard_update_program(where) for where in self.shard_storage]
+        computes = [compute_sharding(where) for where in self.shard_storage]  # built once, not every step
 
         def flat_loss(shards: Sharded, batch: Batch):
             return loss_fn(shards.partition.join(shards.shards), batch)
@@ -239,8 +232,8 @@ class ParameterServer(OffDeviceStrategy):
 
         def push_update(state: TrainState, grads: Sharded, metrics: dict):
             new = []
-            for j, (update, where) in enumerate(zip(updates, self.shard_storage, strict=True)):
-                rows, mets = jax.device_put((grads.shards[j], metrics if j == 0 else {}), compute_sharding(where))
+            for j, (update, where, compute) in enumerate(zip(updates, self.shard_storage, computes, strict=True)):
+                rows, mets = jax.device_put((grads.shards[j], metrics if j == 0 else {}), compute)
                 step = state.step if j == 0 else jax.device_put(state.step, where)
                 new.append(update(state.tx, step, state.params.shards[j], state.opt_state[j], rows, mets))
             params = Sharded(tuple(n[1] for n in new), state.params.partition)
@@ -263,6 +256,18 @@ class ParameterServer(OffDeviceStrategy):
     def __repr__(self) -> str:
         extra = f", staleness={self.staleness}" if self.mode == "async" else ""
         return f"ParameterServer(num_shards={self.num_shards}, mode={self.mode!r}{extra}, workers={self.num_replicas})"
+
+
+def _shard_update_program(where: SingleDeviceSharding):
+    """The compiled update of the shard stored at ``where``: (tx, step, params, opt_state, rows, metrics) in."""
+    compute = compute_sharding(where)
+    return jax.jit(
+        functools.partial(_shard_update, compute=compute),
+        static_argnums=0,
+        in_shardings=(where, where, where, compute, compute),
+        out_shardings=(where, where, where, compute),
+        donate_argnums=(2, 3),
+    )
 
 
 def _shard_update(tx, step, params, opt_state, rows, metrics, *, compute):
