@@ -32,6 +32,7 @@ from .timing import scaling_efficiency as scaling_efficiency
 from .training import Callback as Callback
 from .training import FitResult as FitResult
 from .training import History as History
+from .training import NonFiniteLossError as NonFiniteLossError
 from .training import StepRecord as StepRecord
 from .training import fit as fit
 

@@ -1,10 +1,13 @@
 """Command line: ``python -m parallelkit tour [--devices N] [--model mlp|cnn] [--steps K]``,
-``python -m parallelkit launch --processes 2 --devices-per-process 2 script.py [args]``."""
+``python -m parallelkit launch --processes 2 --devices-per-process 2 script.py [args]``,
+``python -m parallelkit lab [jupyter lab options]``."""
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+from collections.abc import Mapping, Sequence
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -28,11 +31,24 @@ def _parser() -> argparse.ArgumentParser:
     launch.add_argument("--host", default="127.0.0.1", help="coordinator address (loopback by default)")
     launch.add_argument("script")
     launch.add_argument("script_args", nargs=argparse.REMAINDER)
+    commands.add_parser(
+        "lab",
+        help="open the course in JupyterLab (as root too; without a display it prints the URL with its token); "
+        "other options go to `jupyter lab`",
+    )
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    args, extra = _parser().parse_known_args(argv)
+    if args.command == "lab":
+        command = lab_command(extra)
+        if "--no-browser" in command:
+            print("No display here: open the URL Jupyter prints below (it carries the token) in a browser.")
+        sys.stdout.flush()
+        os.execv(sys.executable, command)  # Jupyter takes over this process
+    if extra:
+        _parser().error(f"unrecognized arguments: {' '.join(extra)}")
     if args.command == "launch":
         return _launch(args)
     import parallelkit as pk
@@ -62,6 +78,29 @@ def _launch(args: argparse.Namespace) -> int:
         print(f"parallelkit launch: {err}", file=sys.stderr)
         return 1
     return 0
+
+
+def lab_command(
+    extra: Sequence[str] = (), *, env: Mapping[str, str] | None = None, euid: int | None = None
+) -> list[str]:
+    """The ``jupyter lab`` command line that ``make lab`` runs, fitted to this machine.
+
+    As root (containers, cloud machines) Jupyter refuses to start without
+    ``--allow-root``; without a display (SSH, a container, CI) there is no browser to
+    open, so Jupyter only prints the URL with its token (``--no-browser``).
+
+    >>> lab_command(env={"DISPLAY": ":0"}, euid=0)[-1]
+    '--allow-root'
+    """
+    env = os.environ if env is None else env
+    euid = os.geteuid() if euid is None and hasattr(os, "geteuid") else euid
+    notebooks = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "notebooks")
+    command = [sys.executable, "-m", "jupyterlab", notebooks if os.path.isdir(notebooks) else "notebooks"]
+    if euid == 0:
+        command.append("--allow-root")
+    if sys.platform.startswith("linux") and not (env.get("DISPLAY") or env.get("WAYLAND_DISPLAY")):
+        command.append("--no-browser")
+    return [*command, *extra]
 
 
 if __name__ == "__main__":

@@ -5,6 +5,20 @@ that every multi-device program runs unchanged. The count is fixed when JAX
 starts its backends (the first computation, or the first ``jax.devices()``), so
 :func:`simulate_devices` must run before that; afterwards it raises instead of
 being silently ignored, which is what happens to a late ``XLA_FLAGS``.
+
+Why simulated devices need more threads than cores. XLA's CPU client runs every
+device's work on one thread pool of ``max(cores, devices)`` threads. Each call of a
+multi-device program puts one task per device on that pool, and a task blocks its
+thread when its device already has 32 programs queued (XLA's
+``max_inflight_computations_per_device``). A plain loop that dispatches steps
+faster than 2 cores run them reaches that limit: the N tasks of step k+32 then hold
+the pool's threads while step k's N participants wait for threads to reach their
+all-reduce, and XLA aborts the process after 40 s ("Termination timeout for all
+reduce ... only 7 of them arrived"). A pool of at least ``2 x devices`` threads
+always leaves room for the running step, so :func:`simulate_devices` sizes it so
+(the ``PJRT_NPROC`` variable, read when the backend starts). ``pk.Step`` also keeps
+at most 8 steps in flight on CPU devices, which protects the library's own loop
+even where the pool could not be sized.
 """
 
 from __future__ import annotations
@@ -17,6 +31,7 @@ from dataclasses import dataclass
 import jax
 
 _FORCE_COUNT_FLAG = "--xla_force_host_platform_device_count"
+_POOL_SIZE_VAR = "PJRT_NPROC"  # threads of XLA's CPU client pool; the core count by default
 
 
 class DeviceCountError(RuntimeError):
@@ -63,12 +78,30 @@ def simulate_devices(n: int) -> list[jax.Device]:
                 "before anything else touches JAX."
             )
         return jax.devices()
-    os.environ["XLA_FLAGS"] = f"{_strip_force_count(os.environ.get('XLA_FLAGS', ''))} {_FORCE_COUNT_FLAG}={n}".strip()
-    jax.config.update("jax_num_cpu_devices", n)
+    configure_cpu_devices(n)
     devices = jax.devices()
     if devices[0].platform == "cpu" and len(devices) != n:
         raise DeviceCountError(f"Asked for {n} simulated CPU devices but JAX made {len(devices)}.")
     return devices
+
+
+def configure_cpu_devices(n: int) -> None:
+    """Before JAX starts: ``n`` CPU devices, and a CPU thread pool large enough for them.
+
+    Sets the device count for this process (``jax_num_cpu_devices``) and for its
+    subprocesses (``XLA_FLAGS``), and raises ``PJRT_NPROC`` to ``2 n`` where the core
+    count is smaller (never lowers it, and keeps a value the user set). See the module
+    docstring for why a loop on simulated devices needs the threads.
+    """
+    os.environ["XLA_FLAGS"] = f"{_strip_force_count(os.environ.get('XLA_FLAGS', ''))} {_FORCE_COUNT_FLAG}={n}".strip()
+    if 2 * n > _cores() and _POOL_SIZE_VAR not in os.environ:
+        os.environ[_POOL_SIZE_VAR] = str(2 * n)
+    jax.config.update("jax_num_cpu_devices", n)
+
+
+def _cores() -> int:
+    """The cores this process may run on (XLA's default pool size)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def resolve_devices(devices: int | Sequence[jax.Device] | None = None) -> list[jax.Device]:

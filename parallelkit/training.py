@@ -22,7 +22,11 @@ many) and ``steps`` still counts from the start of the run.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import math
+import signal
+import threading
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -35,7 +39,7 @@ import optax
 
 from .checkpoint import Checkpoints, host_step
 from .devices import device_summary
-from .strategies.base import Batch, LossFn, PyTree, Strategy, TrainState, batch_size
+from .strategies.base import DONATED_STATE, Batch, LossFn, PyTree, Strategy, TrainState, batch_size, is_deleted
 from .timing import StepTimes
 
 log = logging.getLogger(__name__)
@@ -127,6 +131,7 @@ def fit(
     checkpoint_every: int = 100,
     checkpoint_keep: int | None = 3,
     resume: bool = False,
+    check_finite: bool = True,
 ) -> FitResult:
     """Train ``params`` with ``strategy`` on global ``batches``; record loss, metrics and timing.
 
@@ -146,17 +151,28 @@ def fit(
       checkpoint_keep: how many checkpoints to keep (``None``: all).
       resume: restore the newest checkpoint in ``checkpoint_dir`` onto ``strategy``
         and continue from it, skipping the batches it had consumed.
+      check_finite: stop with :class:`NonFiniteLossError` when the loss becomes NaN or infinite.
 
     Returns:
       A :class:`FitResult`. Interrupting the kernel (KeyboardInterrupt) ends the run
       early and returns what was trained so far with ``interrupted=True``, so no
-      work is lost (and saves a checkpoint of it, with ``checkpoint_dir``).
+      work is lost (and saves a checkpoint of it, with ``checkpoint_dir``). The
+      interrupt is held back while a step is being dispatched, so the state returned
+      is always the complete result of the last step.
+
+    An exception from a callback or from the data ends the run too: it is raised as
+    it was, with the state of the last completed step checkpointed (with
+    ``checkpoint_dir``) and attached as ``err.fit_result`` (a :class:`FitResult`).
+
+    The ``state`` passed in is consumed: its buffers are donated to the first step.
+    Continue from ``result.state``; passing a consumed state again is a ``ValueError``.
 
     Raises:
       ValueError: ``resume`` without ``checkpoint_dir`` or together with ``state``;
         ``batches`` shorter than what the checkpoint had consumed; or, without
         ``resume``, a ``checkpoint_dir`` that already holds another run's checkpoints.
       FileNotFoundError: ``resume=True`` but ``checkpoint_dir`` holds no checkpoint.
+      NonFiniteLossError: the loss became NaN or infinite (the message names the step).
     """
     if resume and checkpoint_dir is None:
         raise ValueError(
@@ -176,6 +192,10 @@ def fit(
         if ckpt:
             ckpt.close()
         raise
+    if state is not None and any(is_deleted(x) for x in jax.tree.leaves(state)):
+        if ckpt:
+            ckpt.close()
+        raise ValueError(f"fit(state=...): {DONATED_STATE}")
     info = RunInfo(repr(strategy), strategy.num_replicas, total, device_summary().simulated)
     state = strategy.init(params, tx) if state is None else state
     step = strategy.step(loss_fn)
@@ -185,17 +205,32 @@ def fit(
     for cb in callbacks:
         cb.on_train_begin(info)
     interrupted = False
+    dispatched: tuple | None = None  # the step whose state is bound but not yet recorded
+
+    def finish() -> StepRecord:
+        """Wait for the dispatched step, then record it: its state is the run's state from here on."""
+        nonlocal dispatched
+        i, start, metrics, size = dispatched
+        jax.block_until_ready((state, metrics))
+        record = StepRecord(i, {k: float(v) for k, v in metrics.items()}, time.perf_counter() - start, i == 1)
+        history.batch_size = size
+        history.records.append(record)
+        dispatched = None
+        return record
+
     try:
         try:
             for i, batch in enumerate(batches, start=1):
                 start = time.perf_counter()
-                # Rebind at once: the old state is donated to the step, so it must not be what we keep.
-                state, metrics = step(state, batch)
-                jax.block_until_ready((state, metrics))
-                seconds = time.perf_counter() - start
-                history.batch_size = batch_size(batch)
-                record = StepRecord(i, {k: float(v) for k, v in metrics.items()}, seconds, compiled=i == 1)
-                history.records.append(record)
+                with _interrupts_deferred():  # between the old state's donation and the new one's binding
+                    state, metrics = step(state, batch)
+                    dispatched = (i, start, metrics, batch_size(batch))
+                record = finish()
+                if check_finite and not math.isfinite(record.loss):
+                    raise NonFiniteLossError(
+                        f"The loss became {record.loss} at step {first + i} of the run. Lower the learning rate, "
+                        "check the data for NaN or infinite values, or pass check_finite=False to keep going."
+                    )
                 if ckpt and ckpt.should_save(first + i):  # after the clock: saving is not the step's time
                     ckpt.save(state, strategy, batches=consumed + i)
                     saved = first + i
@@ -203,7 +238,26 @@ def fit(
                     cb.on_step_end(record)
         except KeyboardInterrupt:
             interrupted = True
+            if dispatched is not None:  # interrupted while waiting for a step: its state is the one we hold
+                finish()
             log.warning("fit interrupted after %d steps; returning the state so far.", len(history.records))
+        except Exception as err:
+            # The state of the last completed step is intact (the step rebinds it at once):
+            # save it unless it is what went wrong, and hand it over with the error.
+            if dispatched is not None:
+                with contextlib.suppress(Exception):  # a step that failed on the device leaves nothing to keep
+                    finish()
+            done = len(history.records)
+            if ckpt and not isinstance(err, NonFiniteLossError) and saved != first + done:
+                ckpt.save(state, strategy, batches=consumed + done, force=True)
+                saved = first + done
+            err.fit_result = FitResult(state, history, strategy, True, resumed_from)
+            err.add_note(
+                f"pk.fit stopped after {done} completed steps; the state after the last one is in this "
+                "exception's `fit_result` attribute"
+                + (f", and checkpointed at step {saved} in {ckpt.directory}." if ckpt and saved else ".")
+            )
+            raise
         if ckpt and saved != first + len(history.records):  # the final state too, whatever its step
             ckpt.save(state, strategy, batches=consumed + len(history.records), force=True)
     finally:  # also on a crash: what was saved stays saved
@@ -212,6 +266,32 @@ def fit(
     for cb in callbacks:
         cb.on_train_end(history, interrupted)
     return FitResult(state, history, strategy, interrupted, resumed_from)
+
+
+class NonFiniteLossError(FloatingPointError):
+    """The loss became NaN or infinite during :func:`fit` (turn the check off with ``check_finite=False``)."""
+
+
+@contextlib.contextmanager
+def _interrupts_deferred():
+    """Hold back a KeyboardInterrupt (SIGINT) until the block ends, then raise it.
+
+    Around the step call: an interrupt between the step consuming the old state and
+    the new state being bound would leave nothing usable. Dispatch is quick, so the
+    interrupt is late by milliseconds (by the compile time on the first step).
+    Signal handlers belong to the main thread; elsewhere nothing changes.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    caught: list[int] = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: caught.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if caught:
+        raise KeyboardInterrupt
 
 
 def _restore_or_check(

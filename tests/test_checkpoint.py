@@ -106,13 +106,20 @@ def test_resume_after_a_killed_process_equals_an_uninterrupted_run(mlp, digits, 
 def test_resume_after_an_exception_equals_an_uninterrupted_run(make, mlp, digits, tmp_path):
     loss_fn, params = mlp
     strategy = make()
-    with pytest.raises(RuntimeError, match="crash at step 5"):
+    with pytest.raises(RuntimeError, match="crash at step 5") as raised:
         pk.fit(strategy, loss_fn, params, optax.adam(LR), batches(digits), callbacks=[CrashAt(5)],
                checkpoint_dir=tmp_path, checkpoint_every=3)  # fmt: skip
-    assert pk.checkpoint.Checkpoints(tmp_path).steps() == [3]  # a crash saves nothing more
+    # The callback failed after step 5 completed: that state is saved too, and handed over with the error.
+    assert pk.checkpoint.Checkpoints(tmp_path).steps() == [3, 5]
+    assert "stopped after 5 completed steps" in "".join(raised.value.__notes__)
+    kept = raised.value.fit_result
+    assert kept.interrupted and len(kept.history.records) == 5
     resumed = pk.fit(strategy, loss_fn, params, optax.adam(LR), batches(digits), checkpoint_dir=tmp_path, resume=True)
-    assert resumed.resumed_from == 3 and len(resumed.history.records) == STEPS - 3
+    assert resumed.resumed_from == 5 and len(resumed.history.records) == STEPS - 5
     tree_allclose(resumed.params, uninterrupted(make, mlp, digits)[0], rtol=0, atol=0)
+    # The state in the exception is usable as it is: continuing from it ends on the same parameters.
+    continued = pk.fit(strategy, loss_fn, params, optax.adam(LR), list(batches(digits))[5:], state=kept.state)
+    tree_allclose(continued.params, uninterrupted(make, mlp, digits)[0], rtol=0, atol=0)
 
 
 @pytest.fixture(scope="module")
@@ -192,8 +199,9 @@ def test_a_continued_run_counts_batches_not_steps(mlp, digits, tmp_path):
         pk.fit(pk.SingleDevice(), loss_fn, params, optax.sgd(0.1), data[4:], state=first.state,
                callbacks=[CrashAt(3)], checkpoint_dir=tmp_path, checkpoint_every=2)  # fmt: skip
     ckpt = pk.checkpoint.Checkpoints(tmp_path)
-    assert ckpt.steps() == [6]
-    assert ckpt.restore(pk.SingleDevice(), params, optax.sgd(0.1)).batches == 2
+    assert ckpt.steps() == [6, 7]  # every 2 steps, and the last completed one when the callback failed
+    assert ckpt.restore(pk.SingleDevice(), params, optax.sgd(0.1), step=6).batches == 2
+    assert ckpt.restore(pk.SingleDevice(), params, optax.sgd(0.1)).batches == 3
     resumed = pk.fit(pk.SingleDevice(), loss_fn, params, optax.sgd(0.1), data[4:], checkpoint_dir=tmp_path,
                      resume=True)  # fmt: skip
     tree_allclose(resumed.params, uninterrupted_sgd(mlp, digits), rtol=0, atol=0)

@@ -2,9 +2,17 @@
 
 from __future__ import annotations
 
+import os
 import re
+import subprocess
+import sys
+import tempfile
+import threading
+import time
 import tomllib
+import urllib.request
 
+import pytest
 from helpers import ROOT
 
 
@@ -35,3 +43,69 @@ def test_pyproject_lists_the_stack():
 def test_makefile_test_target_is_pytest():
     makefile = (ROOT / "Makefile").read_text()
     assert re.search(r"^test: setup\n\t\$\(BIN\)/python -m pytest$", makefile, re.M)
+
+
+def test_makefile_lab_target_runs_the_lab_command():
+    makefile = (ROOT / "Makefile").read_text()
+    assert re.search(r"^lab: setup\n\t\$\(BIN\)/python -m parallelkit lab$", makefile, re.M)
+
+
+def test_lab_command_fits_root_and_headless_machines():
+    from parallelkit.__main__ import lab_command
+
+    as_root_headless = lab_command(env={}, euid=0)
+    as_user_with_display = lab_command(env={"DISPLAY": ":0"}, euid=1000)
+    assert "--allow-root" in as_root_headless and "--allow-root" not in as_user_with_display
+    if sys.platform.startswith("linux"):
+        assert "--no-browser" in as_root_headless and "--no-browser" not in as_user_with_display
+    assert as_root_headless[1:4] == ["-m", "jupyterlab", str(ROOT / "notebooks")]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_make_lab_command_starts_a_server_that_answers():
+    """What `make lab` runs, as the CI user (root in CI), without a display: it prints the URL with its
+    token, and that URL answers HTTP 200."""
+    from parallelkit.distributed.launcher import free_port
+
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if k not in ("DISPLAY", "WAYLAND_DISPLAY")}
+    with tempfile.TemporaryDirectory() as home:
+        env.update(JUPYTER_RUNTIME_DIR=home, JUPYTER_CONFIG_DIR=home)  # leave the user's Jupyter files alone
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "parallelkit", "lab", f"--port={port}", "--ServerApp.ip=127.0.0.1"],
+            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        )  # fmt: skip
+        lines: list[str] = []
+        reader = threading.Thread(target=lambda: lines.extend(iter(proc.stdout.readline, "")), daemon=True)
+        reader.start()
+        try:
+            url = _wait_for(lambda: _printed_url(lines, port), proc, seconds=90)
+            assert url, "".join(lines)[-3000:]
+            with urllib.request.urlopen(url, timeout=10) as response:
+                status = response.status
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+            reader.join(timeout=5)
+            proc.stdout.close()
+    assert status == 200
+    assert "No display here" in "".join(lines)
+
+
+def _printed_url(lines: list[str], port: int) -> str | None:
+    found = re.search(rf"http://127\.0\.0\.1:{port}/lab\?token=[0-9a-f]+", "".join(lines))
+    return found.group(0) if found else None
+
+
+def _wait_for(check, proc: subprocess.Popen, seconds: float):
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline and proc.poll() is None:
+        if found := check():
+            return found
+        time.sleep(0.3)
+    return None

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import signal
+
 import jax
 import numpy as np
 import optax
@@ -79,6 +82,52 @@ def test_continuing_from_a_state_equals_one_long_run(mlp, digits):
     whole = pk.fit(strategy, loss_fn, params, tx, batches)
     assert int(strategy.unreplicate(rest.state.step)) == 8
     tree_allclose(rest.params, whole.params, rtol=0, atol=0)
+
+
+def test_a_consumed_state_is_refused_with_a_sentence(mlp, digits, batch):
+    loss_fn, params = mlp
+    for strategy in (pk.SingleDevice(), pk.Mirrored(2), pk.Mirrored(2, backend="pmap"), pk.CentralStorage(2)):
+        first = pk.fit(strategy, loss_fn, params, optax.sgd(0.1), pk.data.batches(digits, 64, steps=2))
+        pk.fit(strategy, loss_fn, params, optax.sgd(0.1), pk.data.batches(digits, 64, steps=2), state=first.state)
+        with pytest.raises(ValueError, match="already consumed by a training step"):  # first.state was donated
+            pk.fit(strategy, loss_fn, params, optax.sgd(0.1), pk.data.batches(digits, 64, steps=2), state=first.state)
+        step, state = strategy.step(loss_fn), strategy.init(params, optax.sgd(0.1))
+        step(state, batch)
+        with pytest.raises(ValueError, match="already consumed"):  # pmap would crash the process on it
+            step(state, batch)
+
+
+def test_a_non_finite_loss_stops_fit_naming_the_step(mlp, digits):
+    loss_fn, params = mlp
+    huge = optax.sgd(1e30)  # the parameters overflow on the first update; step 2's loss is not finite
+    with pytest.raises(pk.NonFiniteLossError, match="at step 2 of the run") as raised:
+        pk.fit(pk.Mirrored(2), loss_fn, params, huge, pk.data.batches(digits, 64, steps=5))
+    assert len(raised.value.fit_result.history.records) == 2
+    unchecked = pk.fit(pk.Mirrored(2), loss_fn, params, huge, pk.data.batches(digits, 64, steps=5), check_finite=False)
+    assert len(unchecked.history.records) == 5 and not np.isfinite(unchecked.history.losses[-1])
+
+
+@pytest.mark.skipif(not hasattr(signal, "SIGALRM"), reason="needs SIGALRM")
+def test_an_interrupt_during_dispatch_waits_for_the_step_to_be_bound(mlp, digits):
+    """A Ctrl-C that lands while the step is being dispatched is held back until the new state is bound."""
+    loss_fn, params = mlp
+
+    class InterruptDuringNextStep(pk.Callback):
+        def on_step_end(self, record):
+            if record.step == 2:  # the signal arrives inside the next step call
+                signal.setitimer(signal.ITIMER_REAL, 1e-4)
+
+    previous = signal.signal(signal.SIGALRM, lambda *_: os.kill(os.getpid(), signal.SIGINT))
+    try:
+        result = pk.fit(pk.Mirrored(2), loss_fn, params, optax.sgd(0.1), pk.data.batches(digits, 64, steps=50),
+                        callbacks=[InterruptDuringNextStep()])  # fmt: skip
+    finally:
+        signal.signal(signal.SIGALRM, previous)
+    assert result.interrupted and 2 <= len(result.history.records) < 50
+    assert not any(x.is_deleted() for x in jax.tree.leaves(result.state))
+    continued = pk.fit(pk.Mirrored(2), loss_fn, params, optax.sgd(0.1), pk.data.batches(digits, 64, steps=1),
+                       state=result.state)  # fmt: skip
+    assert int(continued.state.step) == len(result.history.records) + 1
 
 
 def test_loss_without_aux_is_accepted(mlp, batch):

@@ -43,16 +43,20 @@ ENV_INIT_TIMEOUT = "PK_INIT_TIMEOUT"
 ENV_HEARTBEAT_TIMEOUT = "PK_HEARTBEAT_TIMEOUT"
 ENV_SHUTDOWN_TIMEOUT = "PK_SHUTDOWN_TIMEOUT"
 ENV_READY_FILE = "PK_READY_FILE"
+ENV_LAUNCHER_PID = "PK_LAUNCHER_PID"  # each child exits when this process is gone
 
 # TF_CONFIG task types that become JAX processes, in process-id order.
 TF_ROLES = ("chief", "worker", "ps")
 
 # Environment variables by which JAX's own cluster detection recognises a cluster.
+# Kubernetes sets KUBERNETES_SERVICE_HOST in *every* pod (a JupyterHub notebook too),
+# so only a pod of an Indexed Job (what JAX's Kubernetes detection bootstraps from)
+# counts, and it needs both variables.
 _AUTO_MARKERS = {
-    "SLURM_JOB_ID": "SLURM",
-    "OMPI_COMM_WORLD_SIZE": "Open MPI",
-    "KUBERNETES_SERVICE_HOST": "Kubernetes",
-    "TPU_WORKER_HOSTNAMES": "Cloud TPU",
+    ("SLURM_JOB_ID",): "SLURM",
+    ("OMPI_COMM_WORLD_SIZE",): "Open MPI",
+    ("KUBERNETES_SERVICE_HOST", "JOB_COMPLETION_INDEX"): "Kubernetes",
+    ("TPU_WORKER_HOSTNAMES",): "Cloud TPU",
 }
 
 
@@ -226,7 +230,7 @@ def resolve_cluster(
             ) from err
         return _with_devices(spec, "TF_CONFIG", local_devices)
 
-    detected = [name for var, name in _AUTO_MARKERS.items() if var in env]
+    detected = [name for names, name in _AUTO_MARKERS.items() if all(var in env for var in names)]
     if detected:
         return ClusterSpec(None, None, None, f"auto ({', '.join(detected)})", local_devices=local_devices)
     return ClusterSpec(None, 1, 0, "single", local_devices=local_devices)

@@ -17,6 +17,15 @@ JAX's failure modes, and what the launcher does about them:
   The launcher gives every process ``init_timeout`` seconds to join (it touches a
   ready file once ``initialize`` returns) and otherwise names the missing one.
 - anything else that runs past ``timeout``: everything is killed and reported.
+- the launcher itself is stopped (SIGTERM, SIGINT, SIGHUP, an interrupted ``run_local``,
+  a restarted kernel): its children die with it. It kills them on every signal it
+  can catch; on Linux each child also asks the kernel for SIGKILL when the launcher
+  dies (``PR_SET_PDEATHSIG``, see ``_guard.py``), and :func:`parallelkit.distributed.initialize` watches
+  the launcher from every child and exits when it is gone (any OS, even after SIGKILL).
+
+Simulated clusters run on the CPU (``JAX_PLATFORMS=cpu`` in every child), so on a
+machine with one GPU the processes do not fight over it. ``platform="gpu"`` gives
+each process its own GPUs instead (``CUDA_VISIBLE_DEVICES``), the usual multi-GPU layout.
 
 Output is streamed line by line with a ``[p<i>]`` prefix, printed from the calling
 thread (so it lands in the right notebook cell).
@@ -24,6 +33,7 @@ thread (so it lands in the right notebook cell).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
 import queue
@@ -45,6 +55,7 @@ from .cluster import (
     ENV_COORDINATOR,
     ENV_HEARTBEAT_TIMEOUT,
     ENV_INIT_TIMEOUT,
+    ENV_LAUNCHER_PID,
     ENV_LOCAL_DEVICES,
     ENV_NUM_PROCESSES,
     ENV_PROCESS_ID,
@@ -54,6 +65,8 @@ from .cluster import (
 )
 
 TAIL_LINES = 40
+PLATFORMS = ("cpu", "gpu")
+_STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGHUP") if hasattr(signal, name))
 
 
 class LaunchError(RuntimeError):
@@ -156,11 +169,14 @@ def launch(
     env: dict[str, str] | None = None,
     stream: bool = True,
     print_fn: Callable[[str], None] = print,
+    platform: str = "cpu",
 ) -> list[ProcessReport]:
     """Run ``command`` as ``processes`` processes of one local JAX cluster and watch them.
 
-    Each process gets ``devices_per_process`` simulated CPU devices and must call
-    ``pk.distributed.initialize()`` (which reads the launcher's environment).
+    Each process gets ``devices_per_process`` simulated CPU devices (or, with
+    ``platform="gpu"``, that many GPUs of its own) and must call
+    ``pk.distributed.initialize()`` (which reads the launcher's environment). The
+    children never outlive the launcher: see the module docstring.
 
     Args:
       command: the program, for example ``[sys.executable, "train.py", "--steps", "10"]``.
@@ -173,6 +189,9 @@ def launch(
       host: the coordinator's address; loopback unless told otherwise.
       env: extra environment variables for every process.
       stream: print each output line as ``[p<i>] line`` while it runs.
+      platform: ``"cpu"``: simulated CPU devices, ``JAX_PLATFORMS=cpu`` (the default, also on a
+        machine with a GPU); ``"gpu"``: process ``i`` sees GPUs ``i*d .. i*d+d-1`` of this machine
+        (``d = devices_per_process``) through ``CUDA_VISIBLE_DEVICES``.
 
     Returns:
       One :class:`ProcessReport` per process, all with exit code 0.
@@ -183,6 +202,8 @@ def launch(
     """
     if processes < 1 or devices_per_process < 1:
         raise ClusterError(f"Need at least 1 process and 1 device each, got {processes} x {devices_per_process}.")
+    if platform not in PLATFORMS:
+        raise ClusterError(f"launch(platform={platform!r}): choose one of {PLATFORMS}.")
     workdir = Path(tempfile.mkdtemp(prefix="pk-launch-"))
     address = f"{host}:{free_port(host)}"
     base = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # the child sets its own device count
@@ -193,7 +214,7 @@ def launch(
         {
             ENV_COORDINATOR: address,
             ENV_NUM_PROCESSES: str(processes),
-            ENV_LOCAL_DEVICES: str(devices_per_process),
+            ENV_LAUNCHER_PID: str(os.getpid()),
             # A little longer than the launcher's own check, which can name the missing process.
             ENV_INIT_TIMEOUT: str(init_timeout + 5),
             ENV_HEARTBEAT_TIMEOUT: str(heartbeat_timeout),
@@ -201,16 +222,23 @@ def launch(
             "PYTHONUNBUFFERED": "1",
         }
     )
+    if platform == "cpu":
+        base.update({"JAX_PLATFORMS": "cpu", ENV_LOCAL_DEVICES: str(devices_per_process)})
     reports = [ProcessReport(i) for i in range(processes)]
     lines: queue.Queue = queue.Queue()
     procs: list[subprocess.Popen] = []
     readers: list[threading.Thread] = []
     start = time.monotonic()
-    try:
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(_stopped_by_signals(print_fn))
+        stack.callback(shutil.rmtree, workdir, ignore_errors=True)
+        stack.callback(lambda: [_kill(proc) for proc in procs])  # on every way out, also KeyboardInterrupt
         for i in range(processes):
             child_env = {**base, ENV_PROCESS_ID: str(i), ENV_READY_FILE: str(workdir / f"ready-{i}")}
+            if platform == "gpu":
+                child_env["CUDA_VISIBLE_DEVICES"] = _device_range(i, devices_per_process)
             proc = subprocess.Popen(
-                list(command),
+                _dying_with_launcher(command),
                 env=child_env,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,
@@ -222,11 +250,43 @@ def launch(
             readers.append(threading.Thread(target=_reader, args=(i, proc.stdout, lines), daemon=True))
             readers[-1].start()
         _watch(procs, readers, reports, lines, workdir, start, timeout, init_timeout, grace, stream, print_fn)
-    finally:
-        for proc in procs:
-            _kill(proc)
-        shutil.rmtree(workdir, ignore_errors=True)
     return reports
+
+
+def _device_range(index: int, per_process: int) -> str:
+    """``CUDA_VISIBLE_DEVICES`` for process ``index``: its own block of ``per_process`` GPUs."""
+    return ",".join(str(d) for d in range(index * per_process, (index + 1) * per_process))
+
+
+def _dying_with_launcher(command: Sequence[str]) -> list[str]:
+    """``command``, started so that Linux kills it when this launcher dies (see ``_guard.py``)."""
+    if not sys.platform.startswith("linux"):
+        return list(command)
+    return [sys.executable, str(Path(__file__).with_name("_guard.py")), str(os.getpid()), *command]
+
+
+@contextlib.contextmanager
+def _stopped_by_signals(print_fn: Callable[[str], None]):
+    """Turn SIGTERM and SIGHUP into ``SystemExit`` while the cluster runs, so the children are cleaned up.
+
+    Python's default for these signals ends the process without running ``finally``
+    blocks, which would leave the children running. Signal handlers can only be set
+    from the main thread; elsewhere the children's own safeguards remain.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(signum, _frame):
+        print_fn(f"parallelkit launch: stopped by {_signal_name(signum)}; ending the cluster's processes.")
+        raise SystemExit(128 + signum)
+
+    previous = {sig: signal.signal(sig, stop) for sig in _STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def _kill(proc: subprocess.Popen) -> bool:

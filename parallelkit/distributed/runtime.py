@@ -12,6 +12,7 @@ from pathlib import Path
 from .cluster import (
     ENV_HEARTBEAT_TIMEOUT,
     ENV_INIT_TIMEOUT,
+    ENV_LAUNCHER_PID,
     ENV_READY_FILE,
     ENV_SHUTDOWN_TIMEOUT,
     ClusterError,
@@ -91,6 +92,7 @@ def initialize(
         task_index=task_index,
     )
     log.info("parallelkit cluster: %s", spec.describe())
+    _exit_with_launcher()
     if _joined is not None:
         if spec != _joined:
             raise ClusterError(
@@ -102,7 +104,7 @@ def initialize(
     heartbeat = heartbeat_timeout or _env_int(ENV_HEARTBEAT_TIMEOUT, DEFAULT_HEARTBEAT_TIMEOUT)
     shutdown = shutdown_timeout or _env_int(ENV_SHUTDOWN_TIMEOUT, DEFAULT_SHUTDOWN_TIMEOUT)
 
-    from ..devices import _FORCE_COUNT_FLAG, DeviceCountError, _backends_started, simulate_devices
+    from ..devices import DeviceCountError, _backends_started, configure_cpu_devices, simulate_devices
 
     if not spec.is_single_process and _backends_started():
         raise ClusterError(
@@ -124,8 +126,7 @@ def initialize(
     if spec.local_devices:
         # simulate_devices would list the devices, which starts JAX too early for
         # jax.distributed: set the count now, check it once the cluster is up.
-        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_FORCE_COUNT_FLAG}={spec.local_devices}".strip()
-        jax.config.update("jax_num_cpu_devices", spec.local_devices)
+        configure_cpu_devices(spec.local_devices)
     # CPU devices of different processes talk through gloo (it only affects the CPU backend).
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     # JAX aborts (SIGABRT, a C++ log) a few seconds after its own timeout; say why first, and exit cleanly.
@@ -157,6 +158,27 @@ def initialize(
     _exit_at_once_on_uncaught_exceptions()
     _mark("joined")
     return spec
+
+
+def _exit_with_launcher(poll_seconds: float = 0.5) -> None:
+    """Under the parallelkit launcher, end this process as soon as the launcher is gone.
+
+    The launcher kills its children on every signal it can catch, and on Linux the
+    kernel kills them when it dies; this watch covers the rest (SIGKILL of the
+    launcher on other systems, a grandchild). A launcher that died has left this
+    process to another parent, so ``os.getppid()`` no longer names it.
+    """
+    launcher = os.environ.get(ENV_LAUNCHER_PID)
+    if not launcher or any(t.name == "pk-launcher-watch" for t in threading.enumerate()):
+        return
+
+    def watch() -> None:
+        while os.getppid() == int(launcher):
+            threading.Event().wait(poll_seconds)
+        print("parallelkit: the launcher is gone; ending this cluster process.", file=sys.stderr, flush=True)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="pk-launcher-watch", daemon=True).start()
 
 
 def _cluster_did_not_form(spec: ClusterSpec, seconds: float) -> None:

@@ -16,6 +16,7 @@ so ``init`` and ``step`` keep this shape for all of them.
 from __future__ import annotations
 
 import abc
+from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -157,27 +158,71 @@ def train_step(
     return state.apply_gradients(grads), metrics
 
 
+# At most this many steps queued on simulated CPU devices; XLA's own limit is 32 a device,
+# past which a multi-device program can deadlock (see parallelkit.devices).
+MAX_STEPS_IN_FLIGHT = 8
+
+
 class Step:
     """A compiled training step: ``state, metrics = step(state, batch)``.
 
     Places the global host batch the way its strategy wants, then calls the jitted
     (or pmapped) function. ``lower(state, batch)`` gives the lowered program, for
     reading its HLO (see :mod:`parallelkit.inspect`).
+
+    Dispatch stays asynchronous: a call returns before the device finishes, so a
+    plain ``for batch in batches: state, metrics = step(state, batch)`` keeps the
+    devices busy. On several CPU devices the step waits for the one dispatched
+    ``MAX_STEPS_IN_FLIGHT`` calls earlier, so the loop can never queue enough work to
+    deadlock XLA's CPU runtime; on accelerators nothing waits.
+
+    Passing a state that an earlier call already consumed (its buffers are donated
+    to the step) raises a ``ValueError`` that says so.
     """
 
     def __init__(self, fn: Callable, place_batch: Callable[[Batch], Batch], strategy: Strategy):
         self.fn = fn
         self.place_batch = place_batch
         self.strategy = strategy
+        devices = strategy.devices
+        paced = len(devices) > 1 and all(d.platform == "cpu" for d in devices)
+        self._in_flight: deque | None = deque() if paced else None
 
     def __call__(self, state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:
-        return self.fn(state, self.place_batch(batch))
+        # A donated state must never reach the program: pmap crashes the process on one.
+        # Donation deletes every leaf at once, so the step counter tells (a cheap check).
+        if is_deleted(getattr(state, "step", None)):
+            raise ValueError(DONATED_STATE)
+        try:
+            out = self.fn(state, self.place_batch(batch))
+        except (RuntimeError, ValueError) as err:
+            if "deleted" in str(err) and any(is_deleted(x) for x in jax.tree.leaves(state)):
+                raise ValueError(DONATED_STATE) from err
+            raise
+        if self._in_flight is not None:
+            self._in_flight.append(out[1])
+            if len(self._in_flight) > MAX_STEPS_IN_FLIGHT:
+                jax.block_until_ready(self._in_flight.popleft())
+        return out
 
     def lower(self, state: TrainState, batch: Batch):
         return self.fn.lower(state, self.place_batch(batch))
 
     def __repr__(self) -> str:
         return f"Step({self.strategy!r})"
+
+
+DONATED_STATE = (
+    "This state was already consumed by a training step: the step donates its input state's buffers "
+    "to the new state, so the old arrays are deleted. Use the state the step (or pk.fit's result) "
+    "returned, as in `state, metrics = step(state, batch)`, or keep a copy made before the step "
+    "(`jax.tree.map(jnp.copy, state)`)."
+)
+
+
+def is_deleted(leaf: Any) -> bool:
+    """Whether ``leaf`` is a JAX array whose buffers were donated or deleted."""
+    return isinstance(leaf, jax.Array) and leaf.is_deleted()
 
 
 @dataclass(frozen=True)
