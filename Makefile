@@ -28,6 +28,7 @@ tour: setup
 bench: setup
 	$(BIN)/python benchmarks/overhead.py
 	$(BIN)/python benchmarks/strategies.py
+	$(BIN)/python benchmarks/cpu_pool.py
 
 lint: setup
 	$(BIN)/ruff check . && $(BIN)/ruff format --check .
