@@ -29,6 +29,7 @@ bench: setup
 	$(BIN)/python benchmarks/overhead.py
 	$(BIN)/python benchmarks/strategies.py
 	$(BIN)/python benchmarks/cpu_pool.py
+	$(BIN)/python benchmarks/dashboard.py
 
 lint: setup
 	$(BIN)/ruff check . && $(BIN)/ruff format --check .

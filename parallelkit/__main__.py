@@ -24,11 +24,19 @@ def _parser() -> argparse.ArgumentParser:
         help="run a script as a local multi-process JAX cluster (each process calls pk.distributed.initialize())",
     )
     launch.add_argument("--processes", type=int, default=2)
-    launch.add_argument("--devices-per-process", type=int, default=2, help="simulated CPU devices per process")
+    launch.add_argument(
+        "--devices-per-process", type=int, default=2, help="simulated CPU devices (or GPUs) per process"
+    )
     launch.add_argument("--timeout", type=float, default=600, help="seconds for the whole run")
     launch.add_argument("--init-timeout", type=int, default=20, help="seconds each process has to join")
     launch.add_argument("--heartbeat-timeout", type=int, default=10, help="seconds before a silent peer is dead")
     launch.add_argument("--host", default="127.0.0.1", help="coordinator address (loopback by default)")
+    launch.add_argument(
+        "--platform",
+        choices=("cpu", "gpu"),
+        default="cpu",
+        help="cpu: simulated CPU devices (default); gpu: each process gets its own GPUs (CUDA_VISIBLE_DEVICES)",
+    )
     launch.add_argument("script")
     launch.add_argument("script_args", nargs=argparse.REMAINDER)
     commands.add_parser(
@@ -73,6 +81,7 @@ def _launch(args: argparse.Namespace) -> int:
             init_timeout=args.init_timeout,
             heartbeat_timeout=args.heartbeat_timeout,
             host=args.host,
+            platform=args.platform,
         )
     except LaunchError as err:
         print(f"parallelkit launch: {err}", file=sys.stderr)

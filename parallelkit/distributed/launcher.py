@@ -391,7 +391,7 @@ def run_local(
       processes, devices_per_process: the cluster's shape.
       args, kwargs: passed to ``fn``.
       **launch_options: ``timeout``, ``init_timeout``, ``heartbeat_timeout``, ``grace``,
-        ``host``, ``env``, ``stream`` as for :func:`launch`.
+        ``host``, ``env``, ``stream``, ``print_fn``, ``platform`` as for :func:`launch`.
 
     Returns:
       ``[result of process 0, result of process 1, ...]``.
