@@ -10,11 +10,14 @@ from . import data as data
 from . import distributed as distributed
 from . import gradsync as gradsync
 from . import inspect as inspect
+from . import mesh as mesh
 from . import models as models
+from . import partition as partition
 from . import schedules as schedules
 from . import traffic as traffic
 from .axes import DATA as DATA
 from .axes import MODEL as MODEL
+from .axes import STAGE as STAGE
 from .devices import DeviceCountError as DeviceCountError
 from .devices import device_summary as device_summary
 from .devices import simulate_devices as simulate_devices
@@ -26,6 +29,7 @@ from .strategies import ParameterServer as ParameterServer
 from .strategies import SingleDevice as SingleDevice
 from .strategies import Step as Step
 from .strategies import Strategy as Strategy
+from .strategies import TensorParallel as TensorParallel
 from .strategies import TrainState as TrainState
 from .timing import StepTimes as StepTimes
 from .timing import scaling_efficiency as scaling_efficiency

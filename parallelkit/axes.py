@@ -2,3 +2,4 @@
 
 DATA = "data"  # replicas: each holds a slice of the batch
 MODEL = "model"  # tensor parallelism: each holds a slice of the weights
+STAGE = "stage"  # pipeline parallelism: each holds some of the layers

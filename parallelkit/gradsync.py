@@ -29,10 +29,10 @@ from dataclasses import dataclass
 import jax
 import numpy as np
 import optax
-from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from .axes import DATA
+from .mesh import make_mesh
 from .strategies.base import (
     Batch,
     LossFn,
@@ -96,7 +96,7 @@ class GradientProbe:
     def __init__(self, strategy: Strategy, loss_fn: LossFn):
         self.strategy = strategy
         devices = list(strategy.devices)[: strategy.num_replicas]
-        self.mesh = Mesh(np.array(devices), (DATA,))
+        self.mesh = make_mesh(devices, data=len(devices))
         grad_fn = jax.value_and_grad(_loss_with_aux(loss_fn), has_aux=True)
 
         def per_replica(params, local_batch):

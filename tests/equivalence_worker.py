@@ -15,6 +15,8 @@ import numpy as np
 import parallelkit as pk
 
 MODELS = ("mlp", "cnn")
+TENSOR_MODELS = ("mlp", "deep_mlp")  # TensorParallel's default rules cover the kit's MLPs
+TENSOR_ONLY_MODELS = ("deep_mlp",)
 OPTIMIZERS = {"sgd": ("sgd", 0.1), "adam": ("adam", 1e-3)}
 STEPS = 12
 BATCH = 32  # divisible by 1, 2, 4 and 8
@@ -31,6 +33,20 @@ def strategies(devices: int) -> dict:
     }
 
 
+def tensor_strategies(devices: int) -> dict:
+    """TensorParallel over all devices (none on one device: there is nothing to split)."""
+    return {"single": pk.SingleDevice(), **({"tensor": pk.TensorParallel(model=devices)} if devices > 1 else {})}
+
+
+def build(model: str, dataset):
+    if model == "deep_mlp":  # two Megatron blocks: an all-reduce forward and one backward
+        from flax import nnx
+
+        features = int(np.prod(dataset.input_shape))
+        return pk.models.functional(pk.models.MLP(features, (64, 32, 16), dataset.num_classes, rngs=nnx.Rngs(0)))
+    return pk.models.build(model, dataset.input_shape, dataset.num_classes)
+
+
 def main(devices: int, out: str) -> None:
     pk.simulate_devices(devices)
     import jax
@@ -38,13 +54,19 @@ def main(devices: int, out: str) -> None:
 
     dataset = pk.data.digits()
     saved = {}
-    for model in MODELS:
-        apply, params = pk.models.build(model, dataset.input_shape, dataset.num_classes)
+    for model in (*MODELS, *TENSOR_ONLY_MODELS):
+        apply, params = build(model, dataset)
         loss_fn = pk.models.classifier_loss(apply)
         for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
             saved[f"{model}|-|init|{jax.tree_util.keystr(path)}"] = np.asarray(leaf)
         for opt_name, (factory, lr) in OPTIMIZERS.items():
-            for name, strategy in strategies(devices).items():
+            if model in TENSOR_ONLY_MODELS:
+                chosen = tensor_strategies(devices)
+            elif model == "mlp":
+                chosen = strategies(devices) | tensor_strategies(devices)
+            else:
+                chosen = strategies(devices)
+            for name, strategy in chosen.items():
                 tx = getattr(optax, factory)(lr)
                 result = pk.fit(strategy, loss_fn, params, tx, pk.data.batches(dataset, BATCH, steps=STEPS))
                 assert int(strategy.unreplicate(result.state.step)) == STEPS

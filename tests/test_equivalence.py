@@ -1,4 +1,6 @@
-"""Mirrored (both backends), CentralStorage and ParameterServer reproduce SingleDevice on 1, 2, 4 and 8 devices.
+"""Mirrored (both backends), CentralStorage, ParameterServer and TensorParallel reproduce SingleDevice.
+
+On 1, 2, 4 and 8 devices (TensorParallel on 2, 4 and 8, over all of them).
 
 Each device count runs in its own process (tests/equivalence_worker.py); every
 case starts from the same parameters and data. Tolerance: float32, rtol 1e-5, atol 1e-6.
@@ -11,7 +13,7 @@ import sys
 
 import numpy as np
 import pytest
-from equivalence_worker import MODELS, OPTIMIZERS, PS_SHARDS
+from equivalence_worker import MODELS, OPTIMIZERS, PS_SHARDS, TENSOR_MODELS
 from helpers import ATOL, ROOT, RTOL
 
 DEVICE_COUNTS = (1, 2, 4, 8)
@@ -70,3 +72,12 @@ def test_mirrored_equals_single_device(devices, model, optimizer, backend, train
 def test_off_device_state_equals_single_device(devices, model, optimizer, name, trained):
     """CentralStorage and ParameterServer(sync, 1/2/3 shards): state off the compute devices, same parameters."""
     assert_equals_single_device(trained[devices], model, optimizer, name)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("optimizer", list(OPTIMIZERS))
+@pytest.mark.parametrize("model", TENSOR_MODELS)
+@pytest.mark.parametrize("devices", [n for n in DEVICE_COUNTS if n > 1])
+def test_tensor_parallel_equals_single_device(devices, model, optimizer, trained):
+    """Megatron-split MLPs (one block; two blocks) with the weights over all devices: same parameters."""
+    assert_equals_single_device(trained[devices], model, optimizer, "tensor")

@@ -9,3 +9,4 @@ from .mirrored import Mirrored as Mirrored
 from .multiworker import MultiWorkerMirrored as MultiWorkerMirrored
 from .parameter_server import ParameterServer as ParameterServer
 from .single import SingleDevice as SingleDevice
+from .tensor import TensorParallel as TensorParallel

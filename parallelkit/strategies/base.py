@@ -9,8 +9,9 @@ loss, the optimizer and the data stay plain JAX, Flax and Optax. Every strategy:
 - ``unreplicate(tree)`` brings one host (NumPy) copy back, for inspection and checkpoints;
 - ``describe(state)`` lists where every leaf lives.
 
-Strategies that split parameters take their partition rules in their constructor,
-so ``init`` and ``step`` keep this shape for all of them.
+Strategies that split parameters (:class:`~parallelkit.TensorParallel`) take their
+partition rules in their constructor, so ``init`` and ``step`` keep this shape for
+all of them; see :mod:`parallelkit.strategies.sharded`.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import optax
 from flax import struct
 
 from ..devices import resolve_devices
+from ..partition import path_label as path_label  # re-exported: one spelling of a leaf's path
 
 PyTree = Any
 Batch = Mapping[str, Any]
@@ -126,11 +128,6 @@ def put_batch(batch: Batch, sharding: jax.sharding.Sharding, replicas: int) -> B
     except ValueError:
         check_divisible(batch, replicas)
         raise
-
-
-def path_label(path: tuple) -> str:
-    """A key path in slash form: ``(DictKey('hidden'), DictKey('kernel'))`` -> ``'hidden/kernel'``."""
-    return jax.tree_util.keystr(path, simple=True, separator="/")
 
 
 def _loss_with_aux(loss_fn: LossFn) -> Callable[[PyTree, Batch], tuple[jax.Array, dict]]:

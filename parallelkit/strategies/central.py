@@ -24,12 +24,12 @@ from functools import cached_property
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 
 from ..axes import DATA
+from ..mesh import make_mesh
 from .base import Batch, LossFn, PyTree, Step, Strategy, TrainState, _loss_with_aux, create_state, put_batch
 
 HOST_MEMORY = "pinned_host"
@@ -127,7 +127,7 @@ class OffDeviceStrategy(Strategy):
 
     def __init__(self, devices: int | Sequence[jax.Device] | None = None):
         super().__init__(devices)
-        self.mesh = Mesh(np.array(self.devices), (DATA,))
+        self.mesh = make_mesh(self.devices, data=len(self.devices))
 
     @cached_property
     def replicated(self) -> NamedSharding:

@@ -22,10 +22,11 @@ import jax
 import numpy as np
 import optax
 from flax import jax_utils
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from ..axes import DATA
+from ..mesh import make_mesh
 from .base import Batch, LossFn, PyTree, Step, Strategy, TrainState, check_divisible, create_state, train_step
 from .jit import JitStrategy
 
@@ -69,7 +70,7 @@ class _MirroredJit(Mirrored, JitStrategy):
 
     def __init__(self, devices=None, backend="jit"):
         super().__init__(devices)
-        self.mesh = Mesh(np.array(self.devices), (DATA,))
+        self.mesh = make_mesh(self.devices, data=len(self.devices))
 
     @cached_property
     def state_sharding(self) -> NamedSharding:
@@ -87,7 +88,7 @@ class _MirroredPmap(Mirrored):
         # pmap's convention: a leading axis of length n, one copy per device. The
         # sharding is the one pmap gives its outputs, so the second step reuses the
         # first step's compiled program.
-        stacked = NamedSharding(Mesh(np.array(self.devices), (DATA,)), P(DATA))
+        stacked = NamedSharding(make_mesh(self.devices, data=self.num_replicas), P(DATA))
         host = jax.device_get(create_state(params, tx, opt_state))
         return jax.device_put(
             jax.tree.map(lambda x: np.broadcast_to(x, (self.num_replicas, *np.shape(x))), host), stacked

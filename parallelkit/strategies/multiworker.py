@@ -22,10 +22,11 @@ from functools import cached_property
 
 import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from ..axes import DATA
+from ..mesh import make_mesh
 from .base import Batch, PyTree, check_divisible
 from .jit import JitStrategy
 
@@ -57,7 +58,7 @@ class MultiWorkerMirrored(JitStrategy):
         self.feed = batch
         # Devices in process order, so each process's rows of the batch are one contiguous block.
         self.devices = sorted(self.devices, key=lambda d: (d.process_index, d.id))
-        self.mesh = Mesh(np.array(self.devices), (DATA,))
+        self.mesh = make_mesh(self.devices, data=len(self.devices))
         self.num_processes = len({d.process_index for d in self.devices})
 
     @cached_property

@@ -1,0 +1,80 @@
+"""The one mesh factory: devices laid out on named axes (``data``, ``stage``, ``model``).
+
+Every strategy builds its mesh here, so a mesh always has the same axis names and
+order and the same errors for shapes that do not fit. A mesh holds only the axes
+asked for: ``Mirrored`` has ``("data",)``, ``TensorParallel(model=2)`` has
+``("data", "model")``; a partition rule that names an axis the mesh lacks is an error.
+
+>>> mesh = make_mesh(jax.devices()[:1], model=1)
+>>> dict(mesh.shape)
+{'data': 1, 'model': 1}
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import jax
+import numpy as np
+from jax.sharding import Mesh
+
+from .axes import DATA, MODEL, STAGE
+from .devices import DeviceCountError
+
+AXES = (DATA, STAGE, MODEL)  # outer to inner: model-parallel groups get neighbouring devices
+
+
+def make_mesh(
+    devices: Sequence[jax.Device] | None = None,
+    *,
+    data: int | None = None,
+    stage: int | None = None,
+    model: int | None = None,
+) -> Mesh:
+    """A mesh over ``devices`` (all by default) with the named axes given.
+
+    Axes left out are absent; ``data=None`` next to other axes takes whatever
+    devices remain (``devices / (stage x model)``). The product of the axis sizes
+    must equal the number of devices. Devices keep their order, with ``model``
+    innermost: the devices of one tensor-parallel group are neighbours, which on
+    real machines usually share the fastest links.
+
+    Args:
+      devices: the devices, in order; ``jax.devices()`` by default.
+      data, stage, model: axis sizes (whole numbers >= 1).
+
+    Returns:
+      A ``jax.sharding.Mesh`` with the axes in the order ``data``, ``stage``, ``model``,
+      each with ``AxisType.Auto`` (shardings propagate through the program, as with ``Mesh(...)``).
+
+    Raises:
+      ValueError: an axis size that is not a whole number >= 1, or sizes whose product
+        is not the device count (the message names the numbers).
+    """
+    devices = list(jax.devices() if devices is None else devices)
+    sizes = {DATA: data, STAGE: stage, MODEL: model}
+    for name, size in sizes.items():
+        if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 1):
+            raise ValueError(f"Mesh axis {name!r} needs a whole number >= 1, got {size!r}.")
+    fixed = math.prod(size for size in sizes.values() if size is not None)
+    if data is None:
+        if len(devices) % fixed:
+            raise DeviceCountError(
+                f"{len(devices)} devices do not split into groups of {fixed} "
+                f"({_spell(sizes)}): use a device count divisible by {fixed}."
+            )
+        sizes[DATA] = len(devices) // fixed
+    shape = {name: size for name, size in sizes.items() if size is not None}
+    if math.prod(shape.values()) != len(devices):
+        raise DeviceCountError(
+            f"A mesh of {_spell(shape)} needs {math.prod(shape.values())} devices, but {len(devices)} were given. "
+            "Make the axis sizes multiply to the device count, or pass that many devices."
+        )
+    names = tuple(name for name in AXES if name in shape)
+    grid = np.array(devices, dtype=object).reshape([shape[name] for name in names])
+    return Mesh(grid, names, axis_types=(jax.sharding.AxisType.Auto,) * len(names))
+
+
+def _spell(sizes: dict[str, int | None]) -> str:
+    return " x ".join(f"{name}={size}" for name, size in sizes.items() if size is not None)

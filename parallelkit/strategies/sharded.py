@@ -1,0 +1,126 @@
+"""Strategies whose state is split leaf by leaf over a mesh: the base of tensor, fully sharded and hybrid.
+
+Each such strategy owns one mesh (:func:`parallelkit.mesh.make_mesh`) and a rule for
+every parameter (:mod:`parallelkit.partition`). From them it derives a sharding
+for every leaf of the state: the parameters by their specs, the optimizer state
+like the parameters it belongs to, the step counter replicated. ``init`` builds
+the state inside one ``jax.jit`` whose outputs carry those shardings, so each
+device only ever receives its own slices (no device holds the whole state first).
+
+The training step is still the single-device step under ``jax.jit``; the shardings
+of its inputs and outputs are the per-leaf ones, and XLA's SPMD partitioner inserts
+the communication they imply (the all-reduces of tensor parallelism, the
+all-gathers and reduce-scatters of fully sharded training).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from functools import cached_property
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from .. import partition
+from ..axes import DATA
+from .base import Batch, LossFn, PyTree, Step, TrainState, check_same_tree, train_step
+from .jit import JitStrategy
+
+
+class ShardedStrategy(JitStrategy):
+    """A ``jax.jit`` strategy with one sharding per leaf of the state.
+
+    Subclasses set ``self.mesh`` and implement :meth:`partition_specs`.
+    """
+
+    mesh: Mesh
+
+    @property
+    def num_replicas(self) -> int:
+        """The size of the ``data`` axis: how many slices the global batch is cut into."""
+        return self.mesh.shape.get(DATA, 1)
+
+    @cached_property
+    def replicated(self) -> NamedSharding:
+        return NamedSharding(self.mesh, P())
+
+    @cached_property
+    def state_sharding(self) -> NamedSharding:
+        """What is not a parameter or its optimizer state (the step counter, the metrics): replicated."""
+        return self.replicated
+
+    @cached_property
+    def batch_sharding(self) -> NamedSharding:
+        return NamedSharding(self.mesh, P(DATA) if DATA in self.mesh.shape else P())
+
+    def partition_specs(self, params: PyTree) -> PyTree:
+        """The ``PartitionSpec`` of every parameter, checked against the mesh and the shapes."""
+        raise NotImplementedError
+
+    def state_shardings(self, params: PyTree, tx: optax.GradientTransformation) -> TrainState:
+        """A :class:`TrainState` of shardings: the step replicated, parameters by their specs,
+        optimizer state like its parameters."""
+        specs = self.partition_specs(params)
+        opt_specs = partition.state_specs(specs, tx, params)
+        return TrainState(
+            step=self.replicated,
+            params=partition.shardings(self.mesh, specs),
+            opt_state=partition.shardings(self.mesh, opt_specs),
+            tx=tx,
+        )
+
+    def init(self, params: PyTree, tx: optax.GradientTransformation, opt_state: PyTree = None) -> TrainState:
+        """Place every leaf directly in its sharding: built in one ``jit``, each device gets only its slices."""
+        if opt_state is not None:
+            check_same_tree(jax.eval_shape(tx.init, params), opt_state, what="opt_state", against="tx.init(params)")
+        target = self.state_shardings(params, tx)
+
+        def build(params, opt_state):
+            opt_state = tx.init(params) if opt_state is None else opt_state
+            return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=opt_state, tx=tx)
+
+        return jax.jit(build, out_shardings=target)(params, opt_state)
+
+    def step(self, loss_fn: LossFn) -> Step:
+        return Step(_CompiledOnFirstCall(self, loss_fn), self.place_batch, self)
+
+
+class _CompiledOnFirstCall:
+    """The jitted step, built on the first call from the shardings of the state it is given.
+
+    The shardings are per leaf, so they depend on the model and the optimizer; a
+    step is built for one state layout and reused for every later call (the same
+    shapes and shardings: nothing recompiles).
+    """
+
+    def __init__(self, strategy: ShardedStrategy, loss_fn: LossFn):
+        self.strategy, self.loss_fn = strategy, loss_fn
+        self.fn: Callable | None = None
+
+    def _build(self, state: TrainState) -> Callable:
+        shardings = jax.tree.map(lambda x: x.sharding, state)
+        return jax.jit(
+            functools.partial(train_step, self.loss_fn),
+            in_shardings=(shardings, self.strategy.batch_sharding),
+            out_shardings=(shardings, self.strategy.replicated),
+            donate_argnums=0,
+        )
+
+    def __call__(self, state: TrainState, batch: Batch):
+        if self.fn is None:
+            self.fn = self._build(state)
+        return self.fn(state, batch)
+
+    def lower(self, state: TrainState, batch: Batch):
+        if self.fn is None:
+            self.fn = self._build(state)
+        return self.fn.lower(state, batch)
+
+
+def devices_for(devices: int | Sequence[jax.Device] | None, needed: int) -> int | Sequence[jax.Device]:
+    """The first ``needed`` devices unless ``devices`` says otherwise."""
+    return needed if devices is None else devices

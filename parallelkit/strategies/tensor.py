@@ -1,0 +1,104 @@
+"""Tensor (intra-model) parallelism, Megatron style: the weights themselves are split over devices.
+
+Mirrored training copies the whole model to every device; tensor parallelism cuts
+each large weight into ``k`` slices on a ``model`` mesh axis, so each device holds
+and computes 1/k of every split layer. In an MLP block the first kernel is split
+by columns (each device computes a slice of the hidden units) and the second by
+rows (each device multiplies its slice of the hidden units and holds a partial
+sum); one all-reduce adds the partial sums, so a block costs one all-reduce in the
+forward pass and one in the backward pass. Attention splits its heads the same way.
+
+How the split is described: partition rules (``(regex, PartitionSpec)`` pairs, see
+:mod:`parallelkit.partition`), or the specs a Flax model carries. The training step
+is the single-device step under ``jax.jit``; XLA inserts the all-reduces the
+shardings imply, which :func:`parallelkit.inspect.collectives` reads back.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+
+import jax
+
+from .. import partition
+from ..mesh import make_mesh
+from .base import PyTree
+from .sharded import ShardedStrategy, devices_for
+
+
+class TensorParallel(ShardedStrategy):
+    """Split every large weight over ``model`` devices; the batch is not split.
+
+    Conceptually, for one MLP block on ``k`` devices::
+
+        h_i = act(x @ W1[:, cols_i] + b1[cols_i])   # device i: its columns of W1
+        y = sum(h_i @ W2[rows_i, :] for i in range(k)) + b2   # the all-reduce
+        # == act(x @ W1 + b1) @ W2 + b2, the single-device block
+
+    and the gradients follow the same split, so the update equals SingleDevice's.
+
+    Args:
+      model: devices per model replica (the size of the ``model`` mesh axis).
+      rules: ``(regex, PartitionSpec)`` pairs (first match wins; a parameter that none
+        matches is an error), or a tree of specs from :func:`parallelkit.partition.nnx_specs`.
+        Default: :func:`parallelkit.partition.megatron_mlp_rules` for the kit's MLP
+        (``pk.models.build("mlp", ...)``); other models need rules.
+      devices: which devices; the first ``model`` by default.
+
+    Raises:
+      DeviceCountError: ``devices`` that are not ``model`` in number.
+      ValueError (at ``init``): unmatched parameters, a spec naming an axis the mesh
+        lacks, or a dimension that does not divide by ``model``, each naming the leaf.
+    """
+
+    def __init__(self, model: int, rules: partition.Rules | PyTree | None = None, *, devices=None):
+        if isinstance(model, bool) or not isinstance(model, int) or model < 1:
+            raise ValueError(f"TensorParallel(model={model!r}) needs a whole number of devices >= 1.")
+        super().__init__(devices_for(devices, model))
+        self.mesh = make_mesh(self.devices, data=1, model=model)
+        self.model = model
+        self.rules = rules
+
+    def partition_specs(self, params: PyTree) -> PyTree:
+        rules = self.rules if self.rules is not None else _default_rules(params)
+        specs = partition.param_specs(params, rules)
+        partition.check_specs(params, specs, self.mesh)
+        return specs
+
+    def __repr__(self) -> str:
+        return f"TensorParallel(model={self.model})"
+
+
+def _default_rules(params: PyTree) -> partition.Rules:
+    """Megatron rules for the kit's MLP (``hidden/<i>/...`` and ``head/...``); an error for other models."""
+    labels = [partition.path_label(path) for path, _ in jax.tree_util.tree_leaves_with_path(params)]
+    hidden = {m.group(1) for label in labels if (m := re.match(r"^hidden/(\d+)/", label))}
+    if not hidden or any(not re.match(r"^(hidden/\d+|head)/(kernel|bias)$", label) for label in labels):
+        raise ValueError(
+            "TensorParallel has default rules only for pk.models.MLP; give rules=[(regex, PartitionSpec), ...] "
+            f"for this model (its parameters: {', '.join(labels[:6])}{', ...' if len(labels) > 6 else ''}), "
+            'for example [(".*kernel", P(None, "model")), (".*", P())].'
+        )
+    return partition.megatron_mlp_rules(len(hidden))
+
+
+def megatron_mlp_allreduces(batch: int, sizes: Sequence[int]) -> list[int]:
+    """The all-reduces (in float elements each) one training step of a Megatron-split MLP needs, by the book.
+
+    ``sizes`` are the layer widths, input first: ``[64, 64, 10]`` for the digits MLP.
+    Layers pair into blocks (column split, then row split). Forward, each block ends
+    with one all-reduce of its partial outputs: ``batch x`` its output width. Backward,
+    each block but the first needs the gradient of its input summed over the devices
+    (each holds a partial one): ``batch x`` its input width; the first block's input
+    is the data, whose gradient nobody needs. A layer left over after the last pair
+    is replicated and moves nothing.
+
+    >>> megatron_mlp_allreduces(32, [64, 64, 32, 16, 10])  # two blocks
+    [1024, 320, 1024]
+    """
+    layers = len(sizes) - 1
+    blocks = range(0, layers - 1, 2)  # a block: layers i (columns) and i + 1 (rows)
+    forward = [batch * sizes[i + 2] for i in blocks]
+    backward = [batch * sizes[i] for i in blocks if i > 0]
+    return forward + backward
