@@ -54,6 +54,11 @@ class Restored:
 
 
 def _state_tree(state: TrainState) -> dict[str, PyTree]:
+    if state.rng is not None or state.model_state is not None:
+        raise ValueError(
+            "Checkpoints do not store a state's PRNG key or model state (BatchNorm statistics) yet, so a resumed "
+            "run would not continue exactly. Train such models without checkpoint_dir for now."
+        )
     return {"step": state.step, "params": state.params, "opt_state": state.opt_state}
 
 

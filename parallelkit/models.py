@@ -10,10 +10,13 @@ NNX module is split once into a static graph and a dict of arrays::
 
 from __future__ import annotations
 
+import inspect
 import math
 from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
 
 import jax
+import jax.numpy as jnp
 import optax
 from flax import nnx
 
@@ -36,46 +39,214 @@ class MLP(nnx.Module):
 
 
 class CNN(nnx.Module):
-    """Two 3x3 conv-ReLU-avgpool blocks, then a Dense classifier (NHWC input)."""
+    """Two 3x3 conv-ReLU-avgpool blocks, then a Dense classifier (NHWC input); BatchNorm after each conv on request.
+
+    With ``batch_norm=True`` each conv is followed by ``nnx.BatchNorm``: in training it
+    normalises with the statistics of the batch it sees and updates running averages
+    (the model's mutable state, see :func:`from_nnx`). ``bn_axis_name`` makes it
+    average those statistics over a ``pmap``/``shard_map`` axis (SyncBatchNorm); under
+    ``jax.jit`` with a sharded batch the batch *is* the global batch, so it is synced already.
+    """
 
     def __init__(
-        self, input_shape: Sequence[int], num_classes: int, channels: Sequence[int] = (8, 16), *, rngs: nnx.Rngs
+        self,
+        input_shape: Sequence[int],
+        num_classes: int,
+        channels: Sequence[int] = (8, 16),
+        *,
+        batch_norm: bool = False,
+        bn_axis_name: str | None = None,
+        rngs: nnx.Rngs,
     ):
         height, width, in_channels = input_shape
         chans = [in_channels, *channels]
         self.convs = nnx.List([nnx.Conv(a, b, (3, 3), rngs=rngs) for a, b in zip(chans[:-1], chans[1:], strict=True)])
+        self.norms = (
+            nnx.List([nnx.BatchNorm(c, momentum=0.9, axis_name=bn_axis_name, rngs=rngs) for c in chans[1:]])
+            if batch_norm
+            else None
+        )
         pooled = math.ceil(height / 2 ** len(channels)) * math.ceil(width / 2 ** len(channels))
         self.head = nnx.Linear(pooled * chans[-1], num_classes, rngs=rngs)
 
-    def __call__(self, x: jax.Array) -> jax.Array:
-        for conv in self.convs:
-            x = nnx.avg_pool(jax.nn.relu(conv(x)), (2, 2), strides=(2, 2), padding="SAME")
+    def __call__(self, x: jax.Array, *, train: bool = True) -> jax.Array:
+        for i, conv in enumerate(self.convs):
+            x = conv(x)
+            if self.norms is not None:
+                x = self.norms[i](x, use_running_average=not train)
+            x = nnx.avg_pool(jax.nn.relu(x), (2, 2), strides=(2, 2), padding="SAME")
         return self.head(x.reshape(x.shape[0], -1))
 
 
-def functional(module: nnx.Module) -> tuple[Apply, dict]:
-    """Split ``module`` into ``apply(params, x)`` and its parameters as a plain nested dict."""
-    graphdef, state = nnx.split(module)
+class Transformer(nnx.Module):
+    """A small pre-norm transformer classifier: embedding, attention + MLP blocks, layer norm, dropout.
 
-    def apply(params: dict, x: jax.Array) -> jax.Array:
-        return nnx.merge(graphdef, nnx.State(params))(x)
+    An image of ``rows x cols x channels`` is read as a sequence of ``rows`` tokens,
+    one per pixel row (the embedding is a Dense layer over a row), plus a learned
+    position embedding. Each block is ``x + Attention(LayerNorm(x))`` then
+    ``x + MLP(LayerNorm(x))``, with dropout on both branches; the classifier reads
+    the mean over the tokens. Attention keeps separate ``query``, ``key``, ``value``
+    and ``out`` Dense layers so that its heads are contiguous column blocks, which is
+    what a tensor-parallel rule splits.
 
-    return apply, nnx.to_pure_dict(state)
+    Dropout is active when ``rngs`` (a PRNG key) is passed to ``__call__``.
+    """
+
+    def __init__(
+        self,
+        input_shape: Sequence[int],
+        num_classes: int,
+        *,
+        dim: int = 32,
+        heads: int = 4,
+        depth: int = 2,
+        mlp_dim: int = 64,
+        dropout: float = 0.1,
+        rngs: nnx.Rngs,
+    ):
+        rows = input_shape[0]
+        token = math.prod(input_shape[1:])
+        self.heads, self.dropout_rate = heads, dropout
+        self.embed = nnx.Linear(token, dim, rngs=rngs)
+        self.position = nnx.Param(nnx.initializers.normal(0.02)(rngs.params(), (rows, dim)))
+        self.blocks = nnx.List([_Block(dim, heads, mlp_dim, rngs=rngs) for _ in range(depth)])
+        self.norm = nnx.LayerNorm(dim, rngs=rngs)
+        self.head = nnx.Linear(dim, num_classes, rngs=rngs)
+
+    def __call__(self, x: jax.Array, *, rngs: jax.Array | None = None) -> jax.Array:
+        x = x.reshape(x.shape[0], x.shape[1], -1)  # (batch, tokens, features of a token)
+        x = self.embed(x) + self.position[None]
+        keys = [None] * len(self.blocks) if rngs is None else list(jax.random.split(rngs, len(self.blocks)))
+        for block, key in zip(self.blocks, keys, strict=True):
+            x = block(x, self.heads, self.dropout_rate, key)
+        return self.head(self.norm(x).mean(axis=1))
 
 
-def classifier_loss(apply: Apply) -> Callable[[dict, dict], tuple[jax.Array, dict]]:
-    """``loss_fn(params, batch) -> (mean cross-entropy, {"accuracy": ...})`` for ``{"x", "y"}`` batches."""
+class _Block(nnx.Module):
+    def __init__(self, dim: int, heads: int, mlp_dim: int, *, rngs: nnx.Rngs):
+        self.attn_norm = nnx.LayerNorm(dim, rngs=rngs)
+        # No bias for keys: q . (k + b) adds the same q . b to every logit of a row, which softmax
+        # removes, so such a bias would get a zero gradient and never learn.
+        self.query, self.value = nnx.Linear(dim, dim, rngs=rngs), nnx.Linear(dim, dim, rngs=rngs)
+        self.key = nnx.Linear(dim, dim, use_bias=False, rngs=rngs)
+        self.out = nnx.Linear(dim, dim, rngs=rngs)
+        self.mlp_norm = nnx.LayerNorm(dim, rngs=rngs)
+        self.mlp_in = nnx.Linear(dim, mlp_dim, rngs=rngs)
+        self.mlp_out = nnx.Linear(mlp_dim, dim, rngs=rngs)
 
-    def loss_fn(params: dict, batch: dict) -> tuple[jax.Array, dict]:
-        logits = apply(params, batch["x"])
+    def __call__(self, x: jax.Array, heads: int, rate: float, key: jax.Array | None) -> jax.Array:
+        batch, tokens, dim = x.shape
+        keys = [None] * 3 if key is None else list(jax.random.split(key, 3))
+        h = self.attn_norm(x)
+        q, k, v = (layer(h).reshape(batch, tokens, heads, dim // heads) for layer in (self.query, self.key, self.value))
+        weights = jax.nn.softmax(jnp.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(dim // heads), axis=-1)
+        weights = _dropout(weights, rate, keys[0])
+        attended = jnp.einsum("bhqk,bkhd->bqhd", weights, v).reshape(batch, tokens, dim)
+        x = x + _dropout(self.out(attended), rate, keys[1])
+        return x + _dropout(self.mlp_out(jax.nn.gelu(self.mlp_in(self.mlp_norm(x)))), rate, keys[2])
+
+
+def _dropout(x: jax.Array, rate: float, key: jax.Array | None) -> jax.Array:
+    """Inverted dropout drawn from ``key`` for the whole array; the identity without a key."""
+    if key is None or rate == 0:
+        return x
+    keep = jax.random.bernoulli(key, 1 - rate, x.shape)
+    return jnp.where(keep, x / (1 - rate), 0)
+
+
+class Functional(NamedTuple):
+    """A Flax NNX module in functional form: ``apply``, its parameters, its mutable state (or ``None``)."""
+
+    apply: Callable[..., Any]
+    params: dict
+    model_state: dict | None
+
+
+def from_nnx(module: nnx.Module) -> Functional:
+    """Turn any NNX module into ``(apply, params, model_state)``: plain dicts a strategy can place.
+
+    ``params`` holds the ``nnx.Param`` variables; ``model_state`` the rest of the
+    module's state, such as BatchNorm's running statistics (``None`` when there is
+    none). The module's ``__call__`` may take ``train`` and ``rngs`` keywords; then::
+
+        logits = apply(params, x)                                   # a model without state
+        logits = apply(params, x, rng=key)                          # dropout drawn from `key`
+        logits, model_state = apply(params, x, model_state=state)   # BatchNorm: new statistics
+        logits = apply(params, x, model_state=state, train=False)   # inference: running averages
+
+    Dropout is on exactly when ``rng`` is given; ``train=False`` makes BatchNorm use its
+    running averages (and returns the logits alone).
+
+    >>> model = from_nnx(CNN((8, 8, 1), 10, batch_norm=True, rngs=nnx.Rngs(0)))
+    >>> sorted(model.model_state["norms"][0])
+    ['mean', 'var']
+    """
+    graphdef, params, rest = nnx.split(module, nnx.Param, ...)
+    rest_dict = nnx.to_pure_dict(rest)
+    takes = set(inspect.signature(type(module).__call__).parameters)
+
+    def apply(params: dict, x: jax.Array, *, rng: jax.Array | None = None, model_state=None, train: bool = True):
+        if model_state is not None and not rest_dict:
+            raise ValueError(
+                f"{type(module).__name__} has no state besides its parameters, but model_state was given. "
+                "Leave model_state out (of strategy.init, pk.fit and apply)."
+            )
+        model = nnx.merge(graphdef, nnx.State(params), nnx.State(model_state if model_state is not None else rest_dict))
+        keywords = {}
+        if "train" in takes:
+            keywords["train"] = train
+        if "rngs" in takes:
+            keywords["rngs"] = rng
+        elif rng is not None:
+            raise ValueError(f"{type(module).__name__} draws no randomness: its __call__ takes no `rngs`.")
+        out = model(x, **keywords)
+        if model_state is None or not train:
+            return out
+        return out, nnx.to_pure_dict(nnx.split(model, nnx.Param, ...)[2])
+
+    return Functional(apply, nnx.to_pure_dict(params), rest_dict or None)
+
+
+def functional(module: nnx.Module) -> tuple[Callable[..., Any], dict]:
+    """``(apply, params)`` of a module without mutable state; see :func:`from_nnx` for the general case.
+
+    Raises:
+      ValueError: the module has state besides its parameters (BatchNorm statistics):
+        use :func:`from_nnx`, which returns it too.
+    """
+    model = from_nnx(module)
+    if model.model_state is not None:
+        raise ValueError(
+            f"{type(module).__name__} has state besides its parameters ({', '.join(model.model_state)}): "
+            "use pk.models.from_nnx(module), which returns (apply, params, model_state)."
+        )
+    return model.apply, model.params
+
+
+def classifier_loss(apply: Callable[..., Any]) -> Callable[..., Any]:
+    """``loss_fn(params, batch, **extras)``: mean cross-entropy and accuracy for ``{"x", "y"}`` batches.
+
+    Without extras it returns ``(loss, {"accuracy": ...})``. A strategy whose state
+    carries a PRNG key passes ``rng=`` (forwarded to ``apply``, for dropout); one whose
+    state carries model state passes ``model_state=`` and gets
+    ``(loss, {"accuracy": ...}, new_model_state)`` back.
+    """
+
+    def loss_fn(params: dict, batch: dict, **extras):
+        out = apply(params, batch["x"], **extras)
+        logits, new_state = out if "model_state" in extras else (out, None)
         loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
-        return loss, {"accuracy": (logits.argmax(-1) == batch["y"]).mean()}
+        aux = {"accuracy": (logits.argmax(-1) == batch["y"]).mean()}
+        return (loss, aux, new_state) if "model_state" in extras else (loss, aux)
 
     return loss_fn
 
 
 def build(name: str, input_shape: Sequence[int], num_classes: int, seed: int = 0) -> tuple[Apply, dict]:
-    """A named model ("mlp" or "cnn"), initialised from ``seed``, in functional form.
+    """A named model ("mlp", "cnn" or "transformer"), initialised from ``seed``, in functional form.
+
+    The transformer has dropout (pass ``rng=`` to ``apply`` to turn it on); for a model
+    with BatchNorm, use ``from_nnx(CNN(..., batch_norm=True, rngs=...))``.
 
     >>> apply, params = build("mlp", (8, 8, 1), 10)
     >>> apply(params, jax.numpy.zeros((2, 8, 8, 1))).shape
@@ -86,7 +257,9 @@ def build(name: str, input_shape: Sequence[int], num_classes: int, seed: int = 0
         return functional(MLP(math.prod(input_shape), (64,), num_classes, rngs=rngs))
     if name == "cnn":
         return functional(CNN(input_shape, num_classes, rngs=rngs))
-    raise ValueError(f"Unknown model {name!r}: choose 'mlp' or 'cnn'.")
+    if name == "transformer":
+        return functional(Transformer(input_shape, num_classes, rngs=rngs))
+    raise ValueError(f"Unknown model {name!r}: choose 'mlp', 'cnn' or 'transformer'.")
 
 
 def param_bytes(params: dict) -> int:

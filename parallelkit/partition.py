@@ -171,6 +171,23 @@ def megatron_mlp_rules(hidden_layers: int) -> list[tuple[str, P]]:
     return rules
 
 
+def megatron_transformer_rules() -> list[tuple[str, P]]:
+    """Megatron-style rules for :class:`parallelkit.models.Transformer`; everything else replicated.
+
+    Attention: ``query``, ``key`` and ``value`` split by columns, which splits the heads
+    (head ``j`` is the ``j``-th block of columns), ``out`` by rows: one all-reduce after
+    attention. The MLP: ``mlp_in`` by columns, ``mlp_out`` by rows: one all-reduce after
+    it. Embedding, position, layer norms and the head stay replicated.
+    """
+    columns, rows = P(None, MODEL), P(MODEL, None)
+    return [
+        (r"/(query|key|value|mlp_in)/kernel$", columns),
+        (r"/(query|key|value|mlp_in)/bias$", P(MODEL)),
+        (r"/(out|mlp_out)/kernel$", rows),
+        (".*", P()),
+    ]
+
+
 def _is_spec_leaf(x: Any) -> bool:
     return x is None or isinstance(x, P)
 

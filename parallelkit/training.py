@@ -132,6 +132,8 @@ def fit(
     checkpoint_keep: int | None = 3,
     resume: bool = False,
     check_finite: bool = True,
+    model_state: PyTree = None,
+    rng: int | jax.Array | None = None,
 ) -> FitResult:
     """Train ``params`` with ``strategy`` on global ``batches``; record loss, metrics and timing.
 
@@ -152,6 +154,9 @@ def fit(
       resume: restore the newest checkpoint in ``checkpoint_dir`` onto ``strategy``
         and continue from it, skipping the batches it had consumed.
       check_finite: stop with :class:`NonFiniteLossError` when the loss becomes NaN or infinite.
+      model_state, rng: mutable model state (BatchNorm statistics) and a PRNG seed or key
+        (dropout) for the state, as for ``strategy.init``; ``loss_fn`` then receives them
+        (see :class:`parallelkit.TrainState`).
 
     Returns:
       A :class:`FitResult`. Interrupting the kernel (KeyboardInterrupt) ends the run
@@ -197,7 +202,7 @@ def fit(
             ckpt.close()
         raise ValueError(f"fit(state=...): {DONATED_STATE}")
     info = RunInfo(repr(strategy), strategy.num_replicas, total, device_summary().simulated)
-    state = strategy.init(params, tx) if state is None else state
+    state = strategy.init(params, tx, model_state=model_state, rng=rng) if state is None else state
     step = strategy.step(loss_fn)
     history = History()
     first = host_step(strategy, state) if ckpt else 0

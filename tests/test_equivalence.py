@@ -79,5 +79,14 @@ def test_off_device_state_equals_single_device(devices, model, optimizer, name, 
 @pytest.mark.parametrize("model", TENSOR_MODELS)
 @pytest.mark.parametrize("devices", [n for n in DEVICE_COUNTS if n > 1])
 def test_tensor_parallel_equals_single_device(devices, model, optimizer, trained):
-    """Megatron-split MLPs (one block; two blocks) with the weights over all devices: same parameters."""
+    """Megatron-split MLPs (one block; two blocks) and the transformer (heads split, dropout on) with the
+    weights over all devices: same parameters."""
     assert_equals_single_device(trained[devices], model, optimizer, "tensor")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("optimizer", list(OPTIMIZERS))
+@pytest.mark.parametrize("devices", DEVICE_COUNTS)
+def test_mirrored_jit_with_dropout_equals_single_device(devices, optimizer, trained):
+    """The transformer with dropout: under jit the key draws the masks for the global batch, as on one device."""
+    assert_equals_single_device(trained[devices], "transformer", optimizer, "jit")

@@ -172,7 +172,7 @@ class TestErrors:
 
     def test_other_models_need_rules(self, digits):
         apply, params = pk.models.build("cnn", digits.input_shape, digits.num_classes)
-        with pytest.raises(ValueError, match="default rules only for pk.models.MLP"):
+        with pytest.raises(ValueError, match="default rules only for pk.models.MLP and pk.models.Transformer"):
             pk.TensorParallel(model=2).init(params, optax.sgd(0.1))
 
 
@@ -184,3 +184,24 @@ def test_mesh_factory_errors():
     mesh = pk.mesh.make_mesh(model=2)
     assert dict(mesh.shape) == {"data": 4, "model": 2}
     assert np.array_equal(np.vectorize(lambda d: d.id)(mesh.devices), np.arange(8).reshape(4, 2))
+
+
+def test_transformer_heads_split_and_its_all_reduces(digits):
+    """Per block: forward, one all-reduce after attention and one after the MLP (batch x tokens x dim each).
+    Backward, the gradient of each block's input: one array for the MLP branch and three for attention,
+    since XLA all-reduces the partial gradients from query, key and value separately instead of adding
+    them first as Megatron's hand-written backward does (3x the bytes for that branch)."""
+    apply, params = pk.models.build("transformer", digits.input_shape, digits.num_classes)
+    strategy = pk.TensorParallel(model=4)
+    state = strategy.init(params, optax.sgd(0.1), rng=0)
+    specs = specs_by_path(state)
+    assert specs["params/blocks/0/query/kernel"] == COLUMNS and specs["params/blocks/0/out/kernel"] == ROWS
+    assert specs["params/blocks/1/mlp_in/bias"] == P("model") and specs["params/embed/kernel"] == P()
+    found = pk.inspect.collectives(
+        strategy.step(pk.models.classifier_loss(apply)), state, next(pk.data.batches(digits, 32, steps=1))
+    )
+    activation = 32 * 8 * 32  # batch x tokens (pixel rows) x dim
+    depth = len(params["blocks"])
+    assert {c.op for c in found} == {"all-reduce"}
+    arrays = [c.elements // len(c.shapes) for c in found for _ in c.shapes]
+    assert arrays == [activation] * (depth * (2 + 1 + 3))

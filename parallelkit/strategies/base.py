@@ -39,12 +39,24 @@ Metrics = dict[str, jax.Array]
 
 @struct.dataclass
 class TrainState:
-    """Parameters, optimizer state and step count; the optimizer rides along, static."""
+    """Parameters, optimizer state and step count; the optimizer rides along, static.
+
+    Two optional parts belong to the step as well:
+
+    - ``rng``: a PRNG key, split every step; the loss gets a fresh key as ``rng=``
+      (for dropout). Under ``jax.jit`` with shardings the key draws randomness for the
+      *global* batch, exactly as on one device; replicas that compute on their own
+      (``pmap``) fold their replica index into it, so each draws its own.
+    - ``model_state``: mutable model state such as BatchNorm statistics; the loss gets
+      it as ``model_state=`` and returns ``(loss, aux, new_model_state)``.
+    """
 
     step: jax.Array
     params: PyTree
     opt_state: PyTree
     tx: optax.GradientTransformation = struct.field(pytree_node=False)
+    rng: jax.Array | None = None
+    model_state: PyTree = None
 
     def apply_gradients(self, grads: PyTree) -> TrainState:
         """One optimizer update: what every strategy does once the gradients have met."""
@@ -52,11 +64,19 @@ class TrainState:
         return self.replace(step=self.step + 1, params=optax.apply_updates(self.params, updates), opt_state=opt_state)
 
 
-def create_state(params: PyTree, tx: optax.GradientTransformation, opt_state: PyTree = None) -> TrainState:
+def create_state(
+    params: PyTree,
+    tx: optax.GradientTransformation,
+    opt_state: PyTree = None,
+    *,
+    model_state: PyTree = None,
+    rng: int | jax.Array | None = None,
+) -> TrainState:
     """A fresh :class:`TrainState`, checking a given ``opt_state`` against ``tx.init(params)``.
 
     The state holds copies: strategies donate it to their step, which must never
-    delete the caller's own arrays.
+    delete the caller's own arrays. ``rng`` may be a seed (an int) or a key from
+    ``jax.random.PRNGKey``.
 
     Raises:
       ValueError: ``opt_state`` (for example from a checkpoint) does not fit ``params``.
@@ -66,8 +86,24 @@ def create_state(params: PyTree, tx: optax.GradientTransformation, opt_state: Py
         opt_state = tx.init(params)
     else:
         check_same_tree(expected, opt_state, what="opt_state", against="tx.init(params)")
-    params, opt_state = jax.tree.map(lambda x: jnp.array(x, copy=True), (params, opt_state))
-    return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=opt_state, tx=tx)
+    if isinstance(rng, int) and not isinstance(rng, bool):
+        rng = jax.random.PRNGKey(rng)
+    params, opt_state, model_state, rng = jax.tree.map(
+        lambda x: jnp.array(x, copy=True), (params, opt_state, model_state, rng)
+    )
+    return TrainState(
+        step=jnp.zeros((), jnp.int32), params=params, opt_state=opt_state, tx=tx, rng=rng, model_state=model_state
+    )
+
+
+def refuse_step_extras(strategy: Strategy, model_state: PyTree, rng: Any) -> None:
+    """A clear error from strategies that do not carry a PRNG key or model state in their step yet."""
+    if model_state is not None or rng is not None:
+        given = " and ".join(name for name, v in (("model_state", model_state), ("rng", rng)) if v is not None)
+        raise ValueError(
+            f"{type(strategy).__name__} does not carry {given} in its step yet. Train models with dropout or "
+            "BatchNorm with SingleDevice, Mirrored, MultiWorkerMirrored or TensorParallel."
+        )
 
 
 def check_same_tree(expected: PyTree, actual: PyTree, *, what: str, against: str) -> None:
@@ -130,10 +166,25 @@ def put_batch(batch: Batch, sharding: jax.sharding.Sharding, replicas: int) -> B
         raise
 
 
-def _loss_with_aux(loss_fn: LossFn) -> Callable[[PyTree, Batch], tuple[jax.Array, dict]]:
-    def wrapped(params, batch):
-        out = loss_fn(params, batch)
-        return out if isinstance(out, tuple) else (out, {})
+def _loss_with_aux(loss_fn: LossFn) -> Callable[..., tuple[jax.Array, tuple[dict, PyTree]]]:
+    """``loss_fn`` as ``(params, batch, **extras) -> (loss, (aux, new_model_state))``, whatever it returns.
+
+    Without ``model_state`` among the extras, ``loss_fn`` returns ``loss`` or
+    ``(loss, aux)``; with it, ``(loss, aux, new_model_state)``.
+    """
+
+    def wrapped(params, batch, **extras):
+        out = loss_fn(params, batch, **extras)
+        if "model_state" in extras:
+            if not (isinstance(out, tuple) and len(out) == 3):
+                raise ValueError(
+                    "The state carries model state (model_state=...), so the loss must return "
+                    "(loss, aux, new_model_state); pk.models.classifier_loss does."
+                )
+            loss, aux, new_state = out
+            return loss, (aux, new_state)
+        loss, aux = out if isinstance(out, tuple) else (out, {})
+        return loss, (aux, None)
 
     return wrapped
 
@@ -143,16 +194,27 @@ def train_step(
     state: TrainState,
     batch: Batch,
     sync: Callable[[PyTree], PyTree] = lambda tree: tree,
+    replica_key: Callable[[jax.Array], jax.Array] = lambda key: key,
 ) -> tuple[TrainState, Metrics]:
     """The single-device step, shared by every strategy.
 
     ``sync`` is where gradients meet: the identity on one device or under ``jit``
     with shardings (the compiler inserts the all-reduce), ``lax.pmean`` under ``pmap``.
+    It also averages the metrics and the new model state. ``replica_key`` turns the
+    step's key into this replica's (the identity where the program sees the global batch).
     """
     batch_size(batch)  # runs while tracing: arrays of one batch must agree on its size
-    (loss, aux), grads = jax.value_and_grad(_loss_with_aux(loss_fn), has_aux=True)(state.params, batch)
-    grads, metrics = sync((grads, {"loss": loss, **aux}))
-    return state.apply_gradients(grads), metrics
+    rng, extras = state.rng, {}
+    if rng is not None:
+        rng, key = jax.random.split(rng)
+        extras["rng"] = replica_key(key)
+    if state.model_state is not None:
+        extras["model_state"] = state.model_state
+    (loss, (aux, model_state)), grads = jax.value_and_grad(_loss_with_aux(loss_fn), has_aux=True)(
+        state.params, batch, **extras
+    )
+    grads, metrics, model_state = sync((grads, {"loss": loss, **aux}, model_state))
+    return state.apply_gradients(grads).replace(rng=rng, model_state=model_state), metrics
 
 
 # At most this many steps queued on simulated CPU devices; XLA's own limit is 32 a device,
@@ -248,8 +310,20 @@ class Strategy(abc.ABC):
         return len(self.devices)
 
     @abc.abstractmethod
-    def init(self, params: PyTree, tx: optax.GradientTransformation, opt_state: PyTree = None) -> TrainState:
-        """Place parameters and optimizer state (a given ``opt_state`` is checked and placed)."""
+    def init(
+        self,
+        params: PyTree,
+        tx: optax.GradientTransformation,
+        opt_state: PyTree = None,
+        *,
+        model_state: PyTree = None,
+        rng: int | jax.Array | None = None,
+    ) -> TrainState:
+        """Place parameters and optimizer state (a given ``opt_state`` is checked and placed).
+
+        ``model_state`` (BatchNorm statistics, from :func:`parallelkit.models.from_nnx`)
+        and ``rng`` (a seed or key, for dropout) ride in the state when given.
+        """
 
     @abc.abstractmethod
     def step(self, loss_fn: LossFn) -> Step:

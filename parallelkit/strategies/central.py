@@ -30,7 +30,18 @@ from jax.sharding import PartitionSpec as P
 
 from ..axes import DATA
 from ..mesh import make_mesh
-from .base import Batch, LossFn, PyTree, Step, Strategy, TrainState, _loss_with_aux, create_state, put_batch
+from .base import (
+    Batch,
+    LossFn,
+    PyTree,
+    Step,
+    Strategy,
+    TrainState,
+    _loss_with_aux,
+    create_state,
+    put_batch,
+    refuse_step_extras,
+)
 
 HOST_MEMORY = "pinned_host"
 
@@ -67,7 +78,7 @@ def replica_gradients(loss_fn: LossFn, mesh: Mesh) -> Callable:
     """
 
     def per_replica(params: PyTree, batch: Batch):
-        (loss, aux), grads = jax.value_and_grad(_loss_with_aux(loss_fn), has_aux=True)(params, batch)
+        (loss, (aux, _)), grads = jax.value_and_grad(_loss_with_aux(loss_fn), has_aux=True)(params, batch)
         return jax.tree.map(lambda x: x[None], (grads, {"loss": loss, **aux}))
 
     # check_vma=False: with it on, differentiating replicated (unvarying) params against a
@@ -163,7 +174,16 @@ class CentralStorage(OffDeviceStrategy):
         super().__init__(devices)
         self.storage = host_sharding(storage if storage is not None else self.devices[0])
 
-    def init(self, params: PyTree, tx: optax.GradientTransformation, opt_state: PyTree = None) -> TrainState:
+    def init(
+        self,
+        params: PyTree,
+        tx: optax.GradientTransformation,
+        opt_state: PyTree = None,
+        *,
+        model_state: PyTree = None,
+        rng: int | jax.Array | None = None,
+    ) -> TrainState:
+        refuse_step_extras(self, model_state, rng)
         return jax.device_put(create_state(params, tx, opt_state), self.storage)
 
     def step(self, loss_fn: LossFn) -> Step:

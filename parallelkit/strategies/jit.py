@@ -34,8 +34,18 @@ class JitStrategy(Strategy):
         """How the global batch is laid over the devices."""
         raise NotImplementedError
 
-    def init(self, params: PyTree, tx: optax.GradientTransformation, opt_state: PyTree = None) -> TrainState:
-        return jax.device_put(create_state(params, tx, opt_state), self.state_sharding)
+    def init(
+        self,
+        params: PyTree,
+        tx: optax.GradientTransformation,
+        opt_state: PyTree = None,
+        *,
+        model_state: PyTree = None,
+        rng: int | jax.Array | None = None,
+    ) -> TrainState:
+        return jax.device_put(
+            create_state(params, tx, opt_state, model_state=model_state, rng=rng), self.state_sharding
+        )
 
     def place_batch(self, batch: Batch) -> Batch:
         """Send each slice of the global batch to its device (a clear error when it does not split)."""

@@ -84,12 +84,20 @@ class _MirroredJit(Mirrored, JitStrategy):
 class _MirroredPmap(Mirrored):
     backend = "pmap"
 
-    def init(self, params: PyTree, tx: optax.GradientTransformation, opt_state: PyTree = None) -> TrainState:
+    def init(
+        self,
+        params: PyTree,
+        tx: optax.GradientTransformation,
+        opt_state: PyTree = None,
+        *,
+        model_state: PyTree = None,
+        rng: int | jax.Array | None = None,
+    ) -> TrainState:
         # pmap's convention: a leading axis of length n, one copy per device. The
         # sharding is the one pmap gives its outputs, so the second step reuses the
         # first step's compiled program.
         stacked = NamedSharding(make_mesh(self.devices, data=self.num_replicas), P(DATA))
-        host = jax.device_get(create_state(params, tx, opt_state))
+        host = jax.device_get(create_state(params, tx, opt_state, model_state=model_state, rng=rng))
         return jax.device_put(
             jax.tree.map(lambda x: np.broadcast_to(x, (self.num_replicas, *np.shape(x))), host), stacked
         )
@@ -104,9 +112,10 @@ class _MirroredPmap(Mirrored):
             raise
 
     def step(self, loss_fn: LossFn) -> Step:
-        sync = functools.partial(jax.lax.pmean, axis_name=DATA)
+        sync = functools.partial(jax.lax.pmean, axis_name=DATA)  # gradients, metrics and model state
+        own_key = lambda key: jax.random.fold_in(key, jax.lax.axis_index(DATA))  # noqa: E731 each replica its own
         fn = jax.pmap(
-            functools.partial(train_step, loss_fn, sync=sync),
+            functools.partial(train_step, loss_fn, sync=sync, replica_key=own_key),
             axis_name=DATA,
             devices=self.devices,
             out_axes=(0, None),  # metrics are equal on every device after pmean: return one copy

@@ -36,7 +36,7 @@ import optax
 from flax import struct
 from jax.sharding import SingleDeviceSharding
 
-from .base import Batch, LossFn, PyTree, Step, TrainState, check_same_tree
+from .base import Batch, LossFn, PyTree, Step, TrainState, check_same_tree, refuse_step_extras
 from .central import (
     OffDeviceStrategy,
     PushPullStep,
@@ -202,7 +202,16 @@ class ParameterServer(OffDeviceStrategy):
         """How ``params`` are cut over the shards (``print(strategy.partition(params).table(strategy.devices))``)."""
         return Partition.of(params, self.num_shards)
 
-    def init(self, params: PyTree, tx: optax.GradientTransformation, opt_state: PyTree = None) -> TrainState:
+    def init(
+        self,
+        params: PyTree,
+        tx: optax.GradientTransformation,
+        opt_state: PyTree = None,
+        *,
+        model_state: PyTree = None,
+        rng: int | jax.Array | None = None,
+    ) -> TrainState:
+        refuse_step_extras(self, model_state, rng)
         part = self.partition(params)
         slices = part.split(params)
         if opt_state is not None:  # a given state is per shard: tx.init of each shard's slice

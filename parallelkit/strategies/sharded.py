@@ -63,7 +63,7 @@ class ShardedStrategy(JitStrategy):
 
     def state_shardings(self, params: PyTree, tx: optax.GradientTransformation) -> TrainState:
         """A :class:`TrainState` of shardings: the step replicated, parameters by their specs,
-        optimizer state like its parameters."""
+        optimizer state like its parameters (a PRNG key and model state, when present, replicated)."""
         specs = self.partition_specs(params)
         opt_specs = partition.state_specs(specs, tx, params)
         return TrainState(
@@ -73,17 +73,31 @@ class ShardedStrategy(JitStrategy):
             tx=tx,
         )
 
-    def init(self, params: PyTree, tx: optax.GradientTransformation, opt_state: PyTree = None) -> TrainState:
+    def init(
+        self,
+        params: PyTree,
+        tx: optax.GradientTransformation,
+        opt_state: PyTree = None,
+        *,
+        model_state: PyTree = None,
+        rng: int | jax.Array | None = None,
+    ) -> TrainState:
         """Place every leaf directly in its sharding: built in one ``jit``, each device gets only its slices."""
         if opt_state is not None:
             check_same_tree(jax.eval_shape(tx.init, params), opt_state, what="opt_state", against="tx.init(params)")
-        target = self.state_shardings(params, tx)
+        if isinstance(rng, int) and not isinstance(rng, bool):
+            rng = jax.random.PRNGKey(rng)
+        target = self.state_shardings(params, tx).replace(
+            rng=None if rng is None else self.replicated,
+            model_state=None if model_state is None else jax.tree.map(lambda _: self.replicated, model_state),
+        )
 
-        def build(params, opt_state):
+        def build(params, opt_state, model_state, rng):
             opt_state = tx.init(params) if opt_state is None else opt_state
-            return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=opt_state, tx=tx)
+            zero = jnp.zeros((), jnp.int32)
+            return TrainState(zero, params, opt_state, tx, rng, model_state)
 
-        return jax.jit(build, out_shardings=target)(params, opt_state)
+        return jax.jit(build, out_shardings=target)(params, opt_state, model_state, rng)
 
     def step(self, loss_fn: LossFn) -> Step:
         return Step(_CompiledOnFirstCall(self, loss_fn), self.place_batch, self)

@@ -42,8 +42,9 @@ class TensorParallel(ShardedStrategy):
       model: devices per model replica (the size of the ``model`` mesh axis).
       rules: ``(regex, PartitionSpec)`` pairs (first match wins; a parameter that none
         matches is an error), or a tree of specs from :func:`parallelkit.partition.nnx_specs`.
-        Default: :func:`parallelkit.partition.megatron_mlp_rules` for the kit's MLP
-        (``pk.models.build("mlp", ...)``); other models need rules.
+        Default: :func:`parallelkit.partition.megatron_mlp_rules` for the kit's MLP and
+        :func:`parallelkit.partition.megatron_transformer_rules` for its transformer
+        (``pk.models.build("mlp" | "transformer", ...)``); other models need rules.
       devices: which devices; the first ``model`` by default.
 
     Raises:
@@ -73,10 +74,13 @@ class TensorParallel(ShardedStrategy):
 def _default_rules(params: PyTree) -> partition.Rules:
     """Megatron rules for the kit's MLP (``hidden/<i>/...`` and ``head/...``); an error for other models."""
     labels = [partition.path_label(path) for path, _ in jax.tree_util.tree_leaves_with_path(params)]
+    if "blocks/0/query/kernel" in labels:
+        return partition.megatron_transformer_rules()
     hidden = {m.group(1) for label in labels if (m := re.match(r"^hidden/(\d+)/", label))}
     if not hidden or any(not re.match(r"^(hidden/\d+|head)/(kernel|bias)$", label) for label in labels):
         raise ValueError(
-            "TensorParallel has default rules only for pk.models.MLP; give rules=[(regex, PartitionSpec), ...] "
+            "TensorParallel has default rules only for pk.models.MLP and pk.models.Transformer; "
+            "give rules=[(regex, PartitionSpec), ...] "
             f"for this model (its parameters: {', '.join(labels[:6])}{', ...' if len(labels) > 6 else ''}), "
             'for example [(".*kernel", P(None, "model")), (".*", P())].'
         )

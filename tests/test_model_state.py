@@ -1,0 +1,139 @@
+"""Randomness and model state in the step: what "equal to SingleDevice" means for each.
+
+- Dropout under ``jax.jit`` with shardings: the key draws the masks for the global batch,
+  so Mirrored(jit) equals SingleDevice (tested per device count in test_equivalence.py).
+- Dropout under ``pmap``: each replica folds its index into the step's key and draws its
+  own masks; tested here against that computation written out by hand, and shown to differ
+  from SingleDevice.
+- BatchNorm: statistics of the global batch (SyncBatchNorm) equal SingleDevice: under jit
+  always, under pmap when the model averages them over the replica axis; per-replica
+  statistics do not.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from helpers import tree_allclose
+from jax.sharding import PartitionSpec as P
+
+import parallelkit as pk
+
+STEPS, BATCH = 6, 32
+
+
+def transformer(digits):
+    apply, params = pk.models.build("transformer", digits.input_shape, digits.num_classes)
+    return pk.models.classifier_loss(apply), params
+
+
+def train(strategy, loss_fn, params, digits, tx=None, **extras):
+    result = pk.fit(strategy, loss_fn, params, tx or optax.sgd(0.1), pk.data.batches(digits, BATCH, steps=STEPS),
+                    **extras)  # fmt: skip
+    state = result.state
+    return result.params, strategy.unreplicate(state.model_state), strategy.unreplicate(state.rng)
+
+
+def max_diff(a, b) -> float:
+    return max(
+        float(np.max(np.abs(np.asarray(x) - np.asarray(y))))
+        for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True)
+    )
+
+
+def test_the_key_advances_every_step_and_dropout_changes_training(digits):
+    loss_fn, params = transformer(digits)
+    with_dropout, _, key = train(pk.SingleDevice(), loss_fn, params, digits, rng=7)
+    without, _, no_key = train(pk.SingleDevice(), loss_fn, params, digits)
+    assert no_key is None
+    expected = jax.random.PRNGKey(7)
+    for _ in range(STEPS):
+        expected, _ = jax.random.split(expected)
+    np.testing.assert_array_equal(key, expected)
+    assert max_diff(with_dropout, without) > 1e-3  # dropout was really on
+    again, _, _ = train(pk.SingleDevice(), loss_fn, params, digits, rng=7)
+    tree_allclose(again, with_dropout, rtol=0, atol=0)  # and reproducible from the seed
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_pmap_replicas_draw_their_own_dropout_as_documented(n, digits):
+    """pmap's step == the mean over replicas r of grad(loss)(params, slice_r, rng=fold_in(key, r)), by hand."""
+    loss_fn, params = transformer(digits)
+    pmapped, _, _ = train(pk.Mirrored(n, backend="pmap"), loss_fn, params, digits, rng=3)
+    single, _, _ = train(pk.SingleDevice(), loss_fn, params, digits, rng=3)
+
+    grad = jax.jit(jax.grad(lambda p, b, k: loss_fn(p, b, rng=k)[0]))
+    by_hand, rng = params, jax.random.PRNGKey(3)
+    for batch in pk.data.batches(digits, BATCH, steps=STEPS):
+        rng, key = jax.random.split(rng)
+        slices = [jax.tree.map(lambda x, r=r: x[r * BATCH // n : (r + 1) * BATCH // n], batch) for r in range(n)]
+        grads = [grad(by_hand, s, jax.random.fold_in(key, r)) for r, s in enumerate(slices)]
+        mean = jax.tree.map(lambda *g: sum(g) / n, *grads)
+        by_hand = jax.tree.map(lambda p, g: p - 0.1 * g, by_hand, mean)
+    tree_allclose(pmapped, by_hand)
+    assert max_diff(pmapped, single) > 1e-4  # other masks than one device's: not SingleDevice's parameters
+
+
+def bn_model(axis_name=None):
+    return pk.models.from_nnx(pk.models.CNN((8, 8, 1), 10, batch_norm=True, bn_axis_name=axis_name, rngs=nnx.Rngs(0)))
+
+
+def train_bn(strategy, model, digits):
+    loss_fn = pk.models.classifier_loss(model.apply)
+    params, stats, _ = train(strategy, loss_fn, model.params, digits, model_state=model.model_state)
+    return params, stats
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_batchnorm_with_global_statistics_equals_single_device(n, digits):
+    reference = train_bn(pk.SingleDevice(), bn_model(), digits)
+    assert max_diff(reference[1], bn_model().model_state) > 1e-3  # the running statistics moved
+    tree_allclose(train_bn(pk.Mirrored(n), bn_model(), digits), reference)  # jit: the batch is the global batch
+    first_conv_split = [("convs/0/kernel", P(None, None, None, "model")), ("convs/0/bias", P("model")), (".*", P())]
+    tree_allclose(train_bn(pk.TensorParallel(2, rules=first_conv_split), bn_model(), digits), reference)
+    # pmap with BatchNorm(axis_name="data"): statistics averaged over the replicas (SyncBatchNorm)
+    tree_allclose(train_bn(pk.Mirrored(n, backend="pmap"), bn_model("data"), digits), reference)
+
+
+def test_per_replica_batchnorm_statistics_differ_from_single_device(digits):
+    reference = train_bn(pk.SingleDevice(), bn_model(), digits)
+    per_replica = train_bn(pk.Mirrored(4, backend="pmap"), bn_model(), digits)
+    # Each replica normalised with the statistics of its own 8 examples: other activations, other gradients.
+    assert max_diff(per_replica[0], reference[0]) > 1e-4
+
+
+def test_inference_uses_the_running_averages(digits):
+    model = bn_model()
+    batch = next(pk.data.batches(digits, BATCH, steps=1))
+    logits, moved = model.apply(model.params, batch["x"], model_state=model.model_state)
+    assert logits.shape == (BATCH, 10) and max_diff(moved, model.model_state) > 0
+    frozen = model.apply(model.params, batch["x"], model_state=moved, train=False)
+    assert frozen.shape == (BATCH, 10) and not jnp.allclose(frozen, logits)
+
+
+class TestErrors:
+    def test_strategies_that_do_not_carry_them_yet_say_so(self, digits):
+        loss_fn, params = transformer(digits)
+        for strategy in (pk.CentralStorage(2), pk.ParameterServer(2, devices=2)):
+            with pytest.raises(ValueError, match="does not carry rng in its step yet"):
+                strategy.init(params, optax.sgd(0.1), rng=0)
+
+    def test_a_loss_that_ignores_model_state_is_told_what_to_return(self, digits, mlp):
+        loss_fn, params = mlp
+        with pytest.raises(ValueError, match="has no state besides its parameters, but model_state was given"):
+            pk.fit(pk.SingleDevice(), loss_fn, params, optax.sgd(0.1), pk.data.batches(digits, 8, steps=1),
+                   model_state={"x": jnp.zeros(1)})  # fmt: skip
+
+    def test_functional_points_stateful_modules_to_from_nnx(self):
+        with pytest.raises(ValueError, match="use pk.models.from_nnx"):
+            pk.models.functional(pk.models.CNN((8, 8, 1), 10, batch_norm=True, rngs=nnx.Rngs(0)))
+
+    def test_checkpoints_refuse_what_they_cannot_store_yet(self, digits, tmp_path):
+        loss_fn, params = transformer(digits)
+        with pytest.raises(ValueError, match="do not store a state's PRNG key"):
+            pk.fit(pk.SingleDevice(), loss_fn, params, optax.sgd(0.1), pk.data.batches(digits, 8, steps=1), rng=0,
+                   checkpoint_dir=tmp_path)  # fmt: skip
