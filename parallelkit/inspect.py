@@ -113,6 +113,37 @@ def collectives(step, *args) -> list[Collective]:
     return parse_collectives(compiled_text(step, *args))
 
 
+@dataclass(frozen=True)
+class MemoryUse:
+    """Bytes one device needs for one call of a compiled program, from XLA's own memory analysis."""
+
+    argument: int  # inputs: parameters, optimizer state, the batch slice
+    output: int  # results: the new state, the metrics
+    temp: int  # scratch: activations kept for the backward pass, gathered weights, ...
+    alias: int  # outputs written into donated inputs (counted once, not twice)
+
+    @property
+    def total(self) -> int:
+        """argument + output + temp - alias: the peak this device must hold."""
+        return self.argument + self.output + self.temp - self.alias
+
+
+def memory_per_device(step, *args) -> MemoryUse:
+    """What one device holds while ``step(*args)`` runs, read from ``compiled.memory_analysis()``.
+
+    XLA reports per-device sizes for a sharded program. On the CPU backend its
+    ``peak_memory_in_bytes`` is argument + output - alias and leaves out the
+    temporaries, so :attr:`MemoryUse.total` adds them back.
+    """
+    stats = step.lower(*args).compile().memory_analysis()
+    return MemoryUse(
+        argument=int(stats.argument_size_in_bytes),
+        output=int(stats.output_size_in_bytes),
+        temp=int(stats.temp_size_in_bytes),
+        alias=int(stats.alias_size_in_bytes),
+    )
+
+
 def summarize(found: list[Collective]) -> dict[str, dict[str, int]]:
     """Per operation kind: how many, and how many bytes (per device) they carry in all."""
     summary: dict[str, dict[str, int]] = {}

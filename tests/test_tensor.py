@@ -205,3 +205,17 @@ def test_transformer_heads_split_and_its_all_reduces(digits):
     assert {c.op for c in found} == {"all-reduce"}
     arrays = [c.elements // len(c.shapes) for c in found for _ in c.shapes]
     assert arrays == [activation] * (depth * (2 + 1 + 3))
+
+
+def test_memory_per_device_from_the_compiled_program(mlp, batch):
+    """XLA's memory analysis of the step: splitting the weights over 4 devices shrinks what each holds."""
+    loss_fn, params = mlp
+    use = {}
+    for name, strategy in (("mirrored", pk.Mirrored(4)), ("tensor", pk.TensorParallel(model=4))):
+        use[name] = pk.inspect.memory_per_device(strategy.step(loss_fn), strategy.init(params, optax.adam(1e-3)), batch)
+        assert use[name].total == use[name].argument + use[name].output + use[name].temp - use[name].alias
+    state_bytes = 3 * pk.models.param_bytes(params)  # params, mu, nu
+    # The outputs are the new state (and the metrics): Mirrored writes the whole state on each device,
+    # TensorParallel about a quarter of it plus the small replicated leaves.
+    assert use["mirrored"].output >= state_bytes
+    assert use["tensor"].output < use["mirrored"].output / 3
