@@ -54,12 +54,10 @@ class Restored:
 
 
 def _state_tree(state: TrainState) -> dict[str, PyTree]:
-    if state.rng is not None or state.model_state is not None:
-        raise ValueError(
-            "Checkpoints do not store a state's PRNG key or model state (BatchNorm statistics) yet, so a resumed "
-            "run would not continue exactly. Train such models without checkpoint_dir for now."
-        )
-    return {"step": state.step, "params": state.params, "opt_state": state.opt_state}
+    """What a checkpoint stores: step, parameters, optimizer state, and the PRNG key and model state when present."""
+    tree = {"step": state.step, "params": state.params, "opt_state": state.opt_state}
+    extras = {"rng": state.rng, "model_state": state.model_state}
+    return tree | {name: value for name, value in extras.items() if value is not None}
 
 
 def _is_logical(strategy: Strategy, tree: PyTree) -> bool:
@@ -171,13 +169,23 @@ class Checkpoints:
         return bool(saved)
 
     def restore(
-        self, strategy: Strategy, params: PyTree, tx: optax.GradientTransformation, step: int | None = None
+        self,
+        strategy: Strategy,
+        params: PyTree,
+        tx: optax.GradientTransformation,
+        step: int | None = None,
+        *,
+        model_state: PyTree = None,
+        rng: int | jax.Array | None = None,
     ) -> Restored:
         """Restore a checkpoint (the newest by default) onto ``strategy``'s placement.
 
         Conceptually, ``strategy.init(params, tx)`` with the saved values: ``params``
         and ``tx`` give the tree structure, shapes and dtypes, the strategy gives the
-        shardings. The device count may differ from the one that saved it.
+        shardings. The device count may differ from the one that saved it. A state
+        saved with a PRNG key or model state needs ``rng`` (any seed) and
+        ``model_state`` (for example the initial one) as templates; the saved values
+        replace them.
 
         Raises:
           FileNotFoundError: there is no checkpoint (at ``step``) in the directory.
@@ -193,7 +201,7 @@ class Checkpoints:
                 f"No checkpoint {'' if step is None else f'for step {step} '}in {self.directory} "
                 f"(found steps: {available or 'none'}). Check the directory, or train without resuming to create one."
             )
-        template = strategy.init(params, tx)
+        template = strategy.init(params, tx, model_state=model_state, rng=rng)
         logical = _is_logical(strategy, _state_tree(template))
         if logical:  # read each shard straight into its place
             target = jax.tree.map(
@@ -213,10 +221,11 @@ class Checkpoints:
                 "a ParameterServer checkpoint restores only onto a ParameterServer with the same number of shards."
             ) from err
         tree, meta = out[STATE], out[META]
+        extras = {"rng": tree.get("rng"), "model_state": tree.get("model_state")}
         if logical:
-            state = TrainState(step=tree["step"], params=tree["params"], opt_state=tree["opt_state"], tx=tx)
+            state = TrainState(step=tree["step"], params=tree["params"], opt_state=tree["opt_state"], tx=tx, **extras)
         else:
-            state = strategy.init(tree["params"], tx, tree["opt_state"])
+            state = strategy.init(tree["params"], tx, tree["opt_state"], **extras)
             saved_step = np.full(state.step.shape, int(np.asarray(tree["step"])), np.int32)
             state = state.replace(step=jax.device_put(saved_step, state.step.sharding))
         log.info("Restored step %d from %s onto %r.", step, self.directory, strategy)
@@ -266,16 +275,25 @@ def save(directory: str | Path, state: TrainState, strategy: Strategy) -> None:
 
 
 def restore(
-    directory: str | Path, strategy: Strategy, params: PyTree, tx: optax.GradientTransformation, step: int | None = None
+    directory: str | Path,
+    strategy: Strategy,
+    params: PyTree,
+    tx: optax.GradientTransformation,
+    step: int | None = None,
+    *,
+    model_state: PyTree = None,
+    rng: int | jax.Array | None = None,
 ) -> TrainState:
     """The newest checkpoint in ``directory`` (or ``step``), placed as ``strategy.init(params, tx)`` would place it.
+
+    ``model_state`` and ``rng`` are templates for a state saved with them (see :meth:`Checkpoints.restore`).
 
     Raises:
       FileNotFoundError: no checkpoint there.
       ValueError: the checkpoint does not fit this model, optimizer or strategy.
     """
     with Checkpoints(directory, keep=None) as ckpt:
-        return ckpt.restore(strategy, params, tx, step).state
+        return ckpt.restore(strategy, params, tx, step, model_state=model_state, rng=rng).state
 
 
 def latest_step(directory: str | Path) -> int | None:

@@ -188,7 +188,7 @@ def fit(
     ckpt = Checkpoints(checkpoint_dir, every=checkpoint_every, keep=checkpoint_keep) if checkpoint_dir else None
     try:
         if ckpt:
-            restored = _restore_or_check(ckpt, resume, strategy, params, tx)
+            restored = _restore_or_check(ckpt, resume, strategy, params, tx, model_state, rng)
             state, consumed, resumed_from = (state, 0, None) if restored is None else restored
         else:
             consumed, resumed_from = 0, None
@@ -300,7 +300,13 @@ def _interrupts_deferred():
 
 
 def _restore_or_check(
-    ckpt: Checkpoints, resume: bool, strategy: Strategy, params: PyTree, tx: optax.GradientTransformation
+    ckpt: Checkpoints,
+    resume: bool,
+    strategy: Strategy,
+    params: PyTree,
+    tx: optax.GradientTransformation,
+    model_state: PyTree = None,
+    rng: int | jax.Array | None = None,
 ) -> tuple[TrainState, int, int] | None:
     """With ``resume``: (restored state, batches it had consumed, its step). Without: None, if the directory is new."""
     if not resume:
@@ -315,7 +321,7 @@ def _restore_or_check(
             f"resume=True, but {ckpt.directory} holds no checkpoint yet. Start the run without resume "
             f"(it saves every {ckpt.every} steps), or point checkpoint_dir at the interrupted run's."
         )
-    restored = ckpt.restore(strategy, params, tx)
+    restored = ckpt.restore(strategy, params, tx, model_state=model_state, rng=rng)
     return restored.state, restored.batches, restored.step
 
 

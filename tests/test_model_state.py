@@ -132,8 +132,42 @@ class TestErrors:
         with pytest.raises(ValueError, match="use pk.models.from_nnx"):
             pk.models.functional(pk.models.CNN((8, 8, 1), 10, batch_norm=True, rngs=nnx.Rngs(0)))
 
-    def test_checkpoints_refuse_what_they_cannot_store_yet(self, digits, tmp_path):
-        loss_fn, params = transformer(digits)
-        with pytest.raises(ValueError, match="do not store a state's PRNG key"):
-            pk.fit(pk.SingleDevice(), loss_fn, params, optax.sgd(0.1), pk.data.batches(digits, 8, steps=1), rng=0,
-                   checkpoint_dir=tmp_path)  # fmt: skip
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    "make", [pk.SingleDevice, lambda: pk.Mirrored(2), lambda: pk.TensorParallel(2)], ids=["single", "jit", "tensor"]
+)
+def test_resuming_continues_the_dropout_key_exactly(make, digits, tmp_path):
+    loss_fn, params = transformer(digits)
+
+    def run(steps, **options):
+        batches = pk.data.batches(digits, BATCH, steps=steps)
+        return pk.fit(make(), loss_fn, params, optax.sgd(0.1), batches, rng=5, **options)
+
+    whole = run(STEPS)
+    run(3, checkpoint_dir=tmp_path)
+    resumed = run(STEPS, checkpoint_dir=tmp_path, resume=True)
+    assert resumed.resumed_from == 3
+    tree_allclose(resumed.params, whole.params, rtol=0, atol=0)
+    key = resumed.strategy.unreplicate(resumed.state.rng)
+    np.testing.assert_array_equal(key, whole.strategy.unreplicate(whole.state.rng))
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    "make, axis", [(pk.SingleDevice, None), (lambda: pk.Mirrored(2, backend="pmap"), "data")], ids=["single", "pmap"]
+)
+def test_resuming_restores_batchnorm_statistics(make, axis, digits, tmp_path):
+    model = bn_model(axis)
+    loss_fn = pk.models.classifier_loss(model.apply)
+
+    def run(steps, **options):
+        batches = pk.data.batches(digits, BATCH, steps=steps)
+        return pk.fit(make(), loss_fn, model.params, optax.sgd(0.1), batches, model_state=model.model_state, **options)
+
+    whole = run(STEPS)
+    run(3, checkpoint_dir=tmp_path)
+    resumed = run(STEPS, checkpoint_dir=tmp_path, resume=True)
+    tree_allclose(resumed.params, whole.params, rtol=0, atol=0)
+    stats = resumed.strategy.unreplicate(resumed.state.model_state)
+    tree_allclose(stats, whole.strategy.unreplicate(whole.state.model_state), rtol=0, atol=0)
