@@ -1,8 +1,9 @@
 """Checkpoints with orbax: save every K steps, keep the last N, restore onto any strategy's placement.
 
 A checkpoint holds a :class:`~parallelkit.TrainState`'s ``step``, ``params`` and
-``opt_state`` at their *logical* shapes (what the single-device program sees), plus
-how many batches the run had consumed. Restoring takes the same arguments as
+``opt_state`` (and its PRNG key and model state, when it has them) at their
+*logical* shapes (what the single-device program sees), plus how many batches the
+run had consumed. Restoring takes the same arguments as
 ``strategy.init(params, tx)`` and gives the same placement, only with the saved
 values; so a checkpoint written by ``Mirrored`` on 4 devices restores onto
 ``Mirrored`` on 2, or onto ``SingleDevice``. Conceptually::
