@@ -6,6 +6,7 @@ import logging
 import os
 import sys
 import threading
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -165,20 +166,34 @@ def _exit_with_launcher(poll_seconds: float = 0.5) -> None:
 
     The launcher kills its children on every signal it can catch, and on Linux the
     kernel kills them when it dies; this watch covers the rest (SIGKILL of the
-    launcher on other systems, a grandchild). A launcher that died has left this
-    process to another parent, so ``os.getppid()`` no longer names it.
+    launcher on other systems, a process started by a child). It ends this process
+    when the launcher's pid no longer exists (seen from any descendant) or when this
+    process's parent changes (a dead parent hands its children to another, at once,
+    even while the dead launcher still awaits its reaper).
     """
     launcher = os.environ.get(ENV_LAUNCHER_PID)
     if not launcher or any(t.name == "pk-launcher-watch" for t in threading.enumerate()):
         return
 
+    parent = os.getppid()
+
     def watch() -> None:
-        while os.getppid() == int(launcher):
-            threading.Event().wait(poll_seconds)
+        while os.getppid() == parent and _process_exists(int(launcher)):
+            time.sleep(poll_seconds)
         print("parallelkit: the launcher is gone; ending this cluster process.", file=sys.stderr, flush=True)
         os._exit(1)
 
     threading.Thread(target=watch, name="pk-launcher-watch", daemon=True).start()
+
+
+def _process_exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)  # signal 0: only asks whether the process exists
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # it exists, under another user
+        return True
+    return True
 
 
 def _cluster_did_not_form(spec: ClusterSpec, seconds: float) -> None:

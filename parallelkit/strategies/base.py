@@ -86,14 +86,17 @@ def create_state(
         opt_state = tx.init(params)
     else:
         check_same_tree(expected, opt_state, what="opt_state", against="tx.init(params)")
-    if isinstance(rng, int) and not isinstance(rng, bool):
-        rng = jax.random.PRNGKey(rng)
     params, opt_state, model_state, rng = jax.tree.map(
-        lambda x: jnp.array(x, copy=True), (params, opt_state, model_state, rng)
+        lambda x: jnp.array(x, copy=True), (params, opt_state, model_state, prng_key(rng))
     )
     return TrainState(
         step=jnp.zeros((), jnp.int32), params=params, opt_state=opt_state, tx=tx, rng=rng, model_state=model_state
     )
+
+
+def prng_key(rng: int | jax.Array | None) -> jax.Array | None:
+    """A PRNG key from a seed (an int); a key (or None) passes through unchanged."""
+    return jax.random.PRNGKey(rng) if isinstance(rng, int) and not isinstance(rng, bool) else rng
 
 
 def refuse_step_extras(strategy: Strategy, model_state: PyTree, rng: Any) -> None:

@@ -16,18 +16,17 @@ all-gathers and reduce-scatters of fully sharded training).
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from functools import cached_property
 
 import jax
-import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from .. import partition
 from ..axes import DATA
-from .base import Batch, LossFn, PyTree, Step, TrainState, check_same_tree, train_step
+from .base import Batch, LossFn, PyTree, Step, TrainState, create_state, prng_key, train_step
 from .jit import JitStrategy
 
 
@@ -83,19 +82,14 @@ class ShardedStrategy(JitStrategy):
         rng: int | jax.Array | None = None,
     ) -> TrainState:
         """Place every leaf directly in its sharding: built in one ``jit``, each device gets only its slices."""
-        if opt_state is not None:
-            check_same_tree(jax.eval_shape(tx.init, params), opt_state, what="opt_state", against="tx.init(params)")
-        if isinstance(rng, int) and not isinstance(rng, bool):
-            rng = jax.random.PRNGKey(rng)
+        rng = prng_key(rng)  # a seed would become a traced integer inside jit
         target = self.state_shardings(params, tx).replace(
             rng=None if rng is None else self.replicated,
             model_state=None if model_state is None else jax.tree.map(lambda _: self.replicated, model_state),
         )
 
         def build(params, opt_state, model_state, rng):
-            opt_state = tx.init(params) if opt_state is None else opt_state
-            zero = jnp.zeros((), jnp.int32)
-            return TrainState(zero, params, opt_state, tx, rng, model_state)
+            return create_state(params, tx, opt_state, model_state=model_state, rng=rng)
 
         return jax.jit(build, out_shardings=target)(params, opt_state, model_state, rng)
 
@@ -115,26 +109,20 @@ class _CompiledOnFirstCall:
         self.strategy, self.loss_fn = strategy, loss_fn
         self.fn: Callable | None = None
 
-    def _build(self, state: TrainState) -> Callable:
-        shardings = jax.tree.map(lambda x: x.sharding, state)
-        return jax.jit(
-            functools.partial(train_step, self.loss_fn),
-            in_shardings=(shardings, self.strategy.batch_sharding),
-            out_shardings=(shardings, self.strategy.replicated),
-            donate_argnums=0,
-        )
+    def compiled(self, state: TrainState) -> Callable:
+        """The jitted step for ``state``'s layout, built the first time."""
+        if self.fn is None:
+            shardings = jax.tree.map(lambda x: x.sharding, state)
+            self.fn = jax.jit(
+                functools.partial(train_step, self.loss_fn),
+                in_shardings=(shardings, self.strategy.batch_sharding),
+                out_shardings=(shardings, self.strategy.replicated),
+                donate_argnums=0,
+            )
+        return self.fn
 
     def __call__(self, state: TrainState, batch: Batch):
-        if self.fn is None:
-            self.fn = self._build(state)
-        return self.fn(state, batch)
+        return self.compiled(state)(state, batch)
 
     def lower(self, state: TrainState, batch: Batch):
-        if self.fn is None:
-            self.fn = self._build(state)
-        return self.fn.lower(state, batch)
-
-
-def devices_for(devices: int | Sequence[jax.Device] | None, needed: int) -> int | Sequence[jax.Device]:
-    """The first ``needed`` devices unless ``devices`` says otherwise."""
-    return needed if devices is None else devices
+        return self.compiled(state).lower(state, batch)

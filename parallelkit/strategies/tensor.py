@@ -24,7 +24,7 @@ import jax
 from .. import partition
 from ..mesh import make_mesh
 from .base import PyTree
-from .sharded import ShardedStrategy, devices_for
+from .sharded import ShardedStrategy
 
 
 class TensorParallel(ShardedStrategy):
@@ -56,7 +56,7 @@ class TensorParallel(ShardedStrategy):
     def __init__(self, model: int, rules: partition.Rules | PyTree | None = None, *, devices=None):
         if isinstance(model, bool) or not isinstance(model, int) or model < 1:
             raise ValueError(f"TensorParallel(model={model!r}) needs a whole number of devices >= 1.")
-        super().__init__(devices_for(devices, model))
+        super().__init__(model if devices is None else devices)  # the first `model` devices by default
         self.mesh = make_mesh(self.devices, data=1, model=model)
         self.model = model
         self.rules = rules
