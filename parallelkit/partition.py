@@ -171,6 +171,25 @@ def megatron_mlp_rules(hidden_layers: int) -> list[tuple[str, P]]:
     return rules
 
 
+def megatron_cnn_rules() -> list[tuple[str, P]]:
+    """Megatron's column/row pair on the first two convolutions of :class:`parallelkit.models.CNN`.
+
+    ``convs/0`` is split by output channels (kernel ``P(None, None, None, "model")``),
+    ``convs/1`` by input channels (kernel ``P(None, None, "model", None)``): each device
+    convolves its own channels and one all-reduce adds the partial sums. The rest
+    (later convolutions, BatchNorm, the head) is replicated.
+
+    >>> megatron_cnn_rules()[0]
+    ('^convs/0/kernel$', P(None, None, None, 'model'))
+    """
+    return [
+        ("^convs/0/kernel$", P(None, None, None, MODEL)),
+        ("^convs/0/bias$", P(MODEL)),
+        ("^convs/1/kernel$", P(None, None, MODEL, None)),
+        (".*", P()),
+    ]
+
+
 def megatron_transformer_rules() -> list[tuple[str, P]]:
     """Megatron-style rules for :class:`parallelkit.models.Transformer`; everything else replicated.
 

@@ -1,4 +1,4 @@
-"""The tour: one model, the same data and initial parameters, every strategy.
+"""The tour: one model, the same data and initial parameters, every synchronous one-process strategy.
 
 Prints a table of compile time, median step time, throughput, final loss and the
 largest difference from the single-device parameters, the number every strategy
@@ -16,16 +16,19 @@ import optax
 
 from . import data, models
 from .devices import device_summary
-from .strategies import CentralStorage, Mirrored, ParameterServer, SingleDevice, Strategy
+from .strategies import CentralStorage, Mirrored, ParameterServer, SingleDevice, Strategy, TensorParallel
 from .training import fit
 
-# Every strategy that exists so far, built for n devices.
+# The strategies that must equal SingleDevice in one process, built for n devices. Left out:
+# MultiWorkerMirrored (in one process it is Mirrored(jit); see `python -m parallelkit launch`)
+# and ParameterServer(mode="async"), which is meant to differ.
 STRATEGIES: dict[str, Callable[[int], Strategy]] = {
     "SingleDevice": lambda n: SingleDevice(),
     "Mirrored(jit)": lambda n: Mirrored(n, backend="jit"),
     "Mirrored(pmap)": lambda n: Mirrored(n, backend="pmap"),
     "CentralStorage": lambda n: CentralStorage(n),
     "PS(2 shards)": lambda n: ParameterServer(2, devices=n),
+    "TensorParallel": lambda n: TensorParallel(n),
 }
 
 
@@ -67,7 +70,7 @@ def run_tour(
         rows.append(
             TourRow(
                 name,
-                strategy.num_replicas,
+                len(strategy.devices),
                 times.compile_seconds,
                 times.median * 1e3,
                 times.samples_per_second,

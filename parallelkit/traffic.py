@@ -1,26 +1,33 @@
 """Traffic accounting: the bytes one training step moves, measured, beside the textbook formulas.
 
-Every figure is per replica and per step, in bytes, on one of three kinds of link:
+Every figure is per replica (per device, where a strategy has one replica) and per
+step, in bytes, on one of three kinds of link:
 
 - ``host->device``: from host memory to a compute device (the batch slice; the pull of
   parameters kept off the devices);
 - ``device->host``: from a compute device back to host memory (the push of gradients);
-- ``device<->device``: between the replicas (collectives).
+- ``device<->device``: between devices (collectives).
 
-Where the numbers come from:
+Each strategy reports its own traffic (``strategy.traffic(loss_fn, state, batch)``;
+:func:`step_traffic` is the same call). Where the numbers come from:
 
-- collectives (Mirrored, both backends): the compiled program's own all-reduce
-  (:func:`parallelkit.inspect.collectives`); what each replica *sends* is that payload
-  times a ring all-reduce's ``2(n-1)/n`` (how XLA or NCCL actually route it may differ);
+- collectives: the compiled program's own collectives (:func:`parallelkit.inspect.collectives`),
+  as the *payload* each device contributes (the size of the all-reduced array, of the
+  gathered result, of the scattered shard); the strategy's formulas say what the payload
+  should be (:meth:`Strategy.expected_collectives <parallelkit.Strategy.expected_collectives>`);
 - pulls and pushes (CentralStorage, ParameterServer): the arrays the strategy really
   moves, pulled and computed once here, measured on each device;
 - the batch: the placed batch, measured on each device.
 
+What a collective sends over the wire depends on its algorithm. ``bus_bytes`` is a
+*derived* figure, NCCL's algorithm-independent "bus bandwidth" convention applied to
+the measured payloads: an all-reduce of ``S`` bytes over ``n`` devices counts
+``2(n-1)/n x S``, what each device sends in a ring.
+
 The formulas, with ``P`` the parameter bytes (a gradient has the same size) and ``n``
-replicas: ring all-reduce ``2(n-1)/n x P`` sent per replica; central storage ``P`` out
-to and ``P`` back from every replica; parameter servers a pull and a push of ``P`` per
-worker, each split over the ``k`` shards. Scalar metrics (the loss and the ``aux``
-values, ``M`` bytes) travel with the gradients and get rows of their own.
+replicas: mirrored, an all-reduce of ``P`` (plus the scalar metrics, ``M`` bytes, which
+XLA fuses into it); central storage ``P`` out to and ``P`` back from every replica;
+parameter servers a pull and a push of ``P`` per worker, each split over the ``k`` shards.
 
 :class:`TopologyModel` turns these bytes into a rough communication time per step, under
 assumptions it states, to ask when central storage beats mirroring.
@@ -30,16 +37,16 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import jax
 import numpy as np
 
-from .inspect import collectives
-from .strategies.base import Batch, LossFn, Strategy, TrainState, _loss_with_aux
-from .strategies.central import CentralStorage, PushPullStep
-from .strategies.mirrored import Mirrored
-from .strategies.parameter_server import ParameterServer
-from .strategies.single import SingleDevice
+from .inspect import Collective, collectives
+from .strategies.base import Batch, LossFn, TrainState, _loss_with_aux, batch_size
+
+if TYPE_CHECKING:
+    from .strategies.base import Strategy
 
 H2D, D2H, D2D = "host->device", "device->host", "device<->device"
 LINKS = (H2D, D2H, D2D)
@@ -52,9 +59,30 @@ class Flow:
     link: str  # one of LINKS
     what: str  # e.g. "parameters (pull)"
     measured: float  # bytes per replica per step
-    expected: float  # the formula's value, bytes per replica per step
-    formula: str  # e.g. "2(n-1)/n x P"
+    expected: float | None  # the formula's value, bytes per replica per step (None: no formula known)
+    formula: str  # e.g. "P + M"
     source: str  # where ``measured`` comes from
+
+
+@dataclass(frozen=True)
+class ExpectedCollective:
+    """A collective a strategy's step needs by the book: its payload per device, and the formula."""
+
+    op: str  # one of parallelkit.inspect.COLLECTIVES
+    what: str  # e.g. "gradients and metrics"
+    bytes: float
+    formula: str
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """What the traffic formulas are written in."""
+
+    params: int  # P: parameter bytes
+    metrics: int  # M: the scalar metrics one replica reports
+    batch: int  # the global batch's examples
+    replicas: int  # n
+    params_tree: object = None  # the parameters themselves (host copies), for formulas that need their shapes
 
 
 @dataclass(frozen=True)
@@ -73,12 +101,14 @@ class StepTraffic:
     metric_bytes: int  # M: the scalar metrics one replica reports
     flows: tuple[Flow, ...]
     owner_bytes: tuple[int, ...] = ()
+    bus_bytes: float = 0.0  # derived: NCCL's bus-bandwidth convention on the measured collectives
 
     def total(self, link: str, expected: bool = False) -> float:
-        """Bytes per replica per step on ``link`` (measured, or by the formulas)."""
+        """Bytes per replica per step on ``link`` (measured, or by the formulas; NaN where one has none)."""
         if link not in LINKS:
             raise ValueError(f"Unknown link {link!r}: choose one of {LINKS}.")
-        return sum(f.expected if expected else f.measured for f in self.flows if f.link == link)
+        values = [f.expected if expected else f.measured for f in self.flows if f.link == link]
+        return sum(np.nan if v is None else v for v in values)
 
     @property
     def host_to_device(self) -> float:
@@ -107,9 +137,11 @@ class StepTraffic:
             f"  {'link':<17}{'what':<36}{'measured B':>11}{'formula B':>11}  formula  [measured from]",
         ]
         for f in self.flows:
-            lines.append(
-                f"  {f.link:<17}{f.what:<36}{f.measured:>11,.0f}{f.expected:>11,.0f}  {f.formula}  [{f.source}]"
-            )
+            expected = "n/a" if f.expected is None else f"{f.expected:,.0f}"
+            lines.append(f"  {f.link:<17}{f.what:<36}{f.measured:>11,.0f}{expected:>11}  {f.formula}  [{f.source}]")
+        if self.bus_bytes:
+            lines.append(f"  bus bytes per device (derived by NCCL's bus-bandwidth convention, not measured): "
+                         f"{self.bus_bytes:,.0f}")  # fmt: skip
         if self.owner_bytes:
             loads = ", ".join(f"{b:,}" for b in self.owner_bytes)
             lines.append(f"  owner load (gradient bytes in = parameter bytes out, per step): {loads}")
@@ -145,7 +177,7 @@ def _bytes_per_device(tree) -> dict[int, int]:
     return held
 
 
-def _per_replica(tree, devices: Sequence[jax.Device]) -> int:
+def per_replica_bytes(tree, devices: Sequence[jax.Device]) -> int:
     """Bytes of ``tree`` that each of ``devices`` holds (the same on every one, else an error)."""
     held = _bytes_per_device(tree)
     values = {held.get(d.id, 0) for d in devices}
@@ -154,97 +186,94 @@ def _per_replica(tree, devices: Sequence[jax.Device]) -> int:
     return values.pop()
 
 
+def bus_bytes(found: Sequence[Collective]) -> float:
+    """Derived, not measured: NCCL's bus-bandwidth convention on each collective's payload ``S``.
+
+    all-reduce ``2(g-1)/g x S``; all-gather and all-to-all ``(g-1)/g x S`` (``S`` the full
+    result); reduce-scatter ``(g-1) x S`` (``S`` the scattered shard); a permute ``S``;
+    ``g`` the group size the program states.
+
+    >>> from parallelkit.inspect import Collective
+    >>> bus_bytes([Collective("all-reduce", ("f32[100]",), 100, 400, 4)])
+    600.0
+    """
+    factors = {
+        "all-reduce": lambda g: 2 * (g - 1) / g,
+        "all-gather": lambda g: (g - 1) / g,
+        "all-to-all": lambda g: (g - 1) / g,
+        "reduce-scatter": lambda g: g - 1,
+        "collective-permute": lambda g: 1,
+    }
+    return float(sum(factors[c.op](c.group_size or 1) * c.bytes for c in found))
+
+
 def _batch_bytes(strategy: Strategy, batch: Batch) -> tuple[int, int]:
     """(bytes of the global batch, bytes one replica receives) after the strategy places it."""
     total = sum(np.asarray(x).nbytes for x in jax.tree.leaves(batch))
     placed = strategy.place_batch(batch)
     leaves = jax.tree.leaves(placed)
     if all(isinstance(x, jax.Array) for x in leaves):
-        return total, _per_replica(placed, strategy.devices)
+        held = _bytes_per_device(placed)
+        return total, max(held.values())  # devices that only split the model hold the same batch
     # pmap's layout: host arrays of shape (replicas, per_replica, ...); row i goes to device i
     return total, sum(np.asarray(x)[0].nbytes for x in leaves)
 
 
-def _metric_bytes(loss_fn: LossFn, params, batch: Batch, replicas: int) -> int:
-    """Bytes of the scalar metrics (loss and aux) one replica reports, from the loss's output shapes."""
-    local = jax.tree.map(lambda x: jax.ShapeDtypeStruct((x.shape[0] // replicas, *x.shape[1:]), x.dtype), batch)
-    out = jax.eval_shape(_loss_with_aux(loss_fn), params, local)
-    return sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(out))
+def sizes(strategy: Strategy, loss_fn: LossFn, state: TrainState, batch: Batch) -> Sizes:
+    """The sizes the formulas use: parameter bytes, metric bytes, batch and replicas."""
+    n = strategy.num_replicas
+    params = strategy.unreplicate(state.params)
+    local = jax.tree.map(lambda x: jax.ShapeDtypeStruct((x.shape[0] // n, *x.shape[1:]), x.dtype), batch)
+    extras = {"model_state": strategy.unreplicate(state.model_state)} if state.model_state is not None else {}
+    if state.rng is not None:
+        extras["rng"] = jax.random.PRNGKey(0)
+    loss, (aux, _) = jax.eval_shape(_loss_with_aux(loss_fn), params, local, **extras)
+    metric_bytes = sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves((loss, aux)))
+    return Sizes(_param_bytes(params), metric_bytes, batch_size(batch), n, params)
 
 
-def _batch_flow(n: int, total: int, per_replica: int) -> Flow:
-    return Flow(H2D, "batch slice", per_replica, total / n, "B/n", "placed batch, per device")
+def batch_flow(strategy: Strategy, batch: Batch) -> Flow:
+    """The batch slice each replica receives, measured after placement, beside ``B/n``."""
+    total, per_replica = _batch_bytes(strategy, batch)
+    return Flow(H2D, "batch slice", per_replica, total / strategy.num_replicas, "B/n", "placed batch, per device")
+
+
+def compiled_traffic(strategy: Strategy, loss_fn: LossFn, state: TrainState, batch: Batch) -> StepTraffic:
+    """The traffic of a step that is one compiled program: its batch slice and its collectives.
+
+    Each collective kind the strategy expects (:meth:`~parallelkit.Strategy.expected_collectives`)
+    becomes a flow whose measured payload is read from the compiled program; kinds it does
+    not expect are listed as "other collectives" (expected 0, or no formula when the
+    strategy has none for this model).
+    """
+    size = sizes(strategy, loss_fn, state, batch)
+    found = collectives(strategy.step(loss_fn), state, batch)
+    measured: dict[str, float] = {}
+    for c in found:
+        measured[c.op] = measured.get(c.op, 0) + c.bytes
+    expected = strategy.expected_collectives(size)
+    flows = [batch_flow(strategy, batch)]
+    for e in expected or ():
+        flows.append(Flow(D2D, f"{e.what} ({e.op})", measured.pop(e.op, 0), e.bytes, e.formula, "compiled HLO"))
+    known = expected is not None  # without formulas, what the program moves is reported as it is
+    others = [Flow(D2D, f"other collectives ({op})", b, 0 if known else None, "0" if known else "no formula",
+                   "compiled HLO") for op, b in measured.items()]  # fmt: skip
+    flows += others or ([Flow(D2D, "other collectives", 0, 0, "0", "compiled HLO")] if known else [])
+    return StepTraffic(repr(strategy), strategy.traffic_pattern, size.replicas, size.params, size.metrics,
+                       tuple(flows), bus_bytes=bus_bytes(found))  # fmt: skip
 
 
 def step_traffic(strategy: Strategy, loss_fn: LossFn, state: TrainState, batch: Batch) -> StepTraffic:
     """Measure the bytes one step of ``strategy`` moves, beside the textbook formulas.
 
-    Compiles the step (or, for CentralStorage and ParameterServer, runs one pull and the
-    workers' gradient computation, without touching ``state``); it does not train.
-
-    Args:
-      strategy: a SingleDevice, Mirrored (either backend), CentralStorage or ParameterServer.
-      loss_fn: the loss the step trains.
-      state: from ``strategy.init``; left unchanged.
-      batch: one global batch of host arrays.
+    The same as ``strategy.traffic(loss_fn, state, batch)``: every strategy reports its own.
+    It compiles the step (or, for CentralStorage and ParameterServer, runs one pull and
+    the workers' gradient computation, without touching ``state``); it does not train.
 
     Returns:
       A :class:`StepTraffic`; ``print(traffic.table())`` shows it.
-
-    Raises:
-      TypeError: another kind of strategy.
     """
-    n = strategy.num_replicas
-    total_batch, batch_per_replica = _batch_bytes(strategy, batch)
-    flows = [_batch_flow(n, total_batch, batch_per_replica)]
-    name = repr(strategy)
-    if isinstance(strategy, SingleDevice | Mirrored):
-        params = strategy.unreplicate(state.params)
-        p_bytes, m_bytes = _param_bytes(params), _metric_bytes(loss_fn, params, batch, n)
-        found = collectives(strategy.step(loss_fn), state, batch)
-        reduced = sum(c.bytes for c in found if c.op == "all-reduce")
-        other = sum(c.bytes for c in found if c.op != "all-reduce")
-        if isinstance(strategy, SingleDevice) or n == 1:
-            flows.append(Flow(D2D, "collectives", reduced + other, 0, "0", "compiled HLO"))
-            return StepTraffic(name, "local", n, p_bytes, m_bytes, tuple(flows))
-        # XLA fuses the gradients and the averaged metrics into one all-reduce; the metrics' share is their size.
-        share = min(m_bytes, reduced)
-        source = f"HLO all-reduce of {reduced:,} B x 2(n-1)/n"
-        ring = ring_factor(n)
-        flows += [
-            Flow(D2D, "gradients (all-reduce)", ring * (reduced - share), ring * p_bytes, "2(n-1)/n x P", source),
-            Flow(D2D, "metrics (same all-reduce)", ring * share, ring * m_bytes, "2(n-1)/n x M", source),
-            Flow(D2D, "other collectives", other, 0, "0", "compiled HLO"),
-        ]
-        return StepTraffic(name, "all-reduce", n, p_bytes, m_bytes, tuple(flows))
-    if isinstance(strategy, CentralStorage | ParameterServer):
-        step = strategy.step(loss_fn)
-        if not isinstance(step.fn, PushPullStep):
-            raise TypeError(f"{name}'s step is not a pull/compute/push step; step_traffic cannot follow it.")
-        pulled = step.fn.pull(state)  # real copies, host memory -> every worker
-        grads, metrics = step.fn.compute(pulled, strategy.place_batch(batch))  # rows stay on their workers
-        params = strategy.unreplicate(state.params)
-        p_bytes, m_bytes = _param_bytes(params), _metric_bytes(loss_fn, params, batch, n)
-        found = collectives(step, state, batch)
-        if isinstance(strategy, ParameterServer):
-            k = strategy.num_shards
-            pull, push = f"parameters from {k} shard(s) (pull)", f"gradients to {k} shard(s) (push)"
-            formula, pattern = "P = P_1 + ... + P_k", "sharded"
-            owners = tuple(int(rows.nbytes) for rows in grads.shards)  # n rows of each shard's slice
-        else:
-            pull, push, formula, pattern = "parameters (pull)", "gradients (push)", "P", "central"
-            owners = (sum(int(x.nbytes) for x in jax.tree.leaves(grads)),)
-        flows += [
-            Flow(H2D, pull, _per_replica(pulled, strategy.devices), p_bytes, formula, "pulled arrays, per device"),
-            Flow(D2H, push, _per_replica(grads, strategy.devices), p_bytes, formula, "pushed gradient rows"),
-            Flow(D2H, "metrics (push)", _per_replica(metrics, strategy.devices), m_bytes, "M", "pushed metric rows"),
-            Flow(D2D, "collectives", sum(c.bytes for c in found), 0, "0", "compiled HLO of the workers"),
-        ]
-        return StepTraffic(name, pattern, n, p_bytes, m_bytes, tuple(flows), owners)
-    raise TypeError(
-        f"step_traffic knows SingleDevice, Mirrored, CentralStorage and ParameterServer; got {name}. "
-        "For other strategies, read the collectives with pk.inspect.collectives(step, state, batch)."
-    )
+    return strategy.traffic(loss_fn, state, batch)
 
 
 def _param_bytes(params) -> int:
@@ -331,7 +360,12 @@ class TopologyModel:
             return self.mirrored_seconds(p, n)
         if traffic.pattern == "central":
             return self.central_seconds(p, n)
-        return self.parameter_server_seconds(p, n, len(traffic.owner_bytes))
+        if traffic.pattern == "sharded":
+            return self.parameter_server_seconds(p, n, len(traffic.owner_bytes))
+        raise ValueError(
+            f"TopologyModel has no model for {traffic.strategy}'s traffic (pattern {traffic.pattern!r}); it models "
+            "mirrored, central storage and parameter servers. Use the measured bytes in traffic.flows."
+        )
 
     def crossover_bytes(self, n: int) -> float:
         """The parameter bytes below which central storage is faster than mirrored (0: never; inf: always).

@@ -201,7 +201,7 @@ def fit(
         if ckpt:
             ckpt.close()
         raise ValueError(f"fit(state=...): {DONATED_STATE}")
-    info = RunInfo(repr(strategy), strategy.num_replicas, total, device_summary().simulated)
+    info = RunInfo(repr(strategy), len(strategy.devices), total, device_summary().simulated)
     state = strategy.init(params, tx, model_state=model_state, rng=rng) if state is None else state
     step = strategy.step(loss_fn)
     history = History()

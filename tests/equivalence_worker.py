@@ -15,7 +15,7 @@ import numpy as np
 import parallelkit as pk
 
 MODELS = ("mlp", "cnn")
-TENSOR_MODELS = ("mlp", "deep_mlp", "transformer")  # TensorParallel's default rules cover these
+TENSOR_MODELS = ("mlp", "cnn", "deep_mlp", "transformer")  # TensorParallel's default rules cover these
 TENSOR_ONLY_MODELS = ("deep_mlp", "transformer")
 # The transformer trains with dropout on (a PRNG key in the state). Under jax.jit the key draws
 # the dropout masks for the global batch, so the jit strategies equal SingleDevice exactly.
@@ -47,7 +47,13 @@ def tensor_strategies(devices: int) -> dict:
 
 def dropout_strategies(devices: int) -> dict:
     """Strategies whose step sees the global batch, so dropout equals SingleDevice's exactly."""
-    return {**tensor_strategies(devices), "jit": pk.Mirrored(devices, backend="jit")}
+    import jax
+
+    return {
+        **tensor_strategies(devices),
+        "jit": pk.Mirrored(devices, backend="jit"),
+        "multiworker": pk.MultiWorkerMirrored(jax.devices()[:devices]),  # one process: its jit step
+    }
 
 
 def build(model: str, dataset):
@@ -78,7 +84,7 @@ def main(devices: int, out: str) -> None:
                 chosen = dropout_strategies(devices)
             elif model in TENSOR_ONLY_MODELS:
                 chosen = tensor_strategies(devices)
-            elif model == "mlp":
+            elif model in TENSOR_MODELS:
                 chosen = strategies(devices) | tensor_strategies(devices)
             else:
                 chosen = strategies(devices)

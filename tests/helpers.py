@@ -31,10 +31,12 @@ def run_python(
     )  # fmt: skip
 
 
-def tree_allclose(actual, expected, rtol: float = RTOL, atol: float = ATOL) -> None:
+def tree_allclose(actual, expected, rtol: float = RTOL, atol: float = ATOL, err_msg: str = "") -> None:
     """Assert two trees have the same structure and allclose leaves."""
     jax.tree.map(
-        lambda a, e: np.testing.assert_allclose(np.asarray(a), np.asarray(e), rtol=rtol, atol=atol), actual, expected
+        lambda a, e: np.testing.assert_allclose(np.asarray(a), np.asarray(e), rtol=rtol, atol=atol, err_msg=err_msg),
+        actual,
+        expected,
     )
 
 

@@ -85,8 +85,10 @@ def test_tensor_parallel_equals_single_device(devices, model, optimizer, trained
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("name", ["jit", "multiworker"])
 @pytest.mark.parametrize("optimizer", list(OPTIMIZERS))
 @pytest.mark.parametrize("devices", DEVICE_COUNTS)
-def test_mirrored_jit_with_dropout_equals_single_device(devices, optimizer, trained):
-    """The transformer with dropout: under jit the key draws the masks for the global batch, as on one device."""
-    assert_equals_single_device(trained[devices], "transformer", optimizer, "jit")
+def test_jit_strategies_with_dropout_equal_single_device(devices, optimizer, name, trained):
+    """The transformer with dropout: under jit the key draws the masks for the global batch, as on one device.
+    (pmap, CentralStorage and ParameterServer draw per replica: see test_model_state.py.)"""
+    assert_equals_single_device(trained[devices], "transformer", optimizer, name)

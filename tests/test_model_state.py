@@ -2,12 +2,12 @@
 
 - Dropout under ``jax.jit`` with shardings: the key draws the masks for the global batch,
   so Mirrored(jit) equals SingleDevice (tested per device count in test_equivalence.py).
-- Dropout under ``pmap``: each replica folds its index into the step's key and draws its
-  own masks; tested here against that computation written out by hand, and shown to differ
-  from SingleDevice.
+- Dropout under ``pmap``, CentralStorage and ParameterServer: each replica folds its index
+  into the step's key and draws its own masks; tested here against that computation written
+  out by hand, and shown to differ from SingleDevice.
 - BatchNorm: statistics of the global batch (SyncBatchNorm) equal SingleDevice: under jit
-  always, under pmap when the model averages them over the replica axis; per-replica
-  statistics do not.
+  always; under pmap, CentralStorage and ParameterServer when the model averages them over
+  the replica axis; per-replica statistics do not.
 """
 
 from __future__ import annotations
@@ -59,12 +59,22 @@ def test_the_key_advances_every_step_and_dropout_changes_training(digits):
     tree_allclose(again, with_dropout, rtol=0, atol=0)  # and reproducible from the seed
 
 
+# Strategies whose replicas compute on their own and draw their own randomness.
+PER_REPLICA = {
+    "pmap": lambda n: pk.Mirrored(n, backend="pmap"),
+    "central": pk.CentralStorage,
+    "ps": lambda n: pk.ParameterServer(3, devices=n),
+}
+
+
+@pytest.mark.parametrize("name", PER_REPLICA)
 @pytest.mark.parametrize("n", [2, 4])
-def test_pmap_replicas_draw_their_own_dropout_as_documented(n, digits):
-    """pmap's step == the mean over replicas r of grad(loss)(params, slice_r, rng=fold_in(key, r)), by hand."""
+def test_replicas_that_draw_their_own_dropout_do_as_documented(n, name, digits):
+    """The step == the mean over replicas r of grad(loss)(params, slice_r, rng=fold_in(key, r)), by hand."""
     loss_fn, params = transformer(digits)
-    pmapped, _, _ = train(pk.Mirrored(n, backend="pmap"), loss_fn, params, digits, rng=3)
-    single, _, _ = train(pk.SingleDevice(), loss_fn, params, digits, rng=3)
+    pmapped, _, key = train(PER_REPLICA[name](n), loss_fn, params, digits, rng=3)
+    single, _, single_key = train(pk.SingleDevice(), loss_fn, params, digits, rng=3)
+    np.testing.assert_array_equal(key, single_key)  # the state's key advances as on one device
 
     grad = jax.jit(jax.grad(lambda p, b, k: loss_fn(p, b, rng=k)[0]))
     by_hand, rng = params, jax.random.PRNGKey(3)
@@ -93,15 +103,18 @@ def test_batchnorm_with_global_statistics_equals_single_device(n, digits):
     reference = train_bn(pk.SingleDevice(), bn_model(), digits)
     assert max_diff(reference[1], bn_model().model_state) > 1e-3  # the running statistics moved
     tree_allclose(train_bn(pk.Mirrored(n), bn_model(), digits), reference)  # jit: the batch is the global batch
+    tree_allclose(train_bn(pk.MultiWorkerMirrored(jax.devices()[:n]), bn_model(), digits), reference)
     first_conv_split = [("convs/0/kernel", P(None, None, None, "model")), ("convs/0/bias", P("model")), (".*", P())]
     tree_allclose(train_bn(pk.TensorParallel(2, rules=first_conv_split), bn_model(), digits), reference)
-    # pmap with BatchNorm(axis_name="data"): statistics averaged over the replicas (SyncBatchNorm)
-    tree_allclose(train_bn(pk.Mirrored(n, backend="pmap"), bn_model("data"), digits), reference)
+    # BatchNorm(axis_name="data"): statistics averaged over the replicas (SyncBatchNorm)
+    for name, make in PER_REPLICA.items():
+        tree_allclose(train_bn(make(n), bn_model("data"), digits), reference, err_msg=name)
 
 
-def test_per_replica_batchnorm_statistics_differ_from_single_device(digits):
+@pytest.mark.parametrize("name", PER_REPLICA)
+def test_per_replica_batchnorm_statistics_differ_from_single_device(name, digits):
     reference = train_bn(pk.SingleDevice(), bn_model(), digits)
-    per_replica = train_bn(pk.Mirrored(4, backend="pmap"), bn_model(), digits)
+    per_replica = train_bn(PER_REPLICA[name](4), bn_model(), digits)
     # Each replica normalised with the statistics of its own 8 examples: other activations, other gradients.
     assert max_diff(per_replica[0], reference[0]) > 1e-4
 
@@ -116,12 +129,6 @@ def test_inference_uses_the_running_averages(digits):
 
 
 class TestErrors:
-    def test_strategies_that_do_not_carry_them_yet_say_so(self, digits):
-        loss_fn, params = transformer(digits)
-        for strategy in (pk.CentralStorage(2), pk.ParameterServer(2, devices=2)):
-            with pytest.raises(ValueError, match="does not carry rng in its step yet"):
-                strategy.init(params, optax.sgd(0.1), rng=0)
-
     def test_a_loss_that_ignores_model_state_is_told_what_to_return(self, digits, mlp):
         loss_fn, params = mlp
         with pytest.raises(ValueError, match="has no state besides its parameters, but model_state was given"):

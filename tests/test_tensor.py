@@ -7,6 +7,7 @@ Equivalence with SingleDevice on 2, 4 and 8 devices runs in tests/test_equivalen
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -170,9 +171,9 @@ class TestErrors:
         with pytest.raises(ValueError, match="whole number of devices"):
             pk.TensorParallel(model=0)
 
-    def test_other_models_need_rules(self, digits):
-        apply, params = pk.models.build("cnn", digits.input_shape, digits.num_classes)
-        with pytest.raises(ValueError, match="default rules only for pk.models.MLP and pk.models.Transformer"):
+    def test_other_models_need_rules(self):
+        params = {"embed": jnp.zeros((16, 4)), "proj": {"kernel": jnp.zeros((4, 4))}}
+        with pytest.raises(ValueError, match="default rules only for pk.models.MLP, CNN and Transformer"):
             pk.TensorParallel(model=2).init(params, optax.sgd(0.1))
 
 

@@ -250,3 +250,21 @@ def test_pipeline_gantt_bars_equal_the_schedule():
     assert colors == [to_rgba(viz.pipeline.COLORS[s.kind]) for s in slots]
     assert [t.get_text() for t in ax.texts] == [str(s.microbatch) for s in slots]
     assert f"{(3 - 1) / (4 + 3 - 1):.0%}" in ax.get_title()
+
+
+def test_mesh_figure_draws_a_2d_mesh_with_each_devices_slice(mlp):
+    _, params = mlp
+    strategy = pk.TensorParallel(4)
+    state = strategy.init(params, optax.sgd(0.1))
+    column = state.params["hidden"][0]["kernel"]  # (64, 64) split by columns over 4 devices
+    fig = viz.mesh_figure({"hidden/0/kernel": column, "head/bias": state.params["head"]["bias"]})
+    assert _grid(fig).tolist() == [[0, 1, 2, 3]]  # four distinct slices
+    assert [t.get_text() for t in fig.axes[0].texts] == [f"device {d}\n[:, {16 * d}:{16 * (d + 1)}]" for d in range(4)]
+    assert np.asarray(fig.axes[1].images[0].get_array()).tolist() == [[0, 0, 0, 0]]  # one slice, replicated
+    mesh = pk.mesh.make_mesh(jax.devices()[:8], data=2, model=4)
+    x = jax.device_put(jnp.zeros((8, 64)), NamedSharding(mesh, P("data", "model")))
+    fig = viz.mesh_figure({"x": x})
+    assert _grid(fig).tolist() == [[0, 1, 2, 3], [4, 5, 6, 7]]  # rows: data, columns: model
+    assert fig.axes[0].get_ylabel() == "data=2" and fig.axes[0].get_xlabel() == "model=4"
+    with pytest.raises(ValueError, match="not on a device mesh; draw it with placement_figure"):
+        viz.mesh_figure({"w": jax.device_put(jnp.zeros(3), jax.devices()[0])})

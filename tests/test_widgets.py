@@ -43,7 +43,7 @@ def test_dashboard_numbers_equal_the_history(mlp, digits, mode):
     assert s.first_step_seconds == times.first_step_seconds
     assert s.samples_per_second == times.samples_per_second
     assert s.steps_done == s.steps_total == 6
-    assert s.devices == result.strategy.num_replicas
+    assert s.devices == len(result.strategy.devices)
     assert s.strategy == repr(result.strategy)
     assert s.loss == result.history.losses[-1]
     assert s.finished and not s.interrupted
@@ -152,6 +152,21 @@ def test_race_rows_are_each_runs_own_numbers(mlp, digits):
     text = out.getvalue()
     assert text.count("strategy ") == 2 and "simulated CPU devices" in text.splitlines()[-1]
     assert text.splitlines()[-2].split()[:3] == ["Mirrored(jit)", "4", "6/6"]
+
+
+def test_race_and_dashboard_take_any_strategy(mlp, digits):
+    """A model-splitting strategy: one replica on two devices; the views count the devices it uses."""
+    loss_fn, params = mlp
+    strategies = {"SingleDevice": pk.SingleDevice(), "TensorParallel": pk.TensorParallel(2)}
+    race = StrategyRace(strategies, loss_fn, params, optax.sgd(0.1), lambda: pk.data.batches(digits, 64, steps=3),
+                        steps=3, batch_size=64, mode="text", stream=io.StringIO())  # fmt: skip
+    standings = race.run()
+    rows = [(r.name, r.devices, r.steps_done) for r in standings.rows]
+    assert rows == [("SingleDevice", 1, 3), ("TensorParallel", 2, 3)]
+    assert pk.tour.max_abs_diff(race.results["TensorParallel"].params, race.results["SingleDevice"].params) < 1e-6
+    dash = TimingDashboard(batch_size=64, mode="text", stream=io.StringIO())
+    _fit(mlp, digits, pk.TensorParallel(2), [dash])
+    assert dash.summary().devices == 2 and dash.summary().strategy == "TensorParallel(model=2)"
 
 
 def test_race_ratio_and_efficiency_formula():

@@ -20,7 +20,7 @@ import abc
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
@@ -29,6 +29,9 @@ import optax
 from flax import struct
 
 from ..devices import resolve_devices
+
+if TYPE_CHECKING:
+    from ..traffic import ExpectedCollective, Sizes, StepTraffic
 from ..partition import path_label as path_label  # re-exported: one spelling of a leaf's path
 
 PyTree = Any
@@ -97,16 +100,6 @@ def create_state(
 def prng_key(rng: int | jax.Array | None) -> jax.Array | None:
     """A PRNG key from a seed (an int); a key (or None) passes through unchanged."""
     return jax.random.PRNGKey(rng) if isinstance(rng, int) and not isinstance(rng, bool) else rng
-
-
-def refuse_step_extras(strategy: Strategy, model_state: PyTree, rng: Any) -> None:
-    """A clear error from strategies that do not carry a PRNG key or model state in their step yet."""
-    if model_state is not None or rng is not None:
-        given = " and ".join(name for name, v in (("model_state", model_state), ("rng", rng)) if v is not None)
-        raise ValueError(
-            f"{type(strategy).__name__} does not carry {given} in its step yet. Train models with dropout or "
-            "BatchNorm with SingleDevice, Mirrored, MultiWorkerMirrored or TensorParallel."
-        )
 
 
 def check_same_tree(expected: PyTree, actual: PyTree, *, what: str, against: str) -> None:
@@ -339,6 +332,29 @@ class Strategy(abc.ABC):
     def logical_shape(self, leaf: jax.Array) -> tuple[int, ...]:
         return tuple(leaf.shape)
 
+    # How TopologyModel reads this strategy's traffic: "local", "all-reduce", "central",
+    # "sharded" (parameter servers) or another name that it has no model for.
+    traffic_pattern = "local"
+
+    def traffic(self, loss_fn: LossFn, state: TrainState, batch: Batch) -> StepTraffic:
+        """The bytes one step moves (per replica), measured, beside this strategy's formulas.
+
+        By default: the batch slice, and the collectives read from the compiled step set
+        against :meth:`expected_collectives`. Strategies that move state between memories
+        outside one program (central storage, parameter servers) measure those copies.
+        It compiles (or pulls and computes once) but does not train: ``state`` is left as it is.
+        """
+        from ..traffic import compiled_traffic  # the traffic module builds on this one
+
+        return compiled_traffic(self, loss_fn, state, batch)
+
+    def expected_collectives(self, sizes: Sizes) -> Sequence[ExpectedCollective] | None:
+        """The collectives one step needs by the book (None: no formula for this model).
+
+        The default is none: one device, or devices that never talk to each other.
+        """
+        return ()
+
     def describe(self, state: PyTree) -> list[LeafPlacement]:
         """Where every leaf of ``state`` lives: devices, memory kind, partition spec, copies."""
         rows = []
@@ -364,3 +380,21 @@ class Strategy(abc.ABC):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(devices={self.num_replicas})"
+
+
+class DataParallelTraffic:
+    """Mixin for replicated data parallelism: one all-reduce of the gradients (and metrics) a step."""
+
+    num_replicas: int
+
+    @property
+    def traffic_pattern(self) -> str:
+        return "all-reduce" if self.num_replicas > 1 else "local"
+
+    def expected_collectives(self, sizes: Sizes) -> tuple[ExpectedCollective, ...]:
+        """The gradients and the scalar metrics, all-reduced: ``P + M`` bytes (XLA fuses them into one)."""
+        from ..traffic import ExpectedCollective
+
+        if sizes.replicas == 1:
+            return ()
+        return (ExpectedCollective("all-reduce", "gradients and metrics", sizes.params + sizes.metrics, "P + M"),)

@@ -25,11 +25,14 @@ from functools import cached_property
 import jax
 import jax.numpy as jnp
 import optax
+from flax import struct
 from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 
 from ..axes import DATA
+from ..inspect import collectives
 from ..mesh import make_mesh
+from ..traffic import D2D, D2H, H2D, Flow, StepTraffic, batch_flow, bus_bytes, per_replica_bytes, sizes
 from .base import (
     Batch,
     LossFn,
@@ -40,7 +43,6 @@ from .base import (
     _loss_with_aux,
     create_state,
     put_batch,
-    refuse_step_extras,
 )
 
 HOST_MEMORY = "pinned_host"
@@ -65,51 +67,83 @@ def compute_sharding(sharding: SingleDeviceSharding) -> SingleDeviceSharding:
     return SingleDeviceSharding(device, memory_kind=device.default_memory().kind)
 
 
+@struct.dataclass
+class ReplicaRows:
+    """What the workers hand back: one row per replica (leading axis), except ``rng``.
+
+    ``grads``, ``metrics`` and ``model_state`` (BatchNorm statistics, or None) are
+    stacked over the replicas, row ``i`` on worker ``i``; ``rng`` is the state's key
+    for the next step (None without one), the same on every worker.
+    """
+
+    grads: PyTree
+    metrics: PyTree
+    model_state: PyTree = None
+    rng: jax.Array | None = None
+
+
 def replica_gradients(loss_fn: LossFn, mesh: Mesh) -> Callable:
-    """``(params, batch) -> (grads, metrics)``, one row per replica, nothing reduced.
+    """``(params, batch, rng, model_state) -> ReplicaRows``: one row per replica, nothing reduced.
 
     Conceptually, with ``n`` replicas and the global batch ``b``::
 
-        rows = [value_and_grad(loss_fn)(params, b[i * len(b) // n : (i + 1) * len(b) // n]) for i in range(n)]
-        grads, metrics = stack(rows)  # leading axis n, row i on device i
+        rng, key = split(rng)                            # as the single-device step does
+        rows = [value_and_grad(loss_fn)(params, b[i * len(b) // n : (i + 1) * len(b) // n],
+                                        rng=fold_in(key, i), model_state=model_state) for i in range(n)]
 
-    ``params`` arrive replicated on the mesh (the pull); the outputs stay sharded on
-    ``data``, so the program holds no collective: the reduction is the owner's job.
+    Each replica draws its own randomness (its index folded into the step's key, as
+    under ``pmap``). ``params``, ``rng`` and ``model_state`` arrive replicated on the
+    mesh (the pull); the rows stay sharded on ``data``, so the program holds no
+    collective of its own: the reduction is the owner's job. (A model that averages
+    BatchNorm statistics over the ``data`` axis adds that all-reduce to the forward pass.)
     """
 
-    def per_replica(params: PyTree, batch: Batch):
-        (loss, (aux, _)), grads = jax.value_and_grad(_loss_with_aux(loss_fn), has_aux=True)(params, batch)
-        return jax.tree.map(lambda x: x[None], (grads, {"loss": loss, **aux}))
+    def per_replica(params: PyTree, batch: Batch, rng: jax.Array | None, model_state: PyTree):
+        extras = {} if model_state is None else {"model_state": model_state}
+        if rng is not None:
+            rng, key = jax.random.split(rng)
+            extras["rng"] = jax.random.fold_in(key, jax.lax.axis_index(DATA))
+        (loss, (aux, model_state)), grads = jax.value_and_grad(_loss_with_aux(loss_fn), has_aux=True)(
+            params, batch, **extras
+        )
+        rows = jax.tree.map(lambda x: x[None], (grads, {"loss": loss, **aux}, model_state))
+        return ReplicaRows(*rows, rng=rng)
 
     # check_vma=False: with it on, differentiating replicated (unvarying) params against a
     # sharded batch inserts a psum of the gradients, the all-reduce we want to leave out.
-    sharded = jax.shard_map(per_replica, mesh=mesh, in_specs=(P(), P(DATA)), out_specs=P(DATA), check_vma=False)
+    # The next key is the same on every replica, so it comes back replicated (P()).
+    out_specs = ReplicaRows(P(DATA), P(DATA), P(DATA), P())
+    sharded = jax.shard_map(
+        per_replica, mesh=mesh, in_specs=(P(), P(DATA), P(), P()), out_specs=out_specs, check_vma=False
+    )
     return jax.jit(sharded)
 
 
 def apply_mean_gradients(
-    state: TrainState, grads: PyTree, metrics: PyTree, compute: SingleDeviceSharding
+    state: TrainState, rows: ReplicaRows, compute: SingleDeviceSharding
 ) -> tuple[TrainState, PyTree]:
     """The owner's update (inside ``jit``): average the replicas' rows, then one optimizer step.
 
     The state is brought from host memory into ``compute`` memory first (XLA computes
     there; the jitted caller writes the result back out). The mean of per-replica mean
     gradients is the gradient of the global mean loss, what the single-device step
-    computes (up to float summation order).
+    computes (up to float summation order). Model state rows are averaged too, as
+    ``pmap``'s ``pmean`` does; the key becomes the workers' next key.
     """
     state = jax.device_put(state, compute)
-    mean = functools.partial(jnp.mean, axis=0)
-    return state.apply_gradients(jax.tree.map(mean, grads)), jax.tree.map(mean, metrics)
+    mean = functools.partial(jax.tree.map, functools.partial(jnp.mean, axis=0))
+    new = state.apply_gradients(mean(rows.grads)).replace(rng=rows.rng, model_state=mean(rows.model_state))
+    return new, mean(rows.metrics)
 
 
 class PushPullStep:
     """Pull, compute, push-and-update, as one callable; ``lower`` gives the workers' program.
 
     Args:
-      pull: ``state -> params`` replicated on the workers (host-to-device copies).
+      pull: ``state -> (params, rng, model_state)`` replicated on the workers (host-to-device copies).
       compute: the jitted :func:`replica_gradients`.
-      push_update: ``(state, grads, metrics) -> (state, metrics)``: moves the rows to
-        the owners and applies the update there.
+      push_update: ``(state, rows) -> (state, metrics)``: moves the rows to the owners
+        and applies the update there.
       choose: optional ``pulled params -> params the workers use`` (an older version, for
         simulated asynchrony); the identity by default.
     """
@@ -118,14 +152,14 @@ class PushPullStep:
         self.pull, self.compute, self.push_update, self.choose = pull, compute, push_update, choose
 
     def __call__(self, state: TrainState, batch: Batch):
-        params = self.pull(state)
+        params, rng, model_state = self.pull(state)
         if self.choose is not None:
             params = self.choose(params)
-        grads, metrics = self.compute(params, batch)
-        return self.push_update(state, grads, metrics)
+        return self.push_update(state, self.compute(params, batch, rng, model_state))
 
     def lower(self, state: TrainState, batch: Batch):
-        return self.compute.lower(self.pull(state), batch)
+        params, rng, model_state = self.pull(state)
+        return self.compute.lower(params, batch, rng, model_state)
 
     @property
     def delays(self) -> list[int]:
@@ -152,6 +186,36 @@ class OffDeviceStrategy(Strategy):
         """Send each slice of the global batch to its worker (a clear error when it does not split)."""
         return put_batch(batch, self.batch_sharding, self.num_replicas)
 
+    traffic_pattern = "central"
+    pull_label, push_label, formula = "parameters (pull)", "gradients (push)", "P"
+
+    def owner_loads(self, rows: ReplicaRows) -> tuple[int, ...]:
+        """Gradient bytes each owner of the state receives per step (all replicas' rows)."""
+        return (sum(int(x.nbytes) for x in jax.tree.leaves(rows.grads)),)
+
+    def traffic(self, loss_fn: LossFn, state: TrainState, batch: Batch) -> StepTraffic:
+        """The pull, the push and the batch, measured on the arrays this strategy really moves.
+
+        Runs one pull and the workers' gradient computation (real copies; ``state`` is
+        left as it is) and measures what lands on each worker; the workers' compiled
+        program is read for collectives (none, unless the model adds its own).
+        """
+        step = self.step(loss_fn)
+        size = sizes(self, loss_fn, state, batch)
+        params, rng, model_state = step.fn.pull(state)  # real copies, host memory -> every worker
+        rows = step.fn.compute(params, self.place_batch(batch), rng, model_state)  # rows stay on their workers
+        found = collectives(step, state, batch)
+        measure = functools.partial(per_replica_bytes, devices=self.devices)
+        flows = (
+            batch_flow(self, batch),
+            Flow(H2D, self.pull_label, measure(params), size.params, self.formula, "pulled arrays, per device"),
+            Flow(D2H, self.push_label, measure(rows.grads), size.params, self.formula, "pushed gradient rows"),
+            Flow(D2H, "metrics (push)", measure(rows.metrics), size.metrics, "M", "pushed metric rows"),
+            Flow(D2D, "collectives", sum(c.bytes for c in found), 0, "0", "compiled HLO of the workers"),
+        )
+        return StepTraffic(repr(self), self.traffic_pattern, size.replicas, size.params, size.metrics, flows,
+                           self.owner_loads(rows), bus_bytes(found))  # fmt: skip
+
 
 class CentralStorage(OffDeviceStrategy):
     """One copy of parameters and optimizer state in host memory; the devices only compute.
@@ -164,6 +228,12 @@ class CentralStorage(OffDeviceStrategy):
         params = update(params, grads)              # once, on the one host copy
 
     which equals the single-device step on ``b`` because the loss is a mean.
+
+    Randomness and model state work as under ``pmap``: with ``rng=`` each replica
+    draws its own dropout masks (its index folded into the step's key), and the
+    replicas' new model state is averaged with the gradients. BatchNorm equals
+    SingleDevice when the model averages its batch statistics over the ``data`` axis
+    (``pk.models.CNN(..., bn_axis_name="data")``, SyncBatchNorm).
 
     Args:
       devices: how many compute devices (the first ``n``), or which; all by default.
@@ -183,23 +253,25 @@ class CentralStorage(OffDeviceStrategy):
         model_state: PyTree = None,
         rng: int | jax.Array | None = None,
     ) -> TrainState:
-        refuse_step_extras(self, model_state, rng)
-        return jax.device_put(create_state(params, tx, opt_state), self.storage)
+        state = create_state(params, tx, opt_state, model_state=model_state, rng=rng)
+        return jax.device_put(state, self.storage)
 
     def step(self, loss_fn: LossFn) -> Step:
         compute = compute_sharding(self.storage)
         update = jax.jit(
-            lambda state, rows: apply_mean_gradients(state, *rows, compute),
+            lambda state, rows: apply_mean_gradients(state, rows, compute),
             in_shardings=(self.storage, compute),
             out_shardings=(self.storage, compute),
             donate_argnums=0,
         )
 
-        def push_update(state, grads, metrics):
-            # push: every replica's gradient row is copied to the storage device
-            return update(state, jax.device_put((grads, metrics), compute))
+        def push_update(state: TrainState, rows: ReplicaRows):
+            # push: every replica's rows are copied to the storage device
+            return update(state, jax.device_put(rows, compute))
 
-        pull = lambda state: jax.device_put(state.params, self.replicated)  # noqa: E731
+        def pull(state: TrainState):
+            return jax.device_put((state.params, state.rng, state.model_state), self.replicated)
+
         return Step(PushPullStep(pull, replica_gradients(loss_fn, self.mesh), push_update), self.place_batch, self)
 
     def __repr__(self) -> str:

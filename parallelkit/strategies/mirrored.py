@@ -27,13 +27,24 @@ from jax.sharding import PartitionSpec as P
 
 from ..axes import DATA
 from ..mesh import make_mesh
-from .base import Batch, LossFn, PyTree, Step, Strategy, TrainState, check_divisible, create_state, train_step
+from .base import (
+    Batch,
+    DataParallelTraffic,
+    LossFn,
+    PyTree,
+    Step,
+    Strategy,
+    TrainState,
+    check_divisible,
+    create_state,
+    train_step,
+)
 from .jit import JitStrategy
 
 BACKENDS = ("jit", "pmap")
 
 
-class Mirrored(Strategy):
+class Mirrored(DataParallelTraffic, Strategy):
     """Replicate the model on every device and all-reduce the gradients.
 
     Conceptually, with ``n`` devices and a global batch ``b``::

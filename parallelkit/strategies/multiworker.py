@@ -27,13 +27,13 @@ from jax.sharding import PartitionSpec as P
 
 from ..axes import DATA
 from ..mesh import make_mesh
-from .base import Batch, PyTree, check_divisible
+from .base import Batch, DataParallelTraffic, PyTree, check_divisible
 from .jit import JitStrategy
 
 FEEDS = ("global", "local")
 
 
-class MultiWorkerMirrored(JitStrategy):
+class MultiWorkerMirrored(DataParallelTraffic, JitStrategy):
     """Replicate the model on every device of every process and all-reduce the gradients.
 
     Conceptually, with ``n`` devices over all processes and a global batch ``b``,

@@ -36,10 +36,11 @@ import optax
 from flax import struct
 from jax.sharding import SingleDeviceSharding
 
-from .base import Batch, LossFn, PyTree, Step, TrainState, check_same_tree, refuse_step_extras
+from .base import Batch, LossFn, PyTree, Step, TrainState, check_same_tree, prng_key
 from .central import (
     OffDeviceStrategy,
     PushPullStep,
+    ReplicaRows,
     apply_mean_gradients,
     compute_sharding,
     host_sharding,
@@ -163,6 +164,10 @@ class ParameterServer(OffDeviceStrategy):
     optimizer state of its own slice, as TensorFlow's PS tasks do, so a transform
     that needs the global gradient norm would see only its shard's part).
 
+    A PRNG key and model state (BatchNorm statistics) live with shard 0 and work as
+    in :class:`~parallelkit.CentralStorage`: each worker draws its own dropout masks,
+    and the workers' model state is averaged.
+
     In ``"async"`` mode, the workers of step ``t`` compute on parameters ``d_t``
     updates old, ``d_t`` drawn uniformly from ``0..min(staleness, t)`` by a generator
     seeded with ``seed``: the bounded-staleness model of asynchronous PS training,
@@ -198,6 +203,21 @@ class ParameterServer(OffDeviceStrategy):
         self.num_shards, self.mode, self.staleness, self.seed = num_shards, mode, staleness, seed
         self.shard_storage = tuple(host_sharding(self.devices[j % self.num_replicas]) for j in range(num_shards))
 
+    traffic_pattern = "sharded"
+    formula = "P = P_1 + ... + P_k"
+
+    @property
+    def pull_label(self) -> str:
+        return f"parameters from {self.num_shards} shard(s) (pull)"
+
+    @property
+    def push_label(self) -> str:
+        return f"gradients to {self.num_shards} shard(s) (push)"
+
+    def owner_loads(self, rows: ReplicaRows) -> tuple[int, ...]:
+        """Gradient bytes each shard receives per step: ``n`` rows of its slice."""
+        return tuple(int(shard.nbytes) for shard in rows.grads.shards)
+
     def partition(self, params: PyTree) -> Partition:
         """How ``params`` are cut over the shards (``print(strategy.partition(params).table(strategy.devices))``)."""
         return Partition.of(params, self.num_shards)
@@ -211,7 +231,6 @@ class ParameterServer(OffDeviceStrategy):
         model_state: PyTree = None,
         rng: int | jax.Array | None = None,
     ) -> TrainState:
-        refuse_step_extras(self, model_state, rng)
         part = self.partition(params)
         slices = part.split(params)
         if opt_state is not None:  # a given state is per shard: tx.init of each shard's slice
@@ -222,31 +241,40 @@ class ParameterServer(OffDeviceStrategy):
         placed = [
             jax.device_put((s, o), where) for s, o, where in zip(slices, opt_state, self.shard_storage, strict=True)
         ]
-        return TrainState(
-            step=jax.device_put(jnp.zeros((), jnp.int32), self.shard_storage[0]),
-            params=Sharded(tuple(p for p, _ in placed), part),
-            opt_state=tuple(o for _, o in placed),
-            tx=tx,
+        # the step counter, the key and the model state live with shard 0 (host copies: the step donates them)
+        step, rng, model_state = jax.device_put(
+            jax.device_get((jnp.zeros((), jnp.int32), prng_key(rng), model_state)), self.shard_storage[0]
         )
+        params = Sharded(tuple(p for p, _ in placed), part)
+        return TrainState(step, params, tuple(o for _, o in placed), tx, rng=rng, model_state=model_state)
 
     def step(self, loss_fn: LossFn) -> Step:
         updates = [_shard_update_program(where) for where in self.shard_storage]
         computes = [compute_sharding(where) for where in self.shard_storage]  # built once, not every step
 
-        def flat_loss(shards: Sharded, batch: Batch):
-            return loss_fn(shards.partition.join(shards.shards), batch)
+        def flat_loss(shards: Sharded, batch: Batch, **extras):
+            return loss_fn(shards.partition.join(shards.shards), batch, **extras)
 
-        def pull(state: TrainState) -> Sharded:
-            return jax.device_put(state.params, self.replicated)  # every shard to every worker
+        def pull(state: TrainState):
+            # every shard to every worker, with the key and model state
+            return jax.device_put((state.params, state.rng, state.model_state), self.replicated)
 
-        def push_update(state: TrainState, grads: Sharded, metrics: dict):
+        def push_update(state: TrainState, rows: ReplicaRows):
             new = []
             for j, (update, where, compute) in enumerate(zip(updates, self.shard_storage, computes, strict=True)):
-                rows, mets = jax.device_put((grads.shards[j], metrics if j == 0 else {}), compute)
-                step = state.step if j == 0 else jax.device_put(state.step, where)
-                new.append(update(state.tx, step, state.params.shards[j], state.opt_state[j], rows, mets))
+                # shard j receives its slice of every gradient row; shard 0 also the metrics, key and model state
+                mine = rows.replace(grads=rows.grads.shards[j]) if j == 0 else ReplicaRows(rows.grads.shards[j], {})
+                if j == 0:
+                    step, extras = state.step, (state.rng, state.model_state)
+                else:
+                    step, extras = jax.device_put(state.step, where), (None, None)
+                new.append(update(state.tx, step, state.params.shards[j], state.opt_state[j], extras,
+                                  jax.device_put(mine, compute)))  # fmt: skip
+            step, _, _, (rng, model_state), metrics = new[0]
             params = Sharded(tuple(n[1] for n in new), state.params.partition)
-            return state.replace(step=new[0][0], params=params, opt_state=tuple(n[2] for n in new)), new[0][3]
+            opt_state = tuple(n[2] for n in new)
+            new_state = state.replace(step=step, params=params, opt_state=opt_state, rng=rng, model_state=model_state)
+            return new_state, metrics
 
         choose = _StalePull(self.staleness, self.seed) if self.mode == "async" else None
         return Step(
@@ -268,21 +296,27 @@ class ParameterServer(OffDeviceStrategy):
 
 
 def _shard_update_program(where: SingleDeviceSharding):
-    """The compiled update of the shard stored at ``where``: (tx, step, params, opt_state, rows, metrics) in."""
+    """The compiled update of the shard stored at ``where``: (tx, step, params, opt_state, extras, rows) in.
+
+    ``extras`` is ``(rng, model_state)`` on shard 0 and ``(None, None)`` elsewhere; the step
+    counter is read, not donated (shard 0's copy may be the one the other shards read).
+    """
     compute = compute_sharding(where)
     return jax.jit(
         functools.partial(_shard_update, compute=compute),
         static_argnums=0,
-        in_shardings=(where, where, where, compute, compute),
-        out_shardings=(where, where, where, compute),
-        donate_argnums=(2, 3),
+        in_shardings=(where, where, where, where, compute),
+        out_shardings=(where, where, where, where, compute),
+        donate_argnums=(2, 3, 4),
     )
 
 
-def _shard_update(tx, step, params, opt_state, rows, metrics, *, compute):
+def _shard_update(tx, step, params, opt_state, extras, rows, *, compute):
     """One shard's update: the shared :func:`apply_mean_gradients` on its own slice and optimizer state."""
-    state, metrics = apply_mean_gradients(TrainState(step, params, opt_state, tx), rows, metrics, compute)
-    return state.step, state.params, state.opt_state, metrics
+    rng, model_state = extras
+    owned = TrainState(step, params, opt_state, tx, rng=rng, model_state=model_state)
+    state, metrics = apply_mean_gradients(owned, rows, compute)
+    return state.step, state.params, state.opt_state, (state.rng, state.model_state), metrics
 
 
 class _StalePull:

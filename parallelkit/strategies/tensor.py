@@ -23,6 +23,7 @@ import jax
 
 from .. import partition
 from ..mesh import make_mesh
+from ..traffic import ExpectedCollective, Sizes
 from .base import PyTree
 from .sharded import ShardedStrategy
 
@@ -42,9 +43,10 @@ class TensorParallel(ShardedStrategy):
       model: devices per model replica (the size of the ``model`` mesh axis).
       rules: ``(regex, PartitionSpec)`` pairs (first match wins; a parameter that none
         matches is an error), or a tree of specs from :func:`parallelkit.partition.nnx_specs`.
-        Default: :func:`parallelkit.partition.megatron_mlp_rules` for the kit's MLP and
-        :func:`parallelkit.partition.megatron_transformer_rules` for its transformer
-        (``pk.models.build("mlp" | "transformer", ...)``); other models need rules.
+        Default: :func:`parallelkit.partition.megatron_mlp_rules` for the kit's MLP,
+        :func:`~parallelkit.partition.megatron_cnn_rules` for its CNN and
+        :func:`~parallelkit.partition.megatron_transformer_rules` for its transformer
+        (``pk.models.build("mlp" | "cnn" | "transformer", ...)``); other models need rules.
       devices: which devices; the first ``model`` by default.
 
     Raises:
@@ -67,8 +69,29 @@ class TensorParallel(ShardedStrategy):
         partition.check_specs(params, specs, self.mesh)
         return specs
 
+    traffic_pattern = "tensor"
+
+    def expected_collectives(self, sizes: Sizes) -> tuple[ExpectedCollective, ...] | None:
+        """Megatron's all-reduces of activations (:func:`megatron_mlp_allreduces`) for the kit's
+        MLP under the default rules; no formula for other models or rules."""
+        widths = _mlp_widths(sizes.params_tree) if self.rules is None else None
+        if widths is None:
+            return None
+        elements = megatron_mlp_allreduces(sizes.batch, widths)
+        itemsize = jax.tree.leaves(sizes.params_tree)[0].dtype.itemsize
+        what = f"activations, {len(elements)} partial sum(s)"
+        return (ExpectedCollective("all-reduce", what, sum(elements) * itemsize, "B x block widths (Megatron)"),)
+
     def __repr__(self) -> str:
         return f"TensorParallel(model={self.model})"
+
+
+def _mlp_widths(params: PyTree) -> list[int] | None:
+    """The layer widths of the kit's MLP, input first (``[64, 64, 10]``); None for another model."""
+    if not (isinstance(params, dict) and set(params) == {"hidden", "head"}):
+        return None
+    kernels = [params["hidden"][i]["kernel"] for i in sorted(params["hidden"])] + [params["head"]["kernel"]]
+    return [kernels[0].shape[0], *(k.shape[1] for k in kernels)]
 
 
 def _default_rules(params: PyTree) -> partition.Rules:
@@ -76,10 +99,12 @@ def _default_rules(params: PyTree) -> partition.Rules:
     labels = [partition.path_label(path) for path, _ in jax.tree_util.tree_leaves_with_path(params)]
     if "blocks/0/query/kernel" in labels:
         return partition.megatron_transformer_rules()
+    if "convs/1/kernel" in labels:
+        return partition.megatron_cnn_rules()
     hidden = {m.group(1) for label in labels if (m := re.match(r"^hidden/(\d+)/", label))}
     if not hidden or any(not re.match(r"^(hidden/\d+|head)/(kernel|bias)$", label) for label in labels):
         raise ValueError(
-            "TensorParallel has default rules only for pk.models.MLP and pk.models.Transformer; "
+            "TensorParallel has default rules only for pk.models.MLP, CNN and Transformer; "
             "give rules=[(regex, PartitionSpec), ...] "
             f"for this model (its parameters: {', '.join(labels[:6])}{', ...' if len(labels) > 6 else ''}), "
             'for example [(".*kernel", P(None, "model")), (".*", P())].'

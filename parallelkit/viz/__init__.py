@@ -14,6 +14,8 @@ from .placement import format_bytes as format_bytes
 from .placement import held_fractions as held_fractions
 from .placement import leaf_label as leaf_label
 from .placement import memory_kinds as memory_kinds
+from .placement import mesh_figure as mesh_figure
 from .placement import partition_figure as partition_figure
 from .placement import placement_figure as placement_figure
+from .placement import slice_label as slice_label
 from .race import race_figure as race_figure

@@ -16,8 +16,9 @@ in notebooks alike (a notebook displays a returned ``Figure`` as an image).
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from matplotlib.figure import Figure
@@ -292,4 +293,68 @@ def collectives_figure(
         )
     if title:
         ax.set_title(title)
+    return fig
+
+
+def slice_label(index: tuple[slice, ...], shape: Sequence[int]) -> str:
+    """The part of an array a device holds, as NumPy indexing writes it (``:`` for a whole axis).
+
+    >>> slice_label((slice(None), slice(32, 64)), (64, 128))
+    '[:, 32:64]'
+    >>> slice_label((slice(0, 64), slice(None)), (64, 10))
+    '[:, :]'
+    """
+    parts = []
+    for s, size in zip(index, shape, strict=False):
+        start, stop = s.start or 0, size if s.stop is None else s.stop
+        parts.append(":" if (start, stop) == (0, size) else f"{start}:{stop}")
+    return "[" + ", ".join(parts) + "]"
+
+
+def mesh_figure(leaves: Mapping[str, jax.Array], title: str = "") -> Figure:
+    """Each leaf drawn on its device mesh: one cell per device, labelled with the slice it holds.
+
+    The mesh's last axis runs across, the others (``data``, ``stage``) down; cells that
+    hold the same slice share a colour, so replicas read as one colour and shards as
+    several. This is the 2-D picture of a ``PartitionSpec``: ``P(None, "model")`` on a
+    ``data`` x ``model`` mesh gives each column its own block of columns, repeated down
+    the rows.
+
+    Args:
+      leaves: label -> an array placed with a ``NamedSharding`` (for example
+        ``{"hidden/0/kernel": state.params["hidden"][0]["kernel"]}``).
+      title: drawn above the panels.
+
+    Returns:
+      The figure; panel ``i``'s ``images[0].get_array()`` holds, per mesh cell, the
+      number of the slice that device holds (equal numbers: the same slice).
+
+    Raises:
+      ValueError: a leaf that is not laid out on a mesh (use :func:`placement_figure`).
+    """
+    if not leaves:
+        raise ValueError("mesh_figure needs at least one leaf, e.g. {'kernel': state.params['head']['kernel']}.")
+    fig = Figure(figsize=(3.4 * min(len(leaves), 3), 2.6 * -(-len(leaves) // 3)), layout="constrained")
+    for k, (label, leaf) in enumerate(leaves.items()):
+        mesh = getattr(leaf.sharding, "mesh", None)
+        if mesh is None or not hasattr(mesh, "devices"):
+            raise ValueError(
+                f"{label} is placed with {type(leaf.sharding).__name__}, not on a device mesh; "
+                "draw it with placement_figure(strategy.describe(state))."
+            )
+        names, grid = mesh.axis_names, np.asarray(mesh.devices)
+        grid = grid.reshape(-1, grid.shape[-1])
+        indices = leaf.sharding.devices_indices_map(leaf.shape)
+        labels = [[slice_label(indices[d], leaf.shape) for d in row] for row in grid]
+        distinct = {lab: i for i, lab in enumerate(dict.fromkeys(lab for row in labels for lab in row))}
+        ids = np.array([[distinct[lab] for lab in row] for row in labels], dtype=float)
+        ax = fig.add_subplot(-(-len(leaves) // 3), min(len(leaves), 3), k + 1)
+        ax.imshow(ids, cmap="tab20", vmin=0, vmax=19, aspect="auto")
+        for (i, j), device in np.ndenumerate(grid):
+            ax.text(j, i, f"device {device.id}\n{labels[i][j]}", ha="center", va="center", fontsize=7)
+        down = " x ".join(f"{n}={mesh.shape[n]}" for n in names[:-1]) or "-"
+        ax.set(xticks=[], yticks=[], xlabel=f"{names[-1]}={mesh.shape[names[-1]]}", ylabel=down)
+        ax.set_title(f"{label} {tuple(leaf.shape)}\n{leaf.sharding.spec}", fontsize=8)
+    if title:
+        fig.suptitle(title)
     return fig

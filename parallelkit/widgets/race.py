@@ -93,7 +93,7 @@ class StrategyRace:
         self.mode = ("widget" if in_notebook() else "text") if mode == "auto" else mode
         self.min_interval, self.chart_interval, self.stream = min_interval, chart_interval, stream
         self.logs: dict[str, LiveTimes] = {
-            name: LiveTimes(repr(s), s.num_replicas, batch_size=batch_size) for name, s in self.strategies.items()
+            name: LiveTimes(repr(s), len(s.devices), batch_size=batch_size) for name, s in self.strategies.items()
         }
         self.results: dict[str, FitResult] = {}
         self.simulated = False
