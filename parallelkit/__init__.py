@@ -22,6 +22,8 @@ from .devices import DeviceCountError as DeviceCountError
 from .devices import device_summary as device_summary
 from .devices import simulate_devices as simulate_devices
 from .strategies import CentralStorage as CentralStorage
+from .strategies import FullySharded as FullySharded
+from .strategies import Hybrid as Hybrid
 from .strategies import LeafPlacement as LeafPlacement
 from .strategies import Mirrored as Mirrored
 from .strategies import MultiWorkerMirrored as MultiWorkerMirrored

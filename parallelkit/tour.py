@@ -16,12 +16,12 @@ import optax
 
 from . import data, models
 from .devices import device_summary
-from .strategies import CentralStorage, Mirrored, ParameterServer, SingleDevice, Strategy, TensorParallel
+from .strategies import CentralStorage, FullySharded, Mirrored, ParameterServer, SingleDevice, Strategy, TensorParallel
 from .training import fit
 
 # The strategies that must equal SingleDevice in one process, built for n devices. Left out:
 # MultiWorkerMirrored (in one process it is Mirrored(jit); see `python -m parallelkit launch`)
-# and ParameterServer(mode="async"), which is meant to differ.
+# ParameterServer(mode="async"), which is meant to differ, and Hybrid, which needs d x k devices.
 STRATEGIES: dict[str, Callable[[int], Strategy]] = {
     "SingleDevice": lambda n: SingleDevice(),
     "Mirrored(jit)": lambda n: Mirrored(n, backend="jit"),
@@ -29,6 +29,7 @@ STRATEGIES: dict[str, Callable[[int], Strategy]] = {
     "CentralStorage": lambda n: CentralStorage(n),
     "PS(2 shards)": lambda n: ParameterServer(2, devices=n),
     "TensorParallel": lambda n: TensorParallel(n),
+    "FullySharded(3)": lambda n: FullySharded(3, n),
 }
 
 

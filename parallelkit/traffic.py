@@ -83,6 +83,7 @@ class Sizes:
     batch: int  # the global batch's examples
     replicas: int  # n
     params_tree: object = None  # the parameters themselves (host copies), for formulas that need their shapes
+    optimizer: int = 0  # bytes of the optimizer state
 
 
 @dataclass(frozen=True)
@@ -229,7 +230,8 @@ def sizes(strategy: Strategy, loss_fn: LossFn, state: TrainState, batch: Batch) 
         extras["rng"] = jax.random.PRNGKey(0)
     loss, (aux, _) = jax.eval_shape(_loss_with_aux(loss_fn), params, local, **extras)
     metric_bytes = sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves((loss, aux)))
-    return Sizes(_param_bytes(params), metric_bytes, batch_size(batch), n, params)
+    optimizer = _param_bytes(strategy.unreplicate(state.opt_state))
+    return Sizes(_param_bytes(params), metric_bytes, batch_size(batch), n, params, optimizer)
 
 
 def batch_flow(strategy: Strategy, batch: Batch) -> Flow:

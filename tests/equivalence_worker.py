@@ -45,12 +45,30 @@ def tensor_strategies(devices: int) -> dict:
     return {"single": pk.SingleDevice(), **({"tensor": pk.TensorParallel(model=devices)} if devices > 1 else {})}
 
 
+HYBRIDS = {4: ((2, 2),), 8: ((4, 2), (2, 4))}  # data x model meshes per device count
+ZERO_STAGES = (1, 2, 3)
+
+
+def sharded_names(devices: int) -> list[str]:
+    """FullySharded stages 1-3 over all devices; Hybrid 2x2 on 4 devices, 4x2 and 2x4 on 8."""
+    zero = [f"zero{k}" for k in ZERO_STAGES] if devices > 1 else []
+    return zero + [f"hybrid{d}x{m}" for d, m in HYBRIDS.get(devices, ())]
+
+
+def sharded_strategies(devices: int) -> dict:
+    return {
+        **({f"zero{k}": pk.FullySharded(k, devices) for k in ZERO_STAGES} if devices > 1 else {}),
+        **{f"hybrid{d}x{m}": pk.Hybrid(d, m) for d, m in HYBRIDS.get(devices, ())},
+    }
+
+
 def dropout_strategies(devices: int) -> dict:
     """Strategies whose step sees the global batch, so dropout equals SingleDevice's exactly."""
     import jax
 
     return {
         **tensor_strategies(devices),
+        **sharded_strategies(devices),
         "jit": pk.Mirrored(devices, backend="jit"),
         "multiworker": pk.MultiWorkerMirrored(jax.devices()[:devices]),  # one process: its jit step
     }
@@ -84,6 +102,8 @@ def main(devices: int, out: str) -> None:
                 chosen = dropout_strategies(devices)
             elif model in TENSOR_ONLY_MODELS:
                 chosen = tensor_strategies(devices)
+            elif model == "mlp":
+                chosen = strategies(devices) | tensor_strategies(devices) | sharded_strategies(devices)
             elif model in TENSOR_MODELS:
                 chosen = strategies(devices) | tensor_strategies(devices)
             else:

@@ -1,4 +1,5 @@
-"""Mirrored (both backends), CentralStorage, ParameterServer and TensorParallel reproduce SingleDevice.
+"""Every strategy reproduces SingleDevice: Mirrored (both backends), CentralStorage, ParameterServer,
+TensorParallel, FullySharded (ZeRO 1-3) and Hybrid.
 
 On 1, 2, 4 and 8 devices (TensorParallel on 2, 4 and 8, over all of them).
 
@@ -13,7 +14,7 @@ import sys
 
 import numpy as np
 import pytest
-from equivalence_worker import MODELS, OPTIMIZERS, PS_SHARDS, TENSOR_MODELS
+from equivalence_worker import MODELS, OPTIMIZERS, PS_SHARDS, TENSOR_MODELS, sharded_names
 from helpers import ATOL, ROOT, RTOL
 
 DEVICE_COUNTS = (1, 2, 4, 8)
@@ -92,3 +93,15 @@ def test_jit_strategies_with_dropout_equal_single_device(devices, optimizer, nam
     """The transformer with dropout: under jit the key draws the masks for the global batch, as on one device.
     (pmap, CentralStorage and ParameterServer draw per replica: see test_model_state.py.)"""
     assert_equals_single_device(trained[devices], "transformer", optimizer, name)
+
+
+SHARDED_CASES = [(n, name) for n in DEVICE_COUNTS for name in sharded_names(n)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("optimizer", list(OPTIMIZERS))
+@pytest.mark.parametrize("model", ["mlp", "transformer"])
+@pytest.mark.parametrize("devices, name", SHARDED_CASES)
+def test_fully_sharded_and_hybrid_equal_single_device(devices, name, model, optimizer, trained):
+    """ZeRO stages 1-3 over 2, 4 and 8 devices; Hybrid 2x2, 4x2 and 2x4 (the transformer with dropout)."""
+    assert_equals_single_device(trained[devices], model, optimizer, name)

@@ -21,7 +21,7 @@ def test_tour_command_prints_and_saves_the_table(tmp_path):
     assert "2 simulated CPU devices" in proc.stdout and "max |dp|" in proc.stdout
     rows = json.loads(out.read_text())["rows"]
     assert [r["strategy"] for r in rows] == list(pk.tour.STRATEGIES)
-    assert [r["devices"] for r in rows] == [1, 2, 2, 2, 2, 2]
+    assert [r["devices"] for r in rows] == [1, 2, 2, 2, 2, 2, 2]
     assert rows[0]["max_param_diff"] == 0.0
     for row in rows:
         assert row["max_param_diff"] < 1e-5, row

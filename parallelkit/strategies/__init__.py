@@ -5,6 +5,8 @@ from .base import Step as Step
 from .base import Strategy as Strategy
 from .base import TrainState as TrainState
 from .central import CentralStorage as CentralStorage
+from .fully_sharded import FullySharded as FullySharded
+from .hybrid import Hybrid as Hybrid
 from .mirrored import Mirrored as Mirrored
 from .multiworker import MultiWorkerMirrored as MultiWorkerMirrored
 from .parameter_server import ParameterServer as ParameterServer

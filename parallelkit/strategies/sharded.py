@@ -60,11 +60,20 @@ class ShardedStrategy(JitStrategy):
         """The ``PartitionSpec`` of every parameter, checked against the mesh and the shapes."""
         raise NotImplementedError
 
+    def optimizer_specs(self, params: PyTree) -> PyTree:
+        """The spec the optimizer state of each parameter gets: the parameter's own by default
+        (ZeRO stages 1 and 2 shard it where the parameters stay replicated)."""
+        return self.partition_specs(params)
+
+    def gradient_specs(self, params: PyTree) -> PyTree | None:
+        """Where the gradients must be laid out before the update (None: wherever XLA chooses)."""
+        return None
+
     def state_shardings(self, params: PyTree, tx: optax.GradientTransformation) -> TrainState:
         """A :class:`TrainState` of shardings: the step replicated, parameters by their specs,
-        optimizer state like its parameters (a PRNG key and model state, when present, replicated)."""
+        optimizer state by :meth:`optimizer_specs` (a PRNG key and model state, when present, replicated)."""
         specs = self.partition_specs(params)
-        opt_specs = partition.state_specs(specs, tx, params)
+        opt_specs = partition.state_specs(self.optimizer_specs(params), tx, params)
         return TrainState(
             step=self.replicated,
             params=partition.shardings(self.mesh, specs),
@@ -114,12 +123,25 @@ class _CompiledOnFirstCall:
         if self.fn is None:
             shardings = jax.tree.map(lambda x: x.sharding, state)
             self.fn = jax.jit(
-                functools.partial(train_step, self.loss_fn),
+                functools.partial(train_step, self.loss_fn, sync=self._gradient_layout(state.params)),
                 in_shardings=(shardings, self.strategy.batch_sharding),
                 out_shardings=(shardings, self.strategy.replicated),
                 donate_argnums=0,
             )
         return self.fn
+
+    def _gradient_layout(self, params: PyTree) -> Callable:
+        """The step's ``sync``: constrain the gradients to the strategy's gradient specs, if it has any."""
+        specs = self.strategy.gradient_specs(params)
+        if specs is None:
+            return lambda tree: tree
+        where = partition.shardings(self.strategy.mesh, specs)
+
+        def constrain(tree):
+            grads, *rest = tree
+            return (jax.lax.with_sharding_constraint(grads, where), *rest)
+
+        return constrain
 
     def __call__(self, state: TrainState, batch: Batch):
         return self.compiled(state)(state, batch)

@@ -20,6 +20,7 @@ import re
 from collections.abc import Sequence
 
 import jax
+from jax.sharding import Mesh
 
 from .. import partition
 from ..mesh import make_mesh
@@ -64,10 +65,7 @@ class TensorParallel(ShardedStrategy):
         self.rules = rules
 
     def partition_specs(self, params: PyTree) -> PyTree:
-        rules = self.rules if self.rules is not None else _default_rules(params)
-        specs = partition.param_specs(params, rules)
-        partition.check_specs(params, specs, self.mesh)
-        return specs
+        return model_specs(params, self.rules, self.mesh)
 
     traffic_pattern = "tensor"
 
@@ -92,6 +90,13 @@ def _mlp_widths(params: PyTree) -> list[int] | None:
         return None
     kernels = [params["hidden"][i]["kernel"] for i in sorted(params["hidden"])] + [params["head"]["kernel"]]
     return [kernels[0].shape[0], *(k.shape[1] for k in kernels)]
+
+
+def model_specs(params: PyTree, rules: partition.Rules | PyTree | None, mesh: Mesh) -> PyTree:
+    """The specs ``rules`` give ``params`` (the kit's default rules when None), checked against ``mesh``."""
+    specs = partition.param_specs(params, rules if rules is not None else _default_rules(params))
+    partition.check_specs(params, specs, mesh)
+    return specs
 
 
 def _default_rules(params: PyTree) -> partition.Rules:

@@ -1,0 +1,90 @@
+"""Hybrid parallelism: a 2-D mesh, data parallel on one axis and tensor parallel on the other.
+
+The devices form a ``data`` x ``model`` grid. Along ``model`` each group of ``k``
+neighbouring devices splits the weights as :class:`~parallelkit.TensorParallel` does
+(Megatron's column and row splits, one all-reduce of activations per block); along
+``data`` the ``d`` groups each take a slice of the batch, and the gradients of each
+weight slice are all-reduced over ``data``, as under :class:`~parallelkit.Mirrored`.
+With ``shard_data=True`` the weights are also sharded over ``data`` (fully sharded data
+parallelism on the data axis, ZeRO-3 within each model slice), by the rule of
+:func:`parallelkit.partition.fully_sharded_specs`.
+
+One ``jax.jit`` of the single-device step, as for every sharded strategy; XLA
+inserts both kinds of collective from the shardings.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import jax
+
+from .. import partition
+from ..axes import DATA
+from ..mesh import make_mesh
+from .base import PyTree
+from .sharded import ShardedStrategy
+from .tensor import model_specs
+
+
+class Hybrid(ShardedStrategy):
+    """``data`` x ``model`` devices: the batch split over ``data``, the weights over ``model``.
+
+    Conceptually, on device ``(i, j)`` with a global batch ``b``::
+
+        slice j of every split weight; b[i * len(b) // d : (i + 1) * len(b) // d]
+        forward and backward as TensorParallel within row i (all-reduces over `model`)
+        grads of slice j = mean over i of row i's grads           (all-reduce over `data`)
+
+    which equals the single-device step.
+
+    Args:
+      data: how many data-parallel groups (the ``data`` mesh axis).
+      model: devices per group that split the weights (the ``model`` mesh axis).
+      rules: partition rules over the ``model`` axis, as for :class:`~parallelkit.TensorParallel`
+        (the kit's MLP, CNN and transformer have defaults).
+      shard_data: also shard the weights over ``data`` (FSDP on the data axis).
+      min_size: with ``shard_data``, leaves with fewer elements stay replicated over ``data``.
+      devices: which devices, ``data x model`` of them; the first ``data x model`` by default.
+
+    Raises:
+      DeviceCountError: devices that are not ``data x model`` in number.
+      ValueError: an axis size that is not a whole number >= 1; at ``init``, the rule
+        errors of TensorParallel.
+    """
+
+    def __init__(
+        self,
+        data: int,
+        model: int,
+        rules: partition.Rules | PyTree | None = None,
+        *,
+        shard_data: bool = False,
+        min_size: int = partition.MIN_SHARD_SIZE,
+        devices: Sequence[jax.Device] | None = None,
+    ):
+        for name, size in (("data", data), ("model", model)):
+            if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+                raise ValueError(f"Hybrid({name}={size!r}): an axis size must be a whole number >= 1.")
+        super().__init__(data * model if devices is None else devices)
+        self.mesh = make_mesh(self.devices, data=data, model=model)
+        self.rules, self.shard_data, self.min_size = rules, shard_data, min_size
+
+    def partition_specs(self, params: PyTree) -> PyTree:
+        specs = model_specs(params, self.rules, self.mesh)
+        if self.shard_data:
+            data = self.mesh.shape[DATA]
+            specs = partition.fully_sharded_specs(params, DATA, data, min_size=self.min_size, base=specs)
+            partition.check_specs(params, specs, self.mesh)
+        return specs
+
+    traffic_pattern = "hybrid"
+
+    def expected_collectives(self, sizes) -> None:
+        """No formula: activation all-reduces over ``model`` and gradient ones over ``data`` mix in one
+        program; the measured payloads are reported as they are."""
+        return None
+
+    def __repr__(self) -> str:
+        shard = ", shard_data=True" if self.shard_data else ""
+        return f"Hybrid(data={self.mesh.shape[DATA]}, model={self.mesh.shape['model']}{shard})"

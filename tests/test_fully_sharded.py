@@ -1,0 +1,155 @@
+"""FullySharded (ZeRO stages 1-3) and Hybrid (data x model): placement, memory, traffic, checkpoints, errors.
+
+Equivalence with SingleDevice on 2, 4 and 8 devices is in test_equivalence.py.
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from helpers import assert_steps_compile_once, tree_allclose
+from jax.sharding import PartitionSpec as P
+
+import parallelkit as pk
+
+ROWS = P("data", None)  # a square kernel is split along its first (largest, first among equals) axis
+
+
+def wide_mlp():
+    """An MLP whose large leaves all divide by 8: 64 -> 256 -> 256 -> 16."""
+    model = pk.models.MLP(64, (256, 256), 16, rngs=nnx.Rngs(0))
+    apply, params = pk.models.functional(model)
+    return pk.models.classifier_loss(apply), params
+
+
+def specs(tree) -> dict[str, P]:
+    return {pk.partition.path_label(p): x.sharding.spec for p, x in jax.tree_util.tree_leaves_with_path(tree)}
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_every_leaf_is_placed_as_its_stage_says(stage, mlp, digits):
+    loss_fn, params = mlp
+    strategy = pk.FullySharded(stage, 4)
+    state = strategy.init(params, optax.adam(1e-3))
+    sharded = {"hidden/0/kernel": ROWS}  # 4,096 elements; the head (640) and the biases are below min_size
+    expected_params = {label: sharded.get(label, P()) if stage == 3 else P() for label in specs(state.params)}
+    for when in ("after init", "after a step"):
+        assert specs(state.params) == expected_params, when
+        opt = specs(state.opt_state)
+        for moment in ("mu", "nu"):  # Adam's moments are sharded in every stage
+            assert opt[f"0/{moment}/hidden/0/kernel"] == ROWS and opt[f"0/{moment}/head/kernel"] == P()
+        assert opt["0/count"] == P() and state.step.sharding.spec == P()
+        state, _ = strategy.step(loss_fn)(state, next(pk.data.batches(digits, 32, steps=1)))
+    assert_steps_compile_once(strategy, loss_fn, params, digits)
+
+
+def test_the_sharding_rule_is_stated_and_followed():
+    params = {"big": np.zeros((6, 64)), "square": np.zeros((64, 64)), "odd": np.zeros((30, 30)), "small": np.zeros(8)}
+    got = pk.partition.fully_sharded_specs(params, "data", 4, min_size=100)
+    # the largest dimension that divides (64 of 6 x 64); the first among equals; none divides 30; too small
+    assert got == {"big": P(None, "data"), "square": P("data", None), "odd": P(), "small": P()}
+    tensor = {"big": P(None, "model"), "square": P(), "odd": P(), "small": P()}
+    with_model = pk.partition.fully_sharded_specs(params, "data", 2, min_size=100, base=tensor)
+    assert with_model["big"] == P("data", "model")  # its model-split axis is taken: the other one
+    assert with_model["square"] == P("data", None)
+
+
+def test_zero3_holds_a_quarter_of_the_state_per_device_by_the_compilers_count(digits):
+    """From the compiled step's memory analysis: arguments minus this device's batch slice = its state."""
+    loss_fn, params = wide_mlp()
+    batch = {"x": np.zeros((32, 64), np.float32), "y": np.zeros(32, np.int32)}
+    per_device_batch = sum(x.nbytes for x in batch.values()) // 4
+    total = {}
+    for strategy in (pk.Mirrored(4), pk.FullySharded(3, 4)):
+        state = strategy.init(params, optax.adam(1e-3))
+        use = pk.inspect.memory_per_device(strategy.step(loss_fn), state, batch)
+        total[repr(strategy)] = use.argument - per_device_batch
+    whole = total["Mirrored(backend='jit', devices=4)"]  # parameters + Adam's mu and nu + count, whole
+    assert whole == pytest.approx(3 * pk.models.param_bytes(params), abs=64)
+    assert total["FullySharded(stage=3, devices=4)"] == pytest.approx(whole / 4, rel=0.10)
+
+
+def test_zero_memory_formulas():
+    from parallelkit.strategies.fully_sharded import zero_state_bytes
+
+    # float32 parameters P, gradients P, Adam's moments 2P; 4 devices
+    p, opt = 1000, 2000
+    assert zero_state_bytes(0, p, opt, 4) == {"parameters": 1000, "gradients": 1000, "optimizer": 2000}
+    assert zero_state_bytes(1, p, opt, 4) == {"parameters": 1000, "gradients": 1000, "optimizer": 500}
+    assert zero_state_bytes(2, p, opt, 4) == {"parameters": 1000, "gradients": 250, "optimizer": 500}
+    assert zero_state_bytes(3, p, opt, 4) == {"parameters": 250, "gradients": 250, "optimizer": 500}
+
+
+def test_traffic_read_from_the_compiled_program(mlp, digits):
+    loss_fn, params = mlp
+    batch = next(pk.data.batches(digits, 32, steps=1))
+    sharded = 64 * 64 * 4  # S: the one leaf above min_size
+    one = pk.FullySharded(1, 4)
+    t = one.traffic(loss_fn, one.init(params, optax.adam(1e-3)), batch)
+    assert t.flow("gradients and metrics (all-reduce)").measured == pk.models.param_bytes(params) + 8
+    assert t.flow("parameter shards (all-gather)").measured == sharded  # each device updated its shard only
+    t = one.traffic(loss_fn, one.init(params, optax.sgd(0.1)), batch)  # no optimizer state to shard:
+    assert t.between_replicas == t.total("device<->device", expected=True) == pk.models.param_bytes(params) + 8
+    three = pk.FullySharded(3, 4)
+    t = three.traffic(loss_fn, three.init(params, optax.sgd(0.1)), batch)
+    assert t.flow("parameter shards (all-gather)").measured >= sharded  # gathered before use
+    # XLA's CPU backend writes the reduce-scatter as an all-reduce whose shard each device keeps:
+    # the measured payload says so, against the formula's reduce-scatter of S/n.
+    scatter, reduce = t.flow("gradient shards (reduce-scatter)"), t.flow("small gradients")
+    assert scatter.expected == sharded / 4
+    assert scatter.measured + reduce.measured >= sharded / 4 + reduce.expected
+
+
+def test_checkpoint_saved_fully_sharded_on_4_restores_onto_2_and_1(mlp, digits, tmp_path):
+    loss_fn, params = mlp
+    tx = optax.adam(1e-2)
+    data = list(pk.data.batches(digits, 32, steps=6))
+    whole = pk.fit(pk.SingleDevice(), loss_fn, params, tx, data)
+    first = pk.fit(pk.FullySharded(3, 4), loss_fn, params, tx, data[:3])
+    pk.checkpoint.save(tmp_path, first.state, first.strategy)
+    for strategy in (pk.FullySharded(3, 2), pk.SingleDevice()):
+        restored = pk.checkpoint.restore(tmp_path, strategy, params, tx)
+        assert len(restored.params["hidden"][0]["kernel"].sharding.device_set) == len(strategy.devices)
+        tree_allclose(strategy.unreplicate(restored.params), first.params, rtol=0, atol=0)
+        rest = pk.fit(strategy, loss_fn, params, tx, data[3:], state=restored)
+        tree_allclose(rest.params, whole.params)
+
+
+def test_hybrid_splits_weights_over_model_and_the_batch_over_data(mlp, digits):
+    loss_fn, params = mlp
+    strategy = pk.Hybrid(data=2, model=4)
+    assert (strategy.num_replicas, dict(strategy.mesh.shape)) == (2, {"data": 2, "model": 4})
+    state = strategy.init(params, optax.adam(1e-3))
+    assert specs(state.params)["hidden/0/kernel"] == P(None, "model")
+    assert strategy.place_batch(next(pk.data.batches(digits, 32, steps=1)))["x"].sharding.spec == P("data")
+    fsdp = pk.Hybrid(data=2, model=4, shard_data=True)
+    state = fsdp.init(params, optax.adam(1e-3))
+    assert specs(state.params)["hidden/0/kernel"] == P("data", "model")  # FSDP on data within each slice
+    assert specs(state.opt_state)["0/mu/hidden/0/kernel"] == P("data", "model")
+    found = pk.inspect.summarize(pk.inspect.collectives(fsdp.step(loss_fn), state, next(pk.data.batches(digits, 32))))
+    assert {"all-reduce", "all-gather"} <= set(found)
+
+
+class TestErrors:
+    @pytest.mark.parametrize("stage", [0, 4, True, "3"])
+    def test_stage_not_in_1_to_3(self, stage):
+        with pytest.raises(ValueError, match="choose one of 1, 2, 3"):
+            pk.FullySharded(stage)
+
+    def test_min_size(self):
+        with pytest.raises(ValueError, match="min_size=0"):
+            pk.FullySharded(3, min_size=0)
+
+    def test_a_mesh_that_does_not_fit_the_devices(self):
+        with pytest.raises(pk.DeviceCountError, match="A mesh of data=2 x model=4 needs 8 devices, but 4 were given"):
+            pk.Hybrid(2, 4, devices=jax.devices()[:4])
+        with pytest.raises(pk.DeviceCountError, match="Asked for 16 devices"):
+            pk.Hybrid(4, 4)
+
+    @pytest.mark.parametrize("sizes", [(0, 2), (2, 0), (2.0, 2)])
+    def test_an_axis_of_size_0(self, sizes):
+        with pytest.raises(ValueError, match="an axis size must be a whole number >= 1"):
+            pk.Hybrid(*sizes)
