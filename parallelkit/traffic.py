@@ -86,6 +86,11 @@ class Sizes:
     optimizer: int = 0  # bytes of the optimizer state
 
 
+def gradient_all_reduce(sizes: Sizes) -> ExpectedCollective:
+    """Data parallelism's collective: every gradient and the scalar metrics, all-reduced (``P + M``)."""
+    return ExpectedCollective("all-reduce", "gradients and metrics", sizes.params + sizes.metrics, "P + M")
+
+
 @dataclass(frozen=True)
 class StepTraffic:
     """What one step of one strategy moves, flow by flow (bytes per replica).
@@ -230,7 +235,8 @@ def sizes(strategy: Strategy, loss_fn: LossFn, state: TrainState, batch: Batch) 
         extras["rng"] = jax.random.PRNGKey(0)
     loss, (aux, _) = jax.eval_shape(_loss_with_aux(loss_fn), params, local, **extras)
     metric_bytes = sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves((loss, aux)))
-    optimizer = _param_bytes(strategy.unreplicate(state.opt_state))
+    opt_leaves = jax.tree.leaves(state.opt_state)
+    optimizer = sum(int(np.prod(strategy.logical_shape(x))) * x.dtype.itemsize for x in opt_leaves)
     return Sizes(_param_bytes(params), metric_bytes, batch_size(batch), n, params, optimizer)
 
 

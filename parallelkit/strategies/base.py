@@ -29,10 +29,10 @@ import optax
 from flax import struct
 
 from ..devices import resolve_devices
+from ..partition import path_label as path_label  # re-exported: one spelling of a leaf's path
 
 if TYPE_CHECKING:
     from ..traffic import ExpectedCollective, Sizes, StepTraffic
-from ..partition import path_label as path_label  # re-exported: one spelling of a leaf's path
 
 PyTree = Any
 Batch = Mapping[str, Any]
@@ -393,8 +393,6 @@ class DataParallelTraffic:
 
     def expected_collectives(self, sizes: Sizes) -> tuple[ExpectedCollective, ...]:
         """The gradients and the scalar metrics, all-reduced: ``P + M`` bytes (XLA fuses them into one)."""
-        from ..traffic import ExpectedCollective
+        from ..traffic import gradient_all_reduce
 
-        if sizes.replicas == 1:
-            return ()
-        return (ExpectedCollective("all-reduce", "gradients and metrics", sizes.params + sizes.metrics, "P + M"),)
+        return () if sizes.replicas == 1 else (gradient_all_reduce(sizes),)

@@ -203,8 +203,9 @@ class OffDeviceStrategy(Strategy):
         step = self.step(loss_fn)
         size = sizes(self, loss_fn, state, batch)
         params, rng, model_state = step.fn.pull(state)  # real copies, host memory -> every worker
-        rows = step.fn.compute(params, self.place_batch(batch), rng, model_state)  # rows stay on their workers
-        found = collectives(step, state, batch)
+        placed = self.place_batch(batch)
+        rows = step.fn.compute(params, placed, rng, model_state)  # rows stay on their workers
+        found = collectives(step.fn.compute, params, placed, rng, model_state)
         measure = functools.partial(per_replica_bytes, devices=self.devices)
         flows = (
             batch_flow(self, batch),

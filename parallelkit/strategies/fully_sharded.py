@@ -29,7 +29,7 @@ from jax.sharding import PartitionSpec as P
 from .. import partition
 from ..axes import DATA
 from ..mesh import make_mesh
-from ..traffic import ExpectedCollective, Sizes
+from ..traffic import ExpectedCollective, Sizes, gradient_all_reduce
 from .base import PyTree
 from .sharded import ShardedStrategy
 
@@ -113,7 +113,7 @@ class FullySharded(ShardedStrategy):
         sharded = sum(x.nbytes for x, spec in zip(leaves, specs, strict=True) if DATA in spec)
         gather = ExpectedCollective("all-gather", "parameter shards", sharded, "S")
         if self.stage == 1:
-            reduce = ExpectedCollective("all-reduce", "gradients and metrics", sizes.params + sizes.metrics, "P + M")
+            reduce = gradient_all_reduce(sizes)
             return (reduce, gather) if sizes.optimizer >= sharded else (reduce,)
         rest = sizes.params - sharded + sizes.metrics
         return (

@@ -263,10 +263,11 @@ class ParameterServer(OffDeviceStrategy):
             new = []
             for j, (update, where, compute) in enumerate(zip(updates, self.shard_storage, computes, strict=True)):
                 # shard j receives its slice of every gradient row; shard 0 also the metrics, key and model state
-                mine = rows.replace(grads=rows.grads.shards[j]) if j == 0 else ReplicaRows(rows.grads.shards[j], {})
                 if j == 0:
+                    mine = rows.replace(grads=rows.grads.shards[0])
                     step, extras = state.step, (state.rng, state.model_state)
                 else:
+                    mine = ReplicaRows(rows.grads.shards[j], {})
                     step, extras = jax.device_put(state.step, where), (None, None)
                 new.append(update(state.tx, step, state.params.shards[j], state.opt_state[j], extras,
                                   jax.device_put(mine, compute)))  # fmt: skip
