@@ -109,7 +109,12 @@ def compiled_text(step, *args) -> str:
 
 
 def collectives(step, *args) -> list[Collective]:
-    """The collectives one call ``step(*args)`` runs, read from its compiled program."""
+    """The collectives in the compiled program of ``step(*args)``, one entry per instruction.
+
+    A collective inside a loop (a ``lax.scan`` over layers compiles to a ``while``) is
+    listed once, though it runs once per iteration: multiply by the trip count for the
+    bytes a step moves.
+    """
     return parse_collectives(compiled_text(step, *args))
 
 

@@ -72,6 +72,58 @@ def test_zero3_holds_a_quarter_of_the_state_per_device_by_the_compilers_count(di
     assert total["FullySharded(stage=3, devices=4)"] == pytest.approx(whole / 4, rel=0.10)
 
 
+def _temp_bytes(model: nnx.Module, strategy: pk.Strategy, batch_size: int) -> int:
+    """Temporary bytes per device of one SGD step, from the compiled program's memory analysis."""
+    apply, params = pk.models.functional(model)
+    batch = {"x": np.zeros((batch_size, 64), np.float32), "y": np.zeros(batch_size, np.int32)}
+    step = strategy.step(pk.models.classifier_loss(apply))
+    return pk.inspect.memory_per_device(step, strategy.init(params, optax.sgd(0.1)), batch).temp
+
+
+def test_zero3_saves_no_temporaries_unless_the_layers_are_scanned_and_rematerialised():
+    """The classic pitfall, on the compiler's count: what one more layer adds to the temporaries.
+
+    Layers written as separate leaves in an unrolled loop (MLP): ZeRO-3's temporaries grow per
+    layer as fast as mirrored's, though its program gathers every kernel. The same layers
+    stacked, scanned and rematerialised (Tower with remat) add well under a kernel per layer.
+    Batch 256 on 4 devices: large enough that XLA gathers the weights rather than moving
+    activations (at a tiny batch it may keep the weights in place).
+    """
+    width, batch, layer = 256, 256, 256 * 256 * 4
+    mirrored, zero3 = pk.Mirrored(4), pk.FullySharded(3, 4)
+
+    def growth(make, strategy):  # temp bytes that 4 more layers add, per layer
+        return (_temp_bytes(make(8), strategy, batch) - _temp_bytes(make(4), strategy, batch)) / 4
+
+    def unrolled(depth):
+        return pk.models.MLP(64, (width,) * (depth + 1), 10, rngs=nnx.Rngs(0))
+
+    def scanned(depth):
+        return pk.models.Tower(64, width, depth, 10, remat=True, rngs=nnx.Rngs(0))
+
+    apply, params = pk.models.functional(unrolled(4))
+    data = {"x": np.zeros((batch, 64), np.float32), "y": np.zeros(batch, np.int32)}
+    found = pk.inspect.collectives(
+        zero3.step(pk.models.classifier_loss(apply)), zero3.init(params, optax.sgd(0.1)), data
+    )
+    sharded = sum(x.nbytes for x in jax.tree.leaves(params) if x.size >= pk.partition.MIN_SHARD_SIZE)
+    assert pk.inspect.summarize(found)["all-gather"]["bytes"] >= sharded  # every kernel gathered whole
+    assert growth(unrolled, zero3) >= max(layer, 0.95 * growth(unrolled, mirrored))
+    assert growth(scanned, zero3) <= min(0.6 * layer, 0.5 * growth(scanned, mirrored))
+
+
+def test_a_tower_computes_the_same_with_and_without_remat():
+    x = np.random.default_rng(0).normal(size=(8, 64)).astype(np.float32)
+    apply, params = pk.models.functional(pk.models.Tower(64, 32, 3, 10, rngs=nnx.Rngs(0)))
+    apply_remat, params_remat = pk.models.functional(pk.models.Tower(64, 32, 3, 10, remat=True, rngs=nnx.Rngs(0)))
+    assert params["kernels"].shape == (3, 32, 32) and params["biases"].shape == (3, 32)
+    tree_allclose(params_remat, params, rtol=0, atol=0)
+    loss = pk.models.classifier_loss(apply)
+    loss_remat = pk.models.classifier_loss(apply_remat)
+    batch = {"x": x, "y": np.arange(8) % 10}
+    tree_allclose(jax.grad(lambda p: loss_remat(p, batch)[0])(params), jax.grad(lambda p: loss(p, batch)[0])(params))
+
+
 def test_zero_memory_formulas():
     from parallelkit.strategies.fully_sharded import zero_state_bytes
 

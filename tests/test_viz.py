@@ -160,6 +160,8 @@ STRATEGIES = {
     "Mirrored(pmap)": lambda: pk.Mirrored(backend="pmap"),
     "CentralStorage": lambda: pk.CentralStorage(4),
     "ParameterServer": lambda: pk.ParameterServer(3, devices=2),
+    "FullySharded(3)": lambda: pk.FullySharded(3, 4, min_size=4),
+    "Hybrid(2x2)": lambda: pk.Hybrid(2, 2, rules=[("w", P("model", None)), (".*", P())]),
 }
 
 
@@ -213,6 +215,12 @@ def test_placement_per_strategy_says_where_state_lives(small_params):
         elif name == "CentralStorage":  # one copy of everything, in host memory beside one device
             assert devices == {(strategy.devices[0].id,)} and kinds == {"pinned_host"}
             assert all(r.copies == 1 for r in rows) and len(rows) == n_leaves
+        elif name in ("FullySharded(3)", "Hybrid(2x2)"):  # w (4 x 3) split in two or four, on all 4 devices
+            split = 4 if name.startswith("Fully") else 2
+            assert devices == {tuple(d.id for d in strategy.devices)} and kinds == {"device"}
+            w = [r for r in rows if r.path.endswith("['w']")]  # the parameter, Adam's mu and nu
+            assert len(w) == 3 and all(r.copies == 4 // split and r.bytes_per_device == 48 // split for r in w)
+            assert all(r.copies == 4 for r in rows if r not in w)  # the rest replicated
         else:  # parameter server: shard j in the host memory beside worker j % n
             assert kinds == {"pinned_host"}
             shards = [r for r in rows if r.path.startswith(".params.shards")]
@@ -268,3 +276,17 @@ def test_mesh_figure_draws_a_2d_mesh_with_each_devices_slice(mlp):
     assert fig.axes[0].get_ylabel() == "data=2" and fig.axes[0].get_xlabel() == "model=4"
     with pytest.raises(ValueError, match="not on a device mesh; draw it with placement_figure"):
         viz.mesh_figure({"w": jax.device_put(jnp.zeros(3), jax.devices()[0])})
+
+
+def test_memory_figure_stacks_each_strategys_parts_with_the_formula_and_budget():
+    measured = {"Mirrored": {"parameters": 400, "optimizer state": 800}, "ZeRO-3": {"parameters": 100}}
+    fig = viz.memory_figure(measured, formula={"Mirrored": 1600, "ZeRO-3": 400}, budget=1000)
+    ax = fig.axes[0]
+    bars = [(p.get_x() + p.get_width() / 2, p.get_y(), p.get_height()) for p in ax.patches]
+    # part by part: both strategies' parameters, then both strategies' optimizer state (0 where absent)
+    assert bars == [(0, 0, 400), (1, 0, 100), (0, 400, 800), (1, 100, 0)]
+    (ticks,) = ax.collections
+    assert ticks.get_offsets().tolist() == [[0, 1600], [1, 400]]
+    assert [line.get_ydata()[0] for line in ax.lines] == [1000]
+    assert [t.get_text() for t in ax.texts] == ["1.2 KiB", "100 B"]
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["Mirrored", "ZeRO-3"]

@@ -7,7 +7,7 @@ import io
 import numpy as np
 import optax
 import pytest
-from helpers import run_python
+from helpers import run_python, tree_allclose
 from matplotlib.figure import Figure
 
 import parallelkit as pk
@@ -155,15 +155,21 @@ def test_race_rows_are_each_runs_own_numbers(mlp, digits):
 
 
 def test_race_and_dashboard_take_any_strategy(mlp, digits):
-    """A model-splitting strategy: one replica on two devices; the views count the devices it uses."""
+    """Model-splitting and sharded strategies: the views count the devices each uses."""
     loss_fn, params = mlp
-    strategies = {"SingleDevice": pk.SingleDevice(), "TensorParallel": pk.TensorParallel(2)}
+    strategies = {
+        "SingleDevice": pk.SingleDevice(),
+        "TensorParallel": pk.TensorParallel(2),  # one replica on two devices
+        "FullySharded": pk.FullySharded(3, 4),
+        "Hybrid": pk.Hybrid(2, 2, shard_data=True),
+    }
     race = StrategyRace(strategies, loss_fn, params, optax.sgd(0.1), lambda: pk.data.batches(digits, 64, steps=3),
                         steps=3, batch_size=64, mode="text", stream=io.StringIO())  # fmt: skip
     standings = race.run()
     rows = [(r.name, r.devices, r.steps_done) for r in standings.rows]
-    assert rows == [("SingleDevice", 1, 3), ("TensorParallel", 2, 3)]
-    assert pk.tour.max_abs_diff(race.results["TensorParallel"].params, race.results["SingleDevice"].params) < 1e-6
+    assert rows == [("SingleDevice", 1, 3), ("TensorParallel", 2, 3), ("FullySharded", 4, 3), ("Hybrid", 4, 3)]
+    for name in list(strategies)[1:]:
+        tree_allclose(race.results[name].params, race.results["SingleDevice"].params)
     dash = TimingDashboard(batch_size=64, mode="text", stream=io.StringIO())
     _fit(mlp, digits, pk.TensorParallel(2), [dash])
     assert dash.summary().devices == 2 and dash.summary().strategy == "TensorParallel(model=2)"

@@ -17,6 +17,7 @@ all of them; see :mod:`parallelkit.strategies.sharded`.
 from __future__ import annotations
 
 import abc
+import re
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -292,6 +293,24 @@ class LeafPlacement:
     spec: str  # the PartitionSpec, or the sharding's name
     copies: int  # how many full copies exist across the devices
     bytes_per_device: int
+
+
+def bytes_by_part(rows: Sequence[LeafPlacement]) -> dict[str, int]:
+    """Bytes one device holds of each part of a state (``params``, ``opt_state``, ``step``, ...).
+
+    Sums :meth:`Strategy.describe`'s rows by the state's top-level field, the largest
+    device's share of each leaf.
+
+    >>> rows = [LeafPlacement(".params['w']", (4,), "float32", (0, 1), "device", "P('data')", 1, 8),
+    ...         LeafPlacement(".opt_state[0].mu['w']", (4,), "float32", (0, 1), "device", "P('data')", 1, 8)]
+    >>> bytes_by_part(rows)
+    {'params': 8, 'opt_state': 8}
+    """
+    parts: dict[str, int] = {}
+    for row in rows:
+        part = re.match(r"\.?(\w+)", row.path).group(1)
+        parts[part] = parts.get(part, 0) + row.bytes_per_device
+    return parts
 
 
 class Strategy(abc.ABC):

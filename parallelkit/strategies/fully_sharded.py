@@ -12,10 +12,16 @@ the same ``data`` axis that splits the batch:
   before use and freed after; gradients reduce-scattered after the backward pass.
 
 Here each stage is the single-device step under ``jax.jit`` with per-leaf shardings
-(:mod:`parallelkit.strategies.sharded`); XLA's SPMD partitioner inserts the
-all-gathers and reduce-scatters those shardings imply. Which leaves are sharded follows
-one stated rule, :func:`parallelkit.partition.fully_sharded_specs`: a leaf of at least
-``min_size`` elements along its largest dimension that divides by the device count;
+(:mod:`parallelkit.strategies.sharded`); XLA's SPMD partitioner chooses the
+communication those shardings imply. The shardings are a layout, not an algorithm:
+with a large batch the compiled step gathers the weights and reduces the gradients as
+ZeRO describes; with a small one it may keep weights in place and move activations
+instead, and on the CPU backend a gradient reduce-scatter compiles as an all-reduce of
+which each device keeps its shard (``strategy.traffic`` shows what was compiled).
+
+Which leaves are sharded follows one stated rule,
+:func:`parallelkit.partition.fully_sharded_specs`: a leaf of at least ``min_size``
+elements is split along its largest dimension that divides by the device count;
 smaller or indivisible leaves stay replicated.
 """
 

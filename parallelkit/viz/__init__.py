@@ -8,6 +8,7 @@ matplotlib, so it is fast and headless-safe.
 from .gradsync import gradient_sync_figure as gradient_sync_figure
 from .gradsync import ring_figure as ring_figure
 from .gradsync import spread_figure as spread_figure
+from .memory import memory_figure as memory_figure
 from .pipeline import pipeline_gantt_figure as pipeline_gantt_figure
 from .placement import collectives_figure as collectives_figure
 from .placement import format_bytes as format_bytes
