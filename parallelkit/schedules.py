@@ -31,6 +31,13 @@ class Slot(NamedTuple):
     kind: str  # "forward" or "backward"
 
 
+def _check_counts(stages: int, microbatches: int, forward: float, backward: float) -> None:
+    if stages < 1 or microbatches < 1:
+        raise ValueError(f"A pipeline needs stages >= 1 and microbatches >= 1, got {stages} and {microbatches}.")
+    if forward <= 0 or backward <= 0:
+        raise ValueError(f"Pass durations above 0, got forward={forward} and backward={backward}.")
+
+
 def gpipe_schedule(stages: int, microbatches: int, forward: float = 1, backward: float = 2) -> list[Slot]:
     """GPipe (Huang et al., 2019): every microbatch's forward pass, then every backward pass.
 
@@ -53,10 +60,7 @@ def gpipe_schedule(stages: int, microbatches: int, forward: float = 1, backward:
     Raises:
       ValueError: a count below 1 or a duration that is not positive.
     """
-    if stages < 1 or microbatches < 1:
-        raise ValueError(f"gpipe_schedule needs stages >= 1 and microbatches >= 1, got {stages} and {microbatches}.")
-    if forward <= 0 or backward <= 0:
-        raise ValueError(f"Pass durations above 0, got forward={forward} and backward={backward}.")
+    _check_counts(stages, microbatches, forward, backward)
     fwd = [
         Slot(s, m, (m + s) * forward, (m + s + 1) * forward, "forward")
         for s in range(stages)
@@ -69,6 +73,78 @@ def gpipe_schedule(stages: int, microbatches: int, forward: float = 1, backward:
             start = flush + ((microbatches - 1 - m) + (stages - 1 - s)) * backward
             bwd.append(Slot(s, m, start, start + backward, "backward"))
     return fwd + bwd
+
+
+def one_f_one_b_schedule(stages: int, microbatches: int, forward: float = 1, backward: float = 2) -> list[Slot]:
+    """1F1B (PipeDream-Flush; Narayanan et al., 2021): each stage alternates forward and backward passes.
+
+    Stage ``s`` first runs ``min(stages - 1 - s, microbatches)`` forward passes (the
+    warm-up), then alternates one forward and one backward pass, then runs the remaining
+    backward passes (the cool-down). Each pass starts as soon as its stage is free and the
+    pass it depends on has ended (the forward on the stage above, the backward on the stage
+    below). The bubble is GPipe's, but a stage never holds the activations of more than
+    ``stages - s`` microbatches at once, where GPipe's hold all of them
+    (:func:`peak_in_flight`).
+
+    Args and Raises: as :func:`gpipe_schedule`.
+
+    Returns:
+      The slots, forwards first (by stage, then microbatch), then backwards likewise.
+    """
+    _check_counts(stages, microbatches, forward, backward)
+    orders = []
+    for s in range(stages):
+        warmup = min(stages - 1 - s, microbatches)
+        order = [("forward", m) for m in range(warmup)]
+        for m in range(microbatches - warmup):
+            order += [("forward", warmup + m), ("backward", m)]
+        orders.append(order + [("backward", m) for m in range(microbatches - warmup, microbatches)])
+    ends: dict[tuple[str, int, int], float] = {}
+    free, position, slots = [0.0] * stages, [0] * stages, []
+    while len(slots) < 2 * stages * microbatches:
+        progressed = False
+        for s in range(stages):
+            if position[s] == len(orders[s]):
+                continue
+            kind, m = orders[s][position[s]]
+            after = ("forward", s - 1, m) if kind == "forward" else ("backward", s + 1, m)
+            if kind == "backward" and s == stages - 1:
+                after = ("forward", s, m)
+            if kind == "forward" and s == 0:
+                ready = 0.0
+            elif after in ends:
+                ready = ends[after]
+            else:
+                continue  # waits for another stage
+            start = max(free[s], ready)
+            end = start + (forward if kind == "forward" else backward)
+            slots.append(Slot(s, m, start, end, kind))
+            ends[kind, s, m], free[s], position[s], progressed = end, end, position[s] + 1, True
+        assert progressed, "1F1B order deadlocked"  # cannot happen: each wait is on an earlier pass
+    return sorted(slots, key=lambda x: (KINDS.index(x.kind), x.stage, x.microbatch))
+
+
+def peak_in_flight(schedule: Sequence[Slot]) -> dict[int, int]:
+    """Per stage, the most microbatches whose forward pass has ended and backward pass has not.
+
+    Each such microbatch's activations are held for its backward pass, so this counts the
+    activation memory a stage needs, in microbatches: ``microbatches`` for GPipe, at most
+    ``stages - stage`` for 1F1B.
+
+    >>> peak_in_flight(gpipe_schedule(2, 4)), peak_in_flight(one_f_one_b_schedule(2, 4))
+    ({0: 4, 1: 4}, {0: 2, 1: 1})
+    """
+    peaks = {}
+    for stage in sorted({s.stage for s in schedule}):
+        events = sorted(
+            (slot.end, 1) if slot.kind == "forward" else (slot.end, -1) for slot in schedule if slot.stage == stage
+        )
+        held = peak = 0
+        for _, change in events:
+            held += change
+            peak = max(peak, held)
+        peaks[stage] = peak
+    return peaks
 
 
 def makespan(schedule: Sequence[Slot]) -> float:
