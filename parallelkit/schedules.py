@@ -38,6 +38,18 @@ def _check_counts(stages: int, microbatches: int, forward: float, backward: floa
         raise ValueError(f"Pass durations above 0, got forward={forward} and backward={backward}.")
 
 
+def _depends_on(kind: str, stage: int, microbatch: int, stages: int) -> tuple[str, int, int] | None:
+    """The ``(kind, stage, microbatch)`` pass that must end before this one starts (None: the first forward).
+
+    Activations flow down (forward ``s`` after forward ``s - 1``), gradients flow up
+    (backward ``s`` after backward ``s + 1``), and the last stage's backward follows its
+    own forward.
+    """
+    if kind == "forward":
+        return None if stage == 0 else ("forward", stage - 1, microbatch)
+    return ("forward", stage, microbatch) if stage == stages - 1 else ("backward", stage + 1, microbatch)
+
+
 def gpipe_schedule(stages: int, microbatches: int, forward: float = 1, backward: float = 2) -> list[Slot]:
     """GPipe (Huang et al., 2019): every microbatch's forward pass, then every backward pass.
 
@@ -107,15 +119,10 @@ def one_f_one_b_schedule(stages: int, microbatches: int, forward: float = 1, bac
             if position[s] == len(orders[s]):
                 continue
             kind, m = orders[s][position[s]]
-            after = ("forward", s - 1, m) if kind == "forward" else ("backward", s + 1, m)
-            if kind == "backward" and s == stages - 1:
-                after = ("forward", s, m)
-            if kind == "forward" and s == 0:
-                ready = 0.0
-            elif after in ends:
-                ready = ends[after]
-            else:
+            after = _depends_on(kind, s, m, stages)
+            if after is not None and after not in ends:
                 continue  # waits for another stage
+            ready = 0.0 if after is None else ends[after]
             start = max(free[s], ready)
             end = start + (forward if kind == "forward" else backward)
             slots.append(Slot(s, m, start, end, kind))
@@ -190,12 +197,7 @@ def check_schedule(schedule: Sequence[Slot]) -> None:
             if b.start < a.end:
                 raise ValueError(f"Stage {s} runs {a} and {b} at once.")
     for (kind, s, m), slot in slots.items():
-        before = (
-            slots.get(("forward", s - 1, m))
-            if kind == "forward"
-            else slots[("forward", s, m)]
-            if s == stages - 1
-            else slots[("backward", s + 1, m)]
-        )
+        after = _depends_on(kind, s, m, stages)
+        before = None if after is None else slots[after]
         if before is not None and slot.start < before.end:
             raise ValueError(f"{slot} starts before {before} ends, which it depends on.")

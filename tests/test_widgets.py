@@ -7,7 +7,7 @@ import io
 import numpy as np
 import optax
 import pytest
-from helpers import run_python, tree_allclose
+from helpers import run_python
 from matplotlib.figure import Figure
 
 import parallelkit as pk
@@ -169,7 +169,7 @@ def test_race_and_dashboard_take_any_strategy(mlp, digits):
     rows = [(r.name, r.devices, r.steps_done) for r in standings.rows]
     assert rows == [("SingleDevice", 1, 3), ("TensorParallel", 2, 3), ("FullySharded", 4, 3), ("Hybrid", 4, 3)]
     for name in list(strategies)[1:]:
-        tree_allclose(race.results[name].params, race.results["SingleDevice"].params)
+        assert pk.tour.max_abs_diff(race.results[name].params, race.results["SingleDevice"].params) < 1e-6, name
     dash = TimingDashboard(batch_size=64, mode="text", stream=io.StringIO())
     _fit(mlp, digits, pk.TensorParallel(2), [dash])
     assert dash.summary().devices == 2 and dash.summary().strategy == "TensorParallel(model=2)"
