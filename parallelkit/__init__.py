@@ -13,6 +13,7 @@ from . import inspect as inspect
 from . import mesh as mesh
 from . import models as models
 from . import partition as partition
+from . import pipeline as pipeline
 from . import schedules as schedules
 from . import traffic as traffic
 from .axes import DATA as DATA
@@ -21,6 +22,7 @@ from .axes import STAGE as STAGE
 from .devices import DeviceCountError as DeviceCountError
 from .devices import device_summary as device_summary
 from .devices import simulate_devices as simulate_devices
+from .pipeline import Pipeline as Pipeline
 from .strategies import CentralStorage as CentralStorage
 from .strategies import FullySharded as FullySharded
 from .strategies import Hybrid as Hybrid

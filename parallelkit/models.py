@@ -280,11 +280,99 @@ def classifier_loss(apply: Callable[..., Any]) -> Callable[..., Any]:
     def loss_fn(params: dict, batch: dict, **extras):
         out = apply(params, batch["x"], **extras)
         logits, new_state = out if "model_state" in extras else (out, None)
-        loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
-        aux = {"accuracy": (logits.argmax(-1) == batch["y"]).mean()}
+        loss, aux = cross_entropy(logits, batch)
         return (loss, aux, new_state) if "model_state" in extras else (loss, aux)
 
     return loss_fn
+
+
+def cross_entropy(logits: jax.Array, batch: dict) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """Mean cross-entropy of ``logits`` against ``batch["y"]``, and the accuracy: a pipeline's ``head_loss``.
+
+    >>> loss, aux = cross_entropy(jnp.array([[0.0, 9.0]]), {"y": jnp.array([1])})
+    >>> round(float(loss), 4), float(aux["accuracy"])
+    (0.0001, 1.0)
+    """
+    loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+    return loss, {"accuracy": (logits.argmax(-1) == batch["y"]).mean()}
+
+
+class Layers(NamedTuple):
+    """A model as layers, ``apply_i(params_i, x) -> y``, and their parameters (for :class:`~parallelkit.Pipeline`)."""
+
+    apply: list[Callable[[Any, Any], Any]]
+    params: list[dict]
+
+
+def as_layers(module: MLP | Transformer) -> Layers:
+    """The kit's :class:`MLP` or :class:`Transformer` as a list of layers, each with its own parameters.
+
+    The first layer takes a batch ``{"x", ...}`` and reads ``batch["x"]``; each later layer
+    takes the previous one's output; the last gives the logits, for :func:`cross_entropy`.
+    The MLP's layers are its Dense layers (ReLU after each hidden one); the transformer's
+    are the embedding (with the position embedding), each block, and the final norm with
+    the head. As layers, the transformer runs without dropout. Composed in order
+    (:func:`parallelkit.pipeline.sequential_loss`) they compute the module's own logits.
+
+    >>> layers, params = as_layers(MLP(4, (8,), 2, rngs=nnx.Rngs(0)))
+    >>> len(layers), sorted(params[0])
+    (2, ['bias', 'kernel'])
+
+    Raises:
+      TypeError: any other module (write its layers as functions instead).
+    """
+    if isinstance(module, MLP):
+        dense = [*module.hidden, module.head]
+        parts = [_part(layer) for layer in dense]
+
+        def dense_layer(i: int):
+            graphdef = parts[i][0]
+            hidden = i < len(dense) - 1
+
+            def apply(params: dict, x):
+                if i == 0:
+                    x = x["x"].reshape(x["x"].shape[0], -1)
+                y = nnx.merge(graphdef, nnx.State(params))(x)
+                return jax.nn.relu(y) if hidden else y
+
+            return apply
+
+        return Layers([dense_layer(i) for i in range(len(dense))], [params for _, params in parts])
+    if isinstance(module, Transformer):
+        (embed, embed_params), (norm, norm_params), (head, head_params) = map(
+            _part, (module.embed, module.norm, module.head)
+        )
+
+        def embedding(params: dict, batch: dict) -> jax.Array:
+            x = batch["x"].reshape(batch["x"].shape[0], batch["x"].shape[1], -1)
+            return nnx.merge(embed, nnx.State(params["embed"]))(x) + params["position"][None]
+
+        def block_layer(graphdef):
+            return lambda params, x: nnx.merge(graphdef, nnx.State(params))(x, module.heads, 0.0, None)
+
+        def classify(params: dict, x: jax.Array) -> jax.Array:
+            x = nnx.merge(norm, nnx.State(params["norm"]))(x).mean(axis=1)
+            return nnx.merge(head, nnx.State(params["head"]))(x)
+
+        blocks = [_part(block) for block in module.blocks]
+        return Layers(
+            [embedding, *(block_layer(graphdef) for graphdef, _ in blocks), classify],
+            [
+                {"embed": embed_params, "position": module.position[...]},
+                *(params for _, params in blocks),
+                {"norm": norm_params, "head": head_params},
+            ],
+        )
+    raise TypeError(
+        f"as_layers knows the kit's MLP and Transformer, not {type(module).__name__}: write the model as a list "
+        "of functions apply_i(params_i, x) -> y with a list of their parameters."
+    )
+
+
+def _part(module: nnx.Module) -> tuple[nnx.GraphDef, dict]:
+    """A sub-module's static graph and its parameters as a plain dict."""
+    graphdef, params = nnx.split(module)
+    return graphdef, nnx.to_pure_dict(params)
 
 
 def build(name: str, input_shape: Sequence[int], num_classes: int, seed: int = 0) -> tuple[Apply, dict]:

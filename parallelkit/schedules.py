@@ -154,6 +154,22 @@ def peak_in_flight(schedule: Sequence[Slot]) -> dict[int, int]:
     return peaks
 
 
+def stage_orders(schedule: Sequence[Slot]) -> list[list[tuple[str, int]]]:
+    """Per stage, its passes in the order they run: ``[[(kind, microbatch), ...], ...]``.
+
+    What an executor needs from a schedule (:class:`parallelkit.Pipeline` runs each
+    stage's list in turn); also how an executed timeline is compared with the plan.
+
+    >>> stage_orders(one_f_one_b_schedule(2, 2))[0]
+    [('forward', 0), ('forward', 1), ('backward', 0), ('backward', 1)]
+    """
+    stages = 1 + max(s.stage for s in schedule)
+    return [
+        [(s.kind, s.microbatch) for s in sorted((x for x in schedule if x.stage == stage), key=lambda x: x.start)]
+        for stage in range(stages)
+    ]
+
+
 def makespan(schedule: Sequence[Slot]) -> float:
     """Time from the first slot's start to the last slot's end."""
     return max(s.end for s in schedule) - min(s.start for s in schedule)

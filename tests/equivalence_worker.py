@@ -74,6 +74,48 @@ def dropout_strategies(devices: int) -> dict:
     }
 
 
+PIPELINE_DEVICES = 4  # the worker with this many devices also trains the pipelines
+PIPELINE_MODELS = ("mlp", "transformer")  # as layers (pk.models.as_layers): 4 layers each, no dropout
+PIPELINE_RUNS = [
+    *(
+        (f"pipe{stages}s{micro}m-{schedule}", stages, micro, schedule, 1)
+        for stages in (2, 4)
+        for micro in (1, 4, 8)
+        for schedule in ("gpipe", "1f1b")
+    ),
+    *((f"pipe2x2-{schedule}", 2, 4, schedule, 2) for schedule in ("gpipe", "1f1b")),  # stages x data
+]
+
+
+def train_pipelines(dataset) -> dict[str, np.ndarray]:
+    """Every pipeline run beside SingleDevice on the same layers (keys as in main: model|optimizer|name|path)."""
+    import jax
+    import optax
+    from flax import nnx
+
+    saved = {}
+    for model in PIPELINE_MODELS:
+        module = (
+            pk.models.MLP(int(np.prod(dataset.input_shape)), (64, 32, 16), dataset.num_classes, rngs=nnx.Rngs(0))
+            if model == "mlp"
+            else pk.models.Transformer(dataset.input_shape, dataset.num_classes, rngs=nnx.Rngs(0))
+        )
+        layers, params = pk.models.as_layers(module)
+        head = pk.models.cross_entropy
+        for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+            saved[f"pipe_{model}|-|init|{jax.tree_util.keystr(path)}"] = np.asarray(leaf)
+        runs = [("single", pk.SingleDevice(), pk.pipeline.sequential_loss(layers, head))]
+        runs += [(name, pk.Pipeline(layers, st, mb, sc, data=d), head) for name, st, mb, sc, d in PIPELINE_RUNS]
+        for opt_name, (factory, lr) in OPTIMIZERS.items():
+            options = {"eps": TRANSFORMER_ADAM_EPS} if model == "transformer" and factory == "adam" else {}
+            tx = getattr(optax, factory)(lr, **options)
+            for name, strategy, loss_fn in runs:
+                result = pk.fit(strategy, loss_fn, params, tx, pk.data.batches(dataset, BATCH, steps=STEPS))
+                for path, leaf in jax.tree_util.tree_flatten_with_path(result.params)[0]:
+                    saved[f"pipe_{model}|{opt_name}|{name}|{jax.tree_util.keystr(path)}"] = np.asarray(leaf)
+    return saved
+
+
 def build(model: str, dataset):
     if model == "transformer":
         return pk.models.build("transformer", dataset.input_shape, dataset.num_classes)
@@ -117,6 +159,8 @@ def main(devices: int, out: str) -> None:
                 assert int(strategy.unreplicate(result.state.step)) == STEPS
                 for path, leaf in jax.tree_util.tree_flatten_with_path(result.params)[0]:
                     saved[f"{model}|{opt_name}|{name}|{jax.tree_util.keystr(path)}"] = np.asarray(leaf)
+    if devices == PIPELINE_DEVICES:
+        saved.update(train_pipelines(dataset))
     np.savez(out, **saved)
 
 

@@ -1,5 +1,5 @@
 """Every strategy reproduces SingleDevice: Mirrored (both backends), CentralStorage, ParameterServer,
-TensorParallel, FullySharded (ZeRO 1-3) and Hybrid.
+TensorParallel, FullySharded (ZeRO 1-3), Hybrid and Pipeline.
 
 On 1, 2, 4 and 8 devices (TensorParallel on 2, 4 and 8, over all of them).
 
@@ -14,7 +14,16 @@ import sys
 
 import numpy as np
 import pytest
-from equivalence_worker import MODELS, OPTIMIZERS, PS_SHARDS, TENSOR_MODELS, sharded_names
+from equivalence_worker import (
+    MODELS,
+    OPTIMIZERS,
+    PIPELINE_DEVICES,
+    PIPELINE_MODELS,
+    PIPELINE_RUNS,
+    PS_SHARDS,
+    TENSOR_MODELS,
+    sharded_names,
+)
 from helpers import ATOL, ROOT, RTOL
 
 DEVICE_COUNTS = (1, 2, 4, 8)
@@ -105,3 +114,13 @@ SHARDED_CASES = [(n, name) for n in DEVICE_COUNTS for name in sharded_names(n)]
 def test_fully_sharded_and_hybrid_equal_single_device(devices, name, model, optimizer, trained):
     """ZeRO stages 1-3 over 2, 4 and 8 devices; Hybrid 2x2, 4x2 and 2x4 (the transformer with dropout)."""
     assert_equals_single_device(trained[devices], model, optimizer, name)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("optimizer", list(OPTIMIZERS))
+@pytest.mark.parametrize("model", PIPELINE_MODELS)
+@pytest.mark.parametrize("name", [run[0] for run in PIPELINE_RUNS])
+def test_pipeline_equals_single_device(name, model, optimizer, trained):
+    """2 and 4 stages; 1, 4 and 8 microbatches; GPipe and 1F1B; stages x data 2 x 2: the MLP and the
+    transformer as layers (pk.models.as_layers), against SingleDevice on pk.pipeline.sequential_loss."""
+    assert_equals_single_device(trained[PIPELINE_DEVICES], f"pipe_{model}", optimizer, name)

@@ -1,0 +1,174 @@
+"""Pipeline: placement, the executed order and timeline, activations held, the layer form, errors.
+
+Equivalence with SingleDevice (2 and 4 stages, 1, 4 and 8 microbatches, both schedules,
+MLP and transformer, SGD and Adam, stages x data 2 x 2) is in test_equivalence.py.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import jax
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from helpers import assert_steps_compile_once, tree_allclose
+
+import parallelkit as pk
+from parallelkit.schedules import check_schedule, peak_in_flight, stage_orders
+
+
+@pytest.fixture(scope="module")
+def deep_mlp(digits):
+    """The kit's MLP as four layers: 64 -> 64 -> 32 -> 16 -> 10."""
+    return pk.models.as_layers(pk.models.MLP(64, (64, 32, 16), digits.num_classes, rngs=nnx.Rngs(0)))
+
+
+def devices_of(tree) -> set[int]:
+    return {d.id for leaf in jax.tree.leaves(tree) for d in leaf.devices()}
+
+
+@pytest.mark.parametrize(("stages", "data"), [(2, 1), (4, 1), (2, 2)])
+def test_each_stage_keeps_its_parameters_and_optimizer_state_on_its_own_devices(stages, data, deep_mlp, batch):
+    layers, params = deep_mlp
+    pipe = pk.Pipeline(layers, stages, microbatches=4, data=data)
+    state = pipe.init(params, optax.adam(1e-3))
+    columns = [{d.id for d in pipe.mesh.devices[:, s]} for s in range(stages)]
+    assert len(set().union(*columns)) == stages * data  # disjoint groups of `data` devices
+    for when in ("after init", "after a step"):
+        stage_params = pipe.stage_params(state.params)
+        for s in range(stages):
+            assert devices_of(stage_params[s]) == columns[s], when
+            assert devices_of(state.opt_state[s]) == columns[s], when
+        state, _ = pipe.step(pk.models.cross_entropy)(state, batch)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize(("stages", "microbatches"), [(2, 4), (4, 8), (4, 2)])
+def test_the_executed_order_is_the_schedules_and_every_interval_is_well_formed(
+    schedule, stages, microbatches, deep_mlp, batch
+):
+    layers, params = deep_mlp
+    pipe = pk.Pipeline(layers, stages, microbatches, schedule)
+    step, state = pipe.step(pk.models.cross_entropy), pipe.init(params, optax.sgd(0.1))
+    for _ in range(2):  # the second step runs compiled programs
+        state, _ = step(state, batch)
+        timeline = step.timeline
+        assert timeline.orders() == stage_orders(pipe.planned())
+        passes = [(s.kind, s.stage, s.microbatch) for s in timeline.slots]
+        assert len(passes) == len(set(passes)) == 2 * stages * microbatches  # each pass once
+        assert all(0 <= s.start <= s.end for s in timeline.slots)
+        check_schedule(timeline.slots)  # measured: no overlap on a stage, every dependency waited for
+
+
+@pytest.mark.parametrize(("stages", "microbatches"), [(2, 8), (4, 8), (4, 2)])
+def test_microbatches_in_flight_and_activation_bytes_measured_per_stage(stages, microbatches, deep_mlp, batch):
+    """GPipe holds every microbatch's input on every stage; 1F1B at most `stages - stage` (so <= stages)."""
+    layers, params = deep_mlp
+    held = {}
+    for schedule in ("gpipe", "1f1b"):
+        pipe = pk.Pipeline(layers, stages, microbatches, schedule)
+        step = pipe.step(pk.models.cross_entropy)
+        step(pipe.init(params, optax.sgd(0.1)), batch)
+        peaks, held[schedule] = step.timeline.peak_in_flight(), step.timeline.peak_held_bytes()
+        if schedule == "gpipe":
+            assert peaks == dict.fromkeys(range(stages), microbatches)
+        else:
+            assert all(peaks[s] <= stages for s in range(stages))
+            assert peaks == {s: min(stages - s, microbatches) for s in range(stages)}
+        assert peaks == peak_in_flight(pipe.planned())
+        # Stage 0 stashes its microbatch of the batch: x (8x8 floats) and y (an int) per example.
+        per_microbatch = (batch["x"][0].nbytes + batch["y"][0].nbytes) * len(batch["y"]) // microbatches
+        assert held[schedule][0] == peaks[0] * per_microbatch
+    if microbatches > stages:
+        assert all(held["1f1b"][s] < held["gpipe"][s] for s in range(stages))
+
+
+def test_a_stage_that_fails_stops_the_step_with_its_error_instead_of_hanging(deep_mlp, batch):
+    layers, params = deep_mlp
+    broken = [*layers[:2], lambda p, x: x @ np.zeros((3, 3)), *layers[3:]]  # shapes do not fit on stage 1
+    pipe = pk.Pipeline(broken, 2, microbatches=4)
+    threads = threading.active_count()
+    start = time.perf_counter()
+    with pytest.raises(TypeError, match="dot_general"):
+        pipe.step(pk.models.cross_entropy)(pipe.init(params, optax.sgd(0.1)), batch)
+    assert time.perf_counter() - start < 60 and threading.active_count() == threads  # every stage thread ended
+
+
+def test_the_kits_models_as_layers_compute_the_modules_own_loss(digits, batch):
+    for module in (
+        pk.models.MLP(64, (32, 16), digits.num_classes, rngs=nnx.Rngs(0)),
+        pk.models.Transformer(digits.input_shape, digits.num_classes, dropout=0.1, rngs=nnx.Rngs(0)),
+    ):
+        layers, params = pk.models.as_layers(module)
+        apply, whole = pk.models.functional(module)
+        expected = pk.models.classifier_loss(apply)(whole, batch)  # no rng: dropout off
+        got = pk.pipeline.sequential_loss(layers, pk.models.cross_entropy)(params, batch)
+        tree_allclose(got, expected)
+    with pytest.raises(TypeError, match="list of functions"):
+        pk.models.as_layers(pk.models.CNN(digits.input_shape, digits.num_classes, rngs=nnx.Rngs(0)))
+
+
+def test_fit_trains_a_pipeline_and_its_steps_compile_once(deep_mlp, digits):
+    layers, params = deep_mlp
+    pipe = pk.Pipeline(layers, 2, microbatches=4, schedule="1f1b")
+    result = pk.fit(pipe, pk.models.cross_entropy, params, optax.adam(1e-2), pk.data.batches(digits, 64, steps=30))
+    losses = result.history.losses
+    assert losses[-1] < losses[0] * 0.7
+    assert_steps_compile_once(pipe, pk.models.cross_entropy, params, digits)
+
+
+def test_a_consumed_state_is_refused_and_the_single_program_tools_say_why(deep_mlp, batch):
+    layers, params = deep_mlp
+    pipe = pk.Pipeline(layers, 2, microbatches=2)
+    step, state = pipe.step(pk.models.cross_entropy), pipe.init(params, optax.sgd(0.1))
+    step(state, batch)
+    with pytest.raises(ValueError, match="already consumed"):
+        step(state, batch)
+    with pytest.raises(NotImplementedError, match="timeline"):
+        step.lower(state, batch)
+    with pytest.raises(NotImplementedError, match="timeline"):
+        pipe.traffic(pk.models.cross_entropy, state, batch)
+
+
+class TestBadInput:
+    def test_more_stages_than_layers(self, deep_mlp):
+        with pytest.raises(ValueError, match="5 stages needs at least 5 layers, but the model has 4"):
+            pk.Pipeline(deep_mlp[0], stages=5)
+
+    def test_microbatches_that_do_not_divide_the_batch(self, deep_mlp, batch):
+        pipe = pk.Pipeline(deep_mlp[0], 2, microbatches=3)
+        with pytest.raises(ValueError, match="64 examples does not split into 3 equal microbatches"):
+            pipe.step(pk.models.cross_entropy)(pipe.init(deep_mlp[1], optax.sgd(0.1)), batch)
+
+    def test_a_microbatch_that_does_not_split_over_a_stages_devices(self, deep_mlp, batch):
+        pipe = pk.Pipeline(deep_mlp[0], 2, microbatches=32, data=4)
+        with pytest.raises(ValueError, match="microbatch of 2 examples does not split over the 4 devices"):
+            pipe.step(pk.models.cross_entropy)(pipe.init(deep_mlp[1], optax.sgd(0.1)), batch)
+
+    def test_stages_times_data_not_the_device_count(self, deep_mlp):
+        with pytest.raises(pk.DeviceCountError, match="stages x data = 4 devices, but 3 were given"):
+            pk.Pipeline(deep_mlp[0], 2, data=2, devices=jax.devices()[:3])
+        with pytest.raises(pk.DeviceCountError, match="Asked for 16 devices"):
+            pk.Pipeline(deep_mlp[0], 4, data=4)
+
+    @pytest.mark.parametrize("field", ["stages", "microbatches", "data"])
+    def test_counts_below_one(self, deep_mlp, field):
+        sizes = {"stages": 2, "microbatches": 2, "data": 1} | {field: 0}
+        with pytest.raises(ValueError, match=f"{field}=0"):
+            pk.Pipeline(deep_mlp[0], **sizes)
+
+    def test_an_unknown_schedule_and_a_bad_split(self, deep_mlp):
+        with pytest.raises(ValueError, match="Unknown schedule 'zigzag'"):
+            pk.Pipeline(deep_mlp[0], 2, schedule="zigzag")
+        with pytest.raises(ValueError, match="add up to the model's 4 layers"):
+            pk.Pipeline(deep_mlp[0], 2, layers_per_stage=[1, 2])
+
+    def test_params_that_are_not_one_entry_per_layer_and_dropout_keys(self, deep_mlp, mlp):
+        pipe = pk.Pipeline(deep_mlp[0], 2)
+        with pytest.raises(ValueError, match="one for each of the 4 layers, got dict"):
+            pipe.init(mlp[1], optax.sgd(0.1))
+        with pytest.raises(ValueError, match="no model_state or rng"):
+            pipe.init(deep_mlp[1], optax.sgd(0.1), rng=0)
