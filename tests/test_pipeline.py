@@ -133,6 +133,22 @@ def test_a_consumed_state_is_refused_and_the_single_program_tools_say_why(deep_m
         pipe.traffic(pk.models.cross_entropy, state, batch)
 
 
+def test_the_explorer_redraws_from_a_real_run_for_every_choice(deep_mlp, batch, capsys):
+    from parallelkit.widgets import PipelineExplorer
+
+    explorer = PipelineExplorer(*deep_mlp, pk.models.cross_entropy, batch)
+    assert explorer.microbatch_choices == [1, 2, 4, 8]
+    (sliders, schedule, label, image) = explorer.widget.children
+    stages, micro = sliders.children
+    first = image.value
+    assert "Pipeline(stages=2, microbatches=8, schedule='gpipe')" in label.value and first
+    stages.value, micro.value, schedule.value = 4, 2, "1f1b"
+    assert "Pipeline(stages=4, microbatches=2, schedule='1f1b')" in label.value
+    assert "held per stage [2, 2, 2, 1]" in label.value and image.value != first
+    explorer._ipython_display_()  # outside a notebook: the summary as text
+    assert "measured bubble" in capsys.readouterr().out
+
+
 class TestBadInput:
     def test_more_stages_than_layers(self, deep_mlp):
         with pytest.raises(ValueError, match="5 stages needs at least 5 layers, but the model has 4"):

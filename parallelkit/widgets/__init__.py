@@ -11,4 +11,5 @@ from .live import LiveTimes as LiveTimes
 from .live import RaceRow as RaceRow
 from .live import RaceStandings as RaceStandings
 from .live import TimingSummary as TimingSummary
+from .pipeline import PipelineExplorer as PipelineExplorer
 from .race import StrategyRace as StrategyRace
