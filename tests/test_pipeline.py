@@ -120,6 +120,18 @@ def test_fit_trains_a_pipeline_and_its_steps_compile_once(deep_mlp, digits):
     assert_steps_compile_once(pipe, pk.models.cross_entropy, params, digits)
 
 
+def test_a_checkpoint_restores_each_stage_onto_its_own_devices(deep_mlp, digits, tmp_path):
+    layers, params = deep_mlp
+    pipe = pk.Pipeline(layers, 2, microbatches=2, schedule="1f1b")
+    batches = pk.data.batches(digits, 32, steps=4)
+    tx = optax.adam(1e-3)
+    result = pk.fit(pipe, pk.models.cross_entropy, params, tx, batches, checkpoint_dir=tmp_path)
+    state = pk.checkpoint.restore(tmp_path, pipe, params, tx)
+    tree_allclose(pipe.unreplicate(state), pipe.unreplicate(result.state), rtol=0, atol=0)
+    for s, stage_params in enumerate(pipe.stage_params(state.params)):
+        assert devices_of((stage_params, state.opt_state[s])) == {pipe.mesh.devices[0, s].id}
+
+
 def test_a_consumed_state_is_refused_and_the_single_program_tools_say_why(deep_mlp, batch):
     layers, params = deep_mlp
     pipe = pk.Pipeline(layers, 2, microbatches=2)
