@@ -25,6 +25,15 @@ from .devices import DeviceCountError
 AXES = (DATA, STAGE, MODEL)  # outer to inner: model-parallel groups get neighbouring devices
 
 
+def is_count(size: object) -> bool:
+    """Whether ``size`` is a whole number >= 1 (an axis size, a device or element count); a bool is not.
+
+    >>> is_count(2), is_count(0), is_count(2.0), is_count(True)
+    (True, False, False, False)
+    """
+    return isinstance(size, int) and not isinstance(size, bool) and size >= 1
+
+
 def make_mesh(
     devices: Sequence[jax.Device] | None = None,
     *,
@@ -55,7 +64,7 @@ def make_mesh(
     devices = list(jax.devices() if devices is None else devices)
     sizes = {DATA: data, STAGE: stage, MODEL: model}
     for name, size in sizes.items():
-        if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 1):
+        if size is not None and not is_count(size):
             raise ValueError(f"Mesh axis {name!r} needs a whole number >= 1, got {size!r}.")
     fixed = math.prod(size for size in sizes.values() if size is not None)
     if data is None:

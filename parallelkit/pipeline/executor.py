@@ -99,9 +99,9 @@ def execute(orders: Sequence[Sequence[tuple[str, int]]], task: Task, held_bytes:
 
     with ThreadPoolExecutor(stages, thread_name_prefix="pipeline-stage") as pool:
         runs = [pool.submit(run_stage, s) for s in range(stages)]
-    errors = [run.exception() for run in runs if run.exception() is not None]
-    if errors:  # the first failure; the others are the same error, handed to the waiting stages
-        raise errors[0]
+    for run in runs:  # the first failure; the others are the same error, handed to the waiting stages
+        if run.exception() is not None:
+            raise run.exception()
     timeline.slots.sort(key=lambda s: s.start)
     timeline.held.sort()
     return timeline

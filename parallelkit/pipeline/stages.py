@@ -12,7 +12,8 @@ schedule: a schedule changes only the order in which they are called.
   the stage below. The forward pass is recomputed here from the stage's input, so
   between its forward and backward pass a microbatch costs its stage only that input
   (GPipe's re-materialisation, Huang et al. 2019);
-- :func:`update`: one optimizer update of the stage's own parameters.
+- :func:`update`: one optimizer update of the stage's own parameters (and :func:`next_step`,
+  the step counter).
 """
 
 from __future__ import annotations
@@ -121,6 +122,12 @@ def backward(params, x, batch, cotangent, grads, *, layers, head_loss, first, la
         _, pullback = jax.vjp(output, params, x)
         param_grads, input_grad = pullback(cotangent)
     return jax.tree.map(jnp.add, grads, param_grads), input_grad
+
+
+@partial(jax.jit, donate_argnums=0)
+def next_step(step: jax.Array) -> jax.Array:
+    """The step counter plus one; the old counter is donated, which marks the old state as consumed."""
+    return step + 1
 
 
 @partial(jax.jit, static_argnames=("tx",), donate_argnames=("params", "opt_state"))

@@ -15,18 +15,8 @@ from jax.sharding import PartitionSpec as P
 from .. import schedules
 from ..axes import DATA
 from ..devices import DeviceCountError
-from ..mesh import make_mesh
-from ..strategies.base import (
-    DONATED_STATE,
-    Batch,
-    PyTree,
-    Step,
-    Strategy,
-    TrainState,
-    batch_size,
-    check_same_tree,
-    is_deleted,
-)
+from ..mesh import is_count, make_mesh
+from ..strategies.base import Batch, PyTree, Step, Strategy, TrainState, batch_size, check_same_tree
 from . import stages as programs
 from .executor import Timeline, execute
 from .stages import HeadLoss, Layer, split_layers
@@ -90,7 +80,7 @@ class Pipeline(Strategy):
         devices: Sequence[jax.Device] | None = None,
     ):
         for name, size in (("stages", stages), ("microbatches", microbatches), ("data", data)):
-            if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            if not is_count(size):
                 raise ValueError(f"Pipeline({name}={size!r}): it must be a whole number >= 1.")
         if not callable(schedule) and schedule not in SCHEDULES:
             raise ValueError(f"Unknown schedule {schedule!r}: use one of {sorted(SCHEDULES)} or a schedule function.")
@@ -140,6 +130,11 @@ class Pipeline(Strategy):
         """The per-layer parameter list cut into per-stage lists."""
         return [list(params[i] for i in layers) for layers in self.stage_layers]
 
+    @staticmethod
+    def layer_params(per_stage: Sequence[Sequence[PyTree]]) -> list[PyTree]:
+        """The per-stage lists joined back into the per-layer list (stages hold neighbouring layers, in order)."""
+        return [p for stage in per_stage for p in stage]
+
     def init(
         self,
         params: Sequence[PyTree],
@@ -176,18 +171,17 @@ class Pipeline(Strategy):
         if opt_state is not None:
             expected = [jax.eval_shape(tx.init, p) for p in per_stage]
             check_same_tree(expected, list(opt_state), what="opt_state", against="[tx.init(stage params), ...]")
-        placed, opt_states = [None] * len(self.layers), []
-        for s, layers in enumerate(self.stage_layers):
+        placed, opt_states = [], []
+        for s in range(self.stages):
             where = self.replicated(s)
             stage = _placed_copy(per_stage[s], where)
-            for i, p in zip(layers, stage, strict=True):
-                placed[i] = p
+            placed.append(stage)
             if opt_state is None:
                 opt_states.append(jax.jit(tx.init, out_shardings=where)(stage))
             else:
                 opt_states.append(_placed_copy(opt_state[s], where))
         step = jax.device_put(jnp.zeros((), jnp.int32), self.replicated(0))
-        return TrainState(step=step, params=placed, opt_state=opt_states, tx=tx)
+        return TrainState(step=step, params=self.layer_params(placed), opt_state=opt_states, tx=tx)
 
     def step(self, head_loss: HeadLoss) -> PipelineStep:
         """The training step for ``head_loss(output, batch) -> loss or (loss, aux)`` on the last layer's output."""
@@ -232,6 +226,12 @@ class PipelineStep(Step):
         super().__init__(self._run, self._cut, pipeline)
         self.pipeline, self.head_loss = pipeline, head_loss
         self.orders = schedules.stage_orders(pipeline.planned())
+        last = pipeline.stages - 1
+        # The static arguments of each stage's programs: its layers, and whether it is first or last.
+        self.statics = [
+            dict(layers=tuple(pipeline.layers[i] for i in layers), head_loss=head_loss, first=s == 0, last=s == last)
+            for s, layers in enumerate(pipeline.stage_layers)
+        ]
         self.timeline: Timeline | None = None
 
     def _cut(self, batch: Batch) -> list[Batch]:
@@ -251,21 +251,13 @@ class PipelineStep(Step):
         return [jax.tree.map(lambda x, m=m: x[m * micro : (m + 1) * micro], batch) for m in range(pipe.microbatches)]
 
     def _run(self, state: TrainState, microbatches: list[Batch]) -> tuple[TrainState, dict[str, jax.Array]]:
-        pipe = self.pipeline
-        if any(is_deleted(x) for x in jax.tree.leaves(state)):
-            raise ValueError(DONATED_STATE)
+        pipe, statics = self.pipeline, self.statics
         last = pipe.stages - 1
         params = pipe.stage_params(state.params)
         grads = [jax.tree.map(jnp.zeros_like, p) for p in params]
         stash: list[dict[int, Any]] = [{} for _ in range(pipe.stages)]  # each stage's inputs kept for its backward
         outputs: dict[int, tuple] = {}  # microbatch -> (loss, aux) on the last stage
         seed = jax.device_put(jnp.float32(1 / pipe.microbatches), pipe.replicated(last))
-
-        def program_args(stage: int) -> dict:
-            layers = tuple(pipe.layers[i] for i in pipe.stage_layers[stage])
-            return dict(layers=layers, head_loss=self.head_loss, first=stage == 0, last=stage == last)
-
-        statics = [program_args(s) for s in range(pipe.stages)]
 
         def task(kind: str, stage: int, m: int, received: Any) -> Any:
             ends = stage in (0, last)  # the first stage reads the batch, the last its labels
@@ -293,15 +285,15 @@ class PipelineStep(Step):
             return sum(max(shard.data.nbytes for shard in x.addressable_shards) for x in arrays)
 
         self.timeline = execute(self.orders, task, held_bytes)
-        new_params, opt_states = [None] * len(pipe.layers), []
-        for s, layers in enumerate(pipe.stage_layers):
-            stage_params, opt_state = programs.update(params[s], state.opt_state[s], grads[s], tx=state.tx)
-            opt_states.append(opt_state)
-            for i, p in zip(layers, stage_params, strict=True):
-                new_params[i] = p
+        new_params, opt_states = zip(
+            *(programs.update(params[s], state.opt_state[s], grads[s], tx=state.tx) for s in range(pipe.stages)),
+            strict=True,
+        )
         losses, auxes = zip(*(outputs[m] for m in range(pipe.microbatches)), strict=True)
         metrics = {"loss": jnp.mean(jnp.stack(losses)), **jax.tree.map(lambda *v: jnp.mean(jnp.stack(v)), *auxes)}
-        return state.replace(step=state.step + 1, params=new_params, opt_state=opt_states), metrics
+        # Donating the old step counter marks the old state as consumed, which Step checks on every call.
+        step = programs.next_step(state.step)
+        return state.replace(step=step, params=pipe.layer_params(new_params), opt_state=list(opt_states)), metrics
 
     def lower(self, state: TrainState, batch: Batch):
         raise NotImplementedError(

@@ -34,7 +34,7 @@ from jax.sharding import PartitionSpec as P
 
 from .. import partition
 from ..axes import DATA
-from ..mesh import make_mesh
+from ..mesh import is_count, make_mesh
 from ..traffic import ExpectedCollective, Sizes, gradient_all_reduce
 from .base import PyTree
 from .sharded import ShardedStrategy
@@ -74,7 +74,7 @@ class FullySharded(ShardedStrategy):
                 f"FullySharded(stage={stage!r}): ZeRO has stages 1 (optimizer state sharded), "
                 "2 (and gradients) and 3 (and parameters); choose one of 1, 2, 3."
             )
-        if isinstance(min_size, bool) or not isinstance(min_size, int) or min_size < 1:
+        if not is_count(min_size):
             raise ValueError(f"FullySharded(min_size={min_size!r}): use a whole number of elements >= 1.")
         super().__init__(devices)
         self.mesh = make_mesh(self.devices, data=len(self.devices))

@@ -21,7 +21,7 @@ import jax
 
 from .. import partition
 from ..axes import DATA
-from ..mesh import make_mesh
+from ..mesh import is_count, make_mesh
 from .base import PyTree
 from .sharded import ShardedStrategy
 from .tensor import model_specs
@@ -64,7 +64,7 @@ class Hybrid(ShardedStrategy):
         devices: Sequence[jax.Device] | None = None,
     ):
         for name, size in (("data", data), ("model", model)):
-            if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            if not is_count(size):
                 raise ValueError(f"Hybrid({name}={size!r}): an axis size must be a whole number >= 1.")
         super().__init__(data * model if devices is None else devices)
         self.mesh = make_mesh(self.devices, data=data, model=model)

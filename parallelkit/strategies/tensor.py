@@ -23,7 +23,7 @@ import jax
 from jax.sharding import Mesh
 
 from .. import partition
-from ..mesh import make_mesh
+from ..mesh import is_count, make_mesh
 from ..traffic import ExpectedCollective, Sizes
 from .base import PyTree
 from .sharded import ShardedStrategy
@@ -57,7 +57,7 @@ class TensorParallel(ShardedStrategy):
     """
 
     def __init__(self, model: int, rules: partition.Rules | PyTree | None = None, *, devices=None):
-        if isinstance(model, bool) or not isinstance(model, int) or model < 1:
+        if not is_count(model):
             raise ValueError(f"TensorParallel(model={model!r}) needs a whole number of devices >= 1.")
         super().__init__(model if devices is None else devices)  # the first `model` devices by default
         self.mesh = make_mesh(self.devices, data=1, model=model)
