@@ -31,6 +31,7 @@ _GROUPS_LIST = re.compile(r"replica_groups=\{\{([0-9,]*)\}")
 _GROUPS_IOTA = re.compile(r"replica_groups=\[(\d+),(\d+)\]")
 _GROUPS_MESH = re.compile(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}")  # mesh['a'=4,'b'=1] {'a'}
 _COMMENT = re.compile(r"/\*.*?\*/")
+_PAIRS = re.compile(r"source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}")
 
 
 @dataclass(frozen=True)
@@ -42,6 +43,7 @@ class Collective:
     elements: int
     bytes: int  # of its result on one device
     group_size: int | None  # devices taking part in each group, where the HLO says
+    pairs: tuple[tuple[int, int], ...] | None = None  # a permute's (source, target) mesh positions
 
 
 def _arrays(shape: str) -> list[tuple[str, int, int]]:
@@ -68,28 +70,36 @@ def _group_size(rest: str) -> int | None:
     return None
 
 
+def _pairs(rest: str) -> tuple[tuple[int, int], ...] | None:
+    if m := _PAIRS.search(rest):
+        return tuple((int(a), int(b)) for a, b in re.findall(r"\{(\d+),(\d+)\}", m.group(1)))
+    return None
+
+
 def parse_collectives(hlo_text: str) -> list[Collective]:
     """Every collective in an HLO module's text, in program order.
 
     >>> hlo = "%ar = f32[64,10]{1,0} all-reduce(f32[64,10]{1,0} %g), replica_groups={{0,1,2,3}}"
     >>> parse_collectives(hlo)
-    [Collective(op='all-reduce', shapes=('f32[64,10]',), elements=640, bytes=2560, group_size=4)]
+    [Collective(op='all-reduce', shapes=('f32[64,10]',), elements=640, bytes=2560, group_size=4, pairs=None)]
     >>> hlo = "%ar = (f32[10]{0}, /*index=1*/f32[]) all-reduce(%a, %b), replica_groups=mesh['x'=4] {'x'}"
     >>> parse_collectives(hlo)[0].bytes, parse_collectives(hlo)[0].group_size
     (44, 4)
+    >>> parse_collectives("%p = f32[2]{0} collective-permute(%x), source_target_pairs={{0,1},{1,0}}")[0].pairs
+    ((0, 1), (1, 0))
     """
-    found, started = [], {}  # started: async `-start` name -> its group size
+    found, started = [], {}  # started: async `-start` name -> (group size, pairs)
     for line in hlo_text.splitlines():
         m = _INSTRUCTION.search(_COMMENT.sub("", line))
         if not m:
             continue
-        group_size = _group_size(m.group("rest"))
+        group_size, pairs = _group_size(m.group("rest")), _pairs(m.group("rest"))
         if m.group("suffix") == "-start":
-            started[m.group("name")] = group_size
+            started[m.group("name")] = group_size, pairs
             continue
         if m.group("suffix") == "-done":
             operand = re.search(r"%([^\s,)]+)", m.group("rest"))
-            group_size = started.get(operand.group(1)) if operand else None
+            group_size, pairs = started.get(operand.group(1), (None, None)) if operand else (None, None)
         arrays = _arrays(m.group("shape"))
         found.append(
             Collective(
@@ -98,6 +108,7 @@ def parse_collectives(hlo_text: str) -> list[Collective]:
                 elements=sum(a[1] for a in arrays),
                 bytes=sum(a[2] for a in arrays),
                 group_size=group_size,
+                pairs=pairs,
             )
         )
     return found

@@ -10,6 +10,12 @@ copies never drift apart. Two backends show the two JAX idioms:
 - ``"pmap"``: the classic per-device program with an explicit ``lax.pmean`` over
   the replica axis. Since JAX 0.8 ``pmap`` is built on ``jit`` + ``shard_map`` and is
   in maintenance mode; it is here because so much code and teaching uses it.
+
+``allreduce`` picks how the gradients meet, as TensorFlow's ``cross_device_ops``
+does: by default the compiler's own all-reduce (``lax.psum``); ``"ring"``,
+``"tree"``, ``"reduce_to_one"`` or ``AllReduce("hierarchical", group=g)`` run the
+hand-written algorithms of :mod:`parallelkit.collectives` instead, inside
+``jax.shard_map`` (backend ``"jit"``) or ``pmap``.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Sequence
 from functools import cached_property
+from typing import TYPE_CHECKING
 
 import jax
 import numpy as np
@@ -26,6 +33,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from ..axes import DATA
+from ..collectives import AllReduce, mean_tree
 from ..mesh import make_mesh
 from .base import (
     Batch,
@@ -40,6 +48,9 @@ from .base import (
     train_step,
 )
 from .jit import JitStrategy
+
+if TYPE_CHECKING:
+    from ..traffic import ExpectedCollective, Sizes
 
 BACKENDS = ("jit", "pmap")
 
@@ -58,30 +69,100 @@ class Mirrored(DataParallelTraffic, Strategy):
     Args:
       devices: how many devices (the first ``n``), or which; all by default.
       backend: ``"jit"`` (shardings) or ``"pmap"``.
+      allreduce: the gradient all-reduce: ``None`` (the compiler's), a name from
+        :data:`parallelkit.collectives.ALGORITHMS`, or a
+        :class:`~parallelkit.collectives.AllReduce`. Gradients and metrics travel as one
+        float32 vector, the mean taken after the sum.
     """
 
     backend: str
+    allreduce: AllReduce | None
 
-    def __new__(cls, devices: int | Sequence[jax.Device] | None = None, backend: str = "jit"):
+    def __new__(
+        cls,
+        devices: int | Sequence[jax.Device] | None = None,
+        backend: str = "jit",
+        allreduce: str | AllReduce | None = None,
+    ):
         if cls is Mirrored:
             if backend not in BACKENDS:
                 raise ValueError(f"Mirrored(backend={backend!r}): choose one of {BACKENDS}.")
             cls = _MirroredJit if backend == "jit" else _MirroredPmap
         return super().__new__(cls)
 
-    def __init__(self, devices: int | Sequence[jax.Device] | None = None, backend: str = "jit"):
+    def __init__(
+        self,
+        devices: int | Sequence[jax.Device] | None = None,
+        backend: str = "jit",
+        allreduce: str | AllReduce | None = None,
+    ):
         super().__init__(devices)
+        self.allreduce = AllReduce(allreduce) if isinstance(allreduce, str) else allreduce
+        if self.allreduce is not None and not isinstance(self.allreduce, AllReduce):
+            raise TypeError(f"Mirrored(allreduce={allreduce!r}): pass a name or a pk.collectives.AllReduce.")
+        group = self.allreduce.group if self.allreduce else None
+        if group and self.num_replicas % group:
+            raise ValueError(
+                f"Mirrored(allreduce={self.allreduce!r}) groups {group} devices, which does not divide "
+                f"{self.num_replicas} devices: choose a group size that does."
+            )
 
     def __repr__(self) -> str:
-        return f"Mirrored(backend={self.backend!r}, devices={self.num_replicas})"
+        how = f", allreduce={self.allreduce.algorithm!r}" if self.allreduce else ""
+        return f"Mirrored(backend={self.backend!r}, devices={self.num_replicas}{how})"
+
+    def _sync(self):
+        """How gradients, metrics and model state meet inside the per-device program."""
+        if self.allreduce is None:
+            return functools.partial(jax.lax.pmean, axis_name=DATA)
+        return functools.partial(mean_tree, axis=DATA, allreduce=self.allreduce)
+
+    def expected_collectives(self, sizes: Sizes) -> tuple[ExpectedCollective, ...]:
+        """The compiler's all-reduce of ``P + M``, or the hand-written one's permutes.
+
+        A hand-written all-reduce is ``collective-permute`` instructions; their arrays add
+        up to the bytes through the busiest device's link (:attr:`Cost.wire_bytes
+        <parallelkit.collectives.Cost.wire_bytes>`), of ``P + M`` padded to whole chunks.
+        """
+        from ..traffic import ExpectedCollective  # the traffic module builds on the strategies
+
+        if self.allreduce is None or sizes.replicas == 1:
+            return super().expected_collectives(sizes)
+        n = sizes.replicas
+        multiple = 1 if self.allreduce.algorithm == "reduce_to_one" else n  # the chunks it cuts
+        elements = -(-(sizes.params + sizes.metrics) // 4 // multiple) * multiple  # float32, padded
+        cost = self.allreduce.cost(n, 4 * elements)
+        wire = sum(c.wire_bytes for c in cost.values())
+        what = f"gradients and metrics, {self.allreduce.algorithm} all-reduce"
+        return (ExpectedCollective("collective-permute", what, wire, "wire bytes of P + M (padded)"),)
+
+
+def _own_key(key: jax.Array) -> jax.Array:
+    """Each replica its own key (dropout masks differ between replicas, as under pmap)."""
+    return jax.random.fold_in(key, jax.lax.axis_index(DATA))
 
 
 class _MirroredJit(Mirrored, JitStrategy):
     backend = "jit"
 
-    def __init__(self, devices=None, backend="jit"):
-        super().__init__(devices)
+    def __init__(self, devices=None, backend="jit", allreduce=None):
+        super().__init__(devices, allreduce=allreduce)
         self.mesh = make_mesh(self.devices, data=len(self.devices))
+
+    def step(self, loss_fn: LossFn) -> Step:
+        if self.allreduce is None:
+            return super().step(loss_fn)  # the compiler inserts the all-reduce
+        # The per-device program, as under pmap, so that the gradients meet where we say.
+        body = jax.shard_map(
+            functools.partial(train_step, loss_fn, sync=self._sync(), replica_key=_own_key),
+            mesh=self.mesh,
+            in_specs=(P(), P(DATA)),
+            out_specs=(P(), P()),
+            check_vma=False,  # permutes leave values JAX cannot prove equal; the all-reduce makes them so
+        )
+        state, batch = self.state_sharding, self.batch_sharding
+        fn = jax.jit(body, in_shardings=(state, batch), out_shardings=(state, state), donate_argnums=0)
+        return Step(fn, self.place_batch, self)
 
     @cached_property
     def state_sharding(self) -> NamedSharding:
@@ -94,6 +175,9 @@ class _MirroredJit(Mirrored, JitStrategy):
 
 class _MirroredPmap(Mirrored):
     backend = "pmap"
+
+    def __init__(self, devices=None, backend="pmap", allreduce=None):
+        super().__init__(devices, allreduce=allreduce)
 
     def init(
         self,
@@ -123,10 +207,8 @@ class _MirroredPmap(Mirrored):
             raise
 
     def step(self, loss_fn: LossFn) -> Step:
-        sync = functools.partial(jax.lax.pmean, axis_name=DATA)  # gradients, metrics and model state
-        own_key = lambda key: jax.random.fold_in(key, jax.lax.axis_index(DATA))  # noqa: E731 each replica its own
         fn = jax.pmap(
-            functools.partial(train_step, loss_fn, sync=sync, replica_key=own_key),
+            functools.partial(train_step, loss_fn, sync=self._sync(), replica_key=_own_key),
             axis_name=DATA,
             devices=self.devices,
             out_axes=(0, None),  # metrics are equal on every device after pmean: return one copy
