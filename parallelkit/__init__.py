@@ -7,6 +7,7 @@
 
 from . import checkpoint as checkpoint
 from . import collectives as collectives
+from . import costmodel as costmodel
 from . import data as data
 from . import distributed as distributed
 from . import gradsync as gradsync

@@ -1,0 +1,135 @@
+"""The cost model on cases computed by hand, its presets, and the 8-local-vs-16-distributed check."""
+
+from __future__ import annotations
+
+import pytest
+
+from parallelkit import collectives as C
+from parallelkit.costmodel import (
+    PRESETS,
+    STRATEGIES,
+    Cluster,
+    Link,
+    Workload,
+    allreduce_rounds,
+    allreduce_seconds,
+    communication_seconds,
+    local_vs_distributed,
+    predict,
+    scaled,
+)
+
+FAST = Link("fast", GBps=100, latency_us=2, source="by hand")
+SLOW = Link("slow", GBps=1, latency_us=20, source="by hand")
+P = 64e6  # bytes
+
+
+@pytest.mark.parametrize("n", [2, 4, 8])
+def test_ring_in_one_machine_is_the_textbook_formula(n):
+    # 2(n-1)/n x P / B + 2(n-1) alpha
+    expected = 2 * (n - 1) / n * P / 100e9 + 2 * (n - 1) * 2e-6
+    assert allreduce_seconds(Cluster(1, n, FAST), P, "ring") == pytest.approx(expected)
+
+
+@pytest.mark.parametrize("algorithm", ["ring", "tree", "reduce_to_one"])
+@pytest.mark.parametrize("n", [2, 4, 8])
+def test_rounds_in_one_machine_agree_with_each_algorithms_cost(algorithm, n):
+    # two derivations: the round-by-round simulation here, the closed form in pk.collectives
+    formula = C.AllReduce(algorithm).cost(n, P)["inner"].seconds(FAST.alpha, FAST.beta)
+    assert allreduce_seconds(Cluster(1, n, FAST), P, algorithm) == pytest.approx(formula)
+
+
+def test_hierarchical_over_two_machines_by_hand():
+    g, m = 4, 2
+    inside = 2 * (g - 1) * (2e-6 + P / g / 100e9)  # reduce-scatter + all-gather in each machine
+    # across: each of the g devices rings its P/g slice over m machines, P/(g m) a round; the g
+    # rings share the machine's one network link, so g x P/(g m) = P/m crosses it per round
+    across = 2 * (m - 1) * (20e-6 + P / m / 1e9)
+    assert allreduce_seconds(Cluster(m, g, FAST, SLOW), P, "hierarchical") == pytest.approx(inside + across)
+    assert across == pytest.approx(0.064040)
+
+
+def test_flat_ring_over_machines_runs_at_the_network_hop():
+    # 8 devices, 2 machines: every round one message leaves each machine, P/8 over the slow link
+    n = 8
+    expected = 2 * (n - 1) * (20e-6 + P / n / 1e9)
+    assert allreduce_seconds(Cluster(2, 4, FAST, SLOW), P, "ring") == pytest.approx(expected)
+
+
+def test_hierarchical_beats_the_flat_ring_when_the_network_is_slow():
+    cluster = Cluster(2, 8, PRESETS["nvlink2"], PRESETS["10gbe"])
+    assert allreduce_seconds(cluster, P, "hierarchical") < allreduce_seconds(cluster, P, "ring")
+
+
+def test_tree_crossing_machines_shares_the_network_link():
+    # 4 devices on 2 machines; the first halving round pairs i with i^2: all 4 cross, 2 per machine
+    rounds = allreduce_rounds("tree", 4, P)
+    assert [(s, t) for s, t, _ in rounds[0]] == [(0, 2), (1, 3), (2, 0), (3, 1)]
+    cluster = Cluster(2, 2, FAST, SLOW)
+    assert cluster.round_seconds(rounds[0]) == pytest.approx(20e-6 + 2 * (P / 2) / 1e9)
+    assert cluster.round_seconds(rounds[1]) == pytest.approx(2e-6 + (P / 4) / 100e9)  # partners 1 apart
+
+
+def test_other_strategies_by_hand():
+    work = Workload(param_bytes=P, seconds_per_sample=1e-3, batch_per_device=16)
+    one = Cluster(1, 4, FAST)
+    ring = allreduce_seconds(one, P)
+    assert communication_seconds(work, one, "single") == 0
+    assert communication_seconds(work, one, "fully_sharded") == pytest.approx(1.5 * ring)
+    assert communication_seconds(work, one, "central_storage") == pytest.approx(2 * (2e-6 + P / 100e9))
+    # 4 workers on 2 machines, 2 servers: each server sends P/2 to 4 workers = 2P; a worker machine takes 2P
+    two = Cluster(2, 2, FAST, SLOW)
+    assert communication_seconds(work, two, "parameter_server", shards=2) == pytest.approx(2 * (20e-6 + 2 * P / 1e9))
+    with pytest.raises(ValueError, match="one machine"):
+        communication_seconds(work, two, "central_storage")
+
+
+def test_prediction_parts_and_efficiency():
+    work = Workload(param_bytes=P, seconds_per_sample=1e-3, batch_per_device=16)
+    single = predict(work, Cluster(1, 1, FAST), "mirrored")
+    assert (single.communication_s, single.efficiency) == (0.0, 1.0)
+    four = predict(work, Cluster(1, 4, FAST), "mirrored")
+    comm = allreduce_seconds(Cluster(1, 4, FAST), P)
+    assert four.step_s == pytest.approx(16e-3 + comm)
+    assert four.samples_per_s == pytest.approx(64 / (16e-3 + comm))
+    assert four.efficiency == pytest.approx(16e-3 / (16e-3 + comm))
+    hidden = predict(Workload(P, 1e-3, 16, overlap=0.5), Cluster(2, 4, FAST, SLOW), "mirrored")
+    exposed = allreduce_seconds(Cluster(2, 4, FAST, SLOW), P) - 0.5 * 16e-3
+    assert hidden.communication_s == pytest.approx(exposed)
+
+
+def test_local_vs_distributed_finds_the_fewest_matching_devices():
+    work = Workload(param_bytes=100e6, seconds_per_sample=1 / 330, batch_per_device=32)
+    result = local_vs_distributed(work, PRESETS["pcie3"], PRESETS["10gbe"])
+    assert result.local.devices == 8 and result.distributed.devices == 16
+    assert result.holds == (result.distributed.samples_per_s < result.local.samples_per_s)
+    n = result.devices_to_match
+    assert n is not None and n > 16  # the seed's claim, under these assumptions
+    beyond = local_vs_distributed(work, PRESETS["pcie3"], PRESETS["10gbe"], distributed=n)
+    short = local_vs_distributed(work, PRESETS["pcie3"], PRESETS["10gbe"], distributed=n - 1)
+    assert beyond.distributed.samples_per_s >= result.local.samples_per_s > short.distributed.samples_per_s
+    today = local_vs_distributed(work, PRESETS["nvlink4"], PRESETS["ib-ndr"])
+    assert not today.holds and today.devices_to_match <= 16
+
+
+def test_presets_name_a_source_and_scale():
+    for link in PRESETS.values():
+        assert link.source and link.GBps > 0
+    assert PRESETS["pcie4"].GBps == 2 * PRESETS["pcie3"].GBps
+    assert scaled(PRESETS["ib-ndr"], 8).GBps == 400
+
+
+def test_bad_input_gets_a_clear_error():
+    with pytest.raises(ValueError, match="network link"):
+        Cluster(2, 4, FAST)
+    with pytest.raises(ValueError, match="bandwidth"):
+        Link("x", 0, 1, "")
+    with pytest.raises(ValueError, match="overlap"):
+        Workload(P, 1e-3, 8, overlap=2)
+    with pytest.raises(ValueError, match="choose one of"):
+        communication_seconds(Workload(P, 1e-3, 8), Cluster(1, 2, FAST), "mirrord")
+    with pytest.raises(ValueError, match="power-of-two"):
+        allreduce_rounds("tree", 6, P)
+    with pytest.raises(ValueError, match="fill machines"):
+        local_vs_distributed(Workload(P, 1e-3, 8), FAST, SLOW, per_machine=3)
+    assert "mirrored" in STRATEGIES
