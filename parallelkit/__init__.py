@@ -25,6 +25,8 @@ from .devices import DeviceCountError as DeviceCountError
 from .devices import device_summary as device_summary
 from .devices import simulate_devices as simulate_devices
 from .pipeline import Pipeline as Pipeline
+from .prefetch import Placed as Placed
+from .prefetch import prefetch as prefetch
 from .strategies import CentralStorage as CentralStorage
 from .strategies import FullySharded as FullySharded
 from .strategies import Hybrid as Hybrid

@@ -8,7 +8,9 @@ Conceptually, ``fit`` is::
         state, metrics = step(state, batch)
 
 plus per-step timing (read after the work is done, the compiling first step kept
-apart), callbacks that dashboards hang on, and optional checkpoints.
+apart), callbacks that dashboards hang on, optional checkpoints, and the next
+batches placed on the devices by a background thread while a step runs
+(:func:`parallelkit.prefetch`).
 
 Resuming after a crash. With ``checkpoint_dir``, ``fit`` saves the state every
 ``checkpoint_every`` steps and at the end. ``fit(..., resume=True)`` restores the
@@ -39,7 +41,18 @@ import optax
 
 from .checkpoint import Checkpoints, host_step
 from .devices import device_summary
-from .strategies.base import DONATED_STATE, Batch, LossFn, PyTree, Strategy, TrainState, batch_size, is_deleted
+from .prefetch import prefetch as prefetch_batches
+from .strategies.base import (
+    DONATED_STATE,
+    Batch,
+    LossFn,
+    Placed,
+    PyTree,
+    Strategy,
+    TrainState,
+    batch_size,
+    is_deleted,
+)
 from .timing import StepTimes
 
 log = logging.getLogger(__name__)
@@ -134,6 +147,7 @@ def fit(
     check_finite: bool = True,
     model_state: PyTree = None,
     rng: int | jax.Array | None = None,
+    prefetch: int = 2,
 ) -> FitResult:
     """Train ``params`` with ``strategy`` on global ``batches``; record loss, metrics and timing.
 
@@ -157,6 +171,10 @@ def fit(
       model_state, rng: mutable model state (BatchNorm statistics) and a PRNG seed or key
         (dropout) for the state, as for ``strategy.init``; ``loss_fn`` then receives them
         (see :class:`parallelkit.TrainState`).
+      prefetch: how many batches a background thread places on the devices ahead of
+        the step that needs them (:func:`parallelkit.prefetch`), so that copying a batch
+        overlaps the step before it and is not in the step's time; 0 places each batch
+        inside its step.
 
     Returns:
       A :class:`FitResult`. Interrupting the kernel (KeyboardInterrupt) ends the run
@@ -209,6 +227,7 @@ def fit(
     saved = resumed_from
     for cb in callbacks:
         cb.on_train_begin(info)
+    feed = prefetch_batches(batches, strategy, prefetch) if prefetch else iter(batches)
     interrupted = False
     dispatched: tuple | None = None  # the step whose state is bound but not yet recorded
 
@@ -225,11 +244,11 @@ def fit(
 
     try:
         try:
-            for i, batch in enumerate(batches, start=1):
+            for i, batch in enumerate(feed, start=1):
                 start = time.perf_counter()
                 with _interrupts_deferred():  # between the old state's donation and the new one's binding
                     state, metrics = step(state, batch)
-                    dispatched = (i, start, metrics, batch_size(batch))
+                    dispatched = (i, start, metrics, batch.size if isinstance(batch, Placed) else batch_size(batch))
                 record = finish()
                 if check_finite and not math.isfinite(record.loss):
                     raise NonFiniteLossError(
@@ -265,7 +284,9 @@ def fit(
             raise
         if ckpt and saved != first + len(history.records):  # the final state too, whatever its step
             ckpt.save(state, strategy, batches=consumed + len(history.records), force=True)
-    finally:  # also on a crash: what was saved stays saved
+    finally:  # also on a crash: what was saved stays saved, and the prefetching thread ends
+        if prefetch:
+            feed.close()
         if ckpt:
             ckpt.close()
     for cb in callbacks:

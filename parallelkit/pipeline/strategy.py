@@ -183,6 +183,22 @@ class Pipeline(Strategy):
         step = jax.device_put(jnp.zeros((), jnp.int32), self.replicated(0))
         return TrainState(step=step, params=self.layer_params(placed), opt_state=opt_states, tx=tx)
 
+    def place_batch(self, batch: Batch) -> list[Batch]:
+        """The global batch as ``microbatches`` host slices (each stage places its own); a clear error if not."""
+        pipe, size = self, batch_size(batch)
+        if size % pipe.microbatches:
+            raise ValueError(
+                f"A batch of {size} examples does not split into {pipe.microbatches} equal microbatches. "
+                f"Use a batch size divisible by {pipe.microbatches}, or another microbatch count."
+            )
+        micro = size // pipe.microbatches
+        if micro % pipe.data:
+            raise ValueError(
+                f"A microbatch of {micro} examples does not split over the {pipe.data} devices of a stage. "
+                f"Use a batch size divisible by microbatches x data = {pipe.microbatches * pipe.data}."
+            )
+        return [jax.tree.map(lambda x, m=m: x[m * micro : (m + 1) * micro], batch) for m in range(pipe.microbatches)]
+
     def step(self, head_loss: HeadLoss) -> PipelineStep:
         """The training step for ``head_loss(output, batch) -> loss or (loss, aux)`` on the last layer's output."""
         return PipelineStep(self, head_loss)
@@ -223,7 +239,7 @@ class PipelineStep(Step):
     """
 
     def __init__(self, pipeline: Pipeline, head_loss: HeadLoss):
-        super().__init__(self._run, self._cut, pipeline)
+        super().__init__(self._run, pipeline.place_batch, pipeline)
         self.pipeline, self.head_loss = pipeline, head_loss
         self.orders = schedules.stage_orders(pipeline.planned())
         last = pipeline.stages - 1
@@ -233,22 +249,6 @@ class PipelineStep(Step):
             for s, layers in enumerate(pipeline.stage_layers)
         ]
         self.timeline: Timeline | None = None
-
-    def _cut(self, batch: Batch) -> list[Batch]:
-        """The global batch as ``microbatches`` host slices; a clear error if it does not split."""
-        pipe, size = self.pipeline, batch_size(batch)
-        if size % pipe.microbatches:
-            raise ValueError(
-                f"A batch of {size} examples does not split into {pipe.microbatches} equal microbatches. "
-                f"Use a batch size divisible by {pipe.microbatches}, or another microbatch count."
-            )
-        micro = size // pipe.microbatches
-        if micro % pipe.data:
-            raise ValueError(
-                f"A microbatch of {micro} examples does not split over the {pipe.data} devices of a stage. "
-                f"Use a batch size divisible by microbatches x data = {pipe.microbatches * pipe.data}."
-            )
-        return [jax.tree.map(lambda x, m=m: x[m * micro : (m + 1) * micro], batch) for m in range(pipe.microbatches)]
 
     def _run(self, state: TrainState, microbatches: list[Batch]) -> tuple[TrainState, dict[str, jax.Array]]:
         pipe, statics = self.pipeline, self.statics

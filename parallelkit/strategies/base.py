@@ -219,6 +219,15 @@ def train_step(
 MAX_STEPS_IN_FLIGHT = 8
 
 
+@dataclass(frozen=True)
+class Placed:
+    """A global batch already placed by ``strategy`` (see :func:`parallelkit.prefetch`); ``size``: its examples."""
+
+    batch: Batch
+    size: int
+    strategy: Strategy
+
+
 class Step:
     """A compiled training step: ``state, metrics = step(state, batch)``.
 
@@ -250,7 +259,7 @@ class Step:
         if is_deleted(getattr(state, "step", None)):
             raise ValueError(DONATED_STATE)
         try:
-            out = self.fn(state, self.place_batch(batch))
+            out = self.fn(state, self._placed(batch))
         except (RuntimeError, ValueError) as err:
             if "deleted" in str(err) and any(is_deleted(x) for x in jax.tree.leaves(state)):
                 raise ValueError(DONATED_STATE) from err
@@ -261,8 +270,19 @@ class Step:
                 jax.block_until_ready(self._in_flight.popleft())
         return out
 
+    def _placed(self, batch: Batch) -> Batch:
+        """The batch as the program takes it: placed now, or already by :func:`parallelkit.prefetch`."""
+        if not isinstance(batch, Placed):
+            return self.place_batch(batch)
+        if batch.strategy is not self.strategy:
+            raise ValueError(
+                f"This batch was placed by {batch.strategy!r}, not by this step's {self.strategy!r}: "
+                "prefetch with the strategy that runs the step, pk.prefetch(batches, strategy)."
+            )
+        return batch.batch
+
     def lower(self, state: TrainState, batch: Batch):
-        return self.fn.lower(state, self.place_batch(batch))
+        return self.fn.lower(state, self._placed(batch))
 
     def __repr__(self) -> str:
         return f"Step({self.strategy!r})"
