@@ -48,8 +48,20 @@ def _strip_force_count(flags: str) -> str:
     return re.sub(rf"{_FORCE_COUNT_FLAG}=\S*", "", flags).strip()
 
 
-def simulate_devices(n: int) -> list[jax.Device]:
+def simulate_devices(n: int, *, cores_as_devices: bool = False) -> list[jax.Device]:
     """Split the host CPU into ``n`` XLA devices; call it before any JAX work.
+
+    By default the devices share every core: XLA's CPU thread pool serves them all,
+    so one device alone already uses every core, and ``n`` devices show the cost of
+    coordinating them, never a speed-up. With ``cores_as_devices=True`` the pool
+    gets exactly ``n`` threads (``PJRT_NPROC=n``), so the process computes with ``n``
+    cores at most: one device runs on one core's worth of threads, ``n`` devices on
+    ``n`` cores, and a compute-bound data-parallel step speeds up for real. It needs
+    ``n`` no larger than the cores this process may use; compare device counts in
+    fresh processes (a SingleDevice baseline with ``simulate_devices(1, cores_as_devices=True)``).
+    The smaller pool leaves the protection against the CPU deadlock described above to
+    ``pk.Step``'s bound on steps in flight: a hand-written loop should block on its
+    results every few steps.
 
     On a machine with accelerators the CPU count is set but the accelerators stay
     JAX's default devices, so the call changes nothing there: the returned list
@@ -58,17 +70,30 @@ def simulate_devices(n: int) -> list[jax.Device]:
 
     Args:
       n: number of CPU devices, at least 1.
+      cores_as_devices: give the process one core's worth of threads per device.
 
     Returns:
       ``jax.devices()``: ``n`` CPU devices, or the accelerators where there are some.
 
     Raises:
-      DeviceCountError: JAX already started with another number of CPU devices.
-        Restart the Python process (kernel) and call this first.
+      DeviceCountError: JAX already started with another number of CPU devices (or
+        the other threading). Restart the Python process (kernel) and call this first.
+      ValueError: ``cores_as_devices`` with more devices than cores.
     """
     if not isinstance(n, int) or n < 1:
         raise ValueError(f"simulate_devices(n) needs a whole number n >= 1, got {n!r}.")
+    if cores_as_devices and n > _cores():
+        raise ValueError(
+            f"simulate_devices({n}, cores_as_devices=True) needs a core per device, and this process may use "
+            f"{_cores()}: ask for at most {_cores()} devices, or leave cores_as_devices off."
+        )
     if _backends_started():
+        if cores_as_devices != device_summary().cores_as_devices:
+            raise DeviceCountError(
+                f"JAX already started {'without' if cores_as_devices else 'with'} one core per device, so "
+                f"simulate_devices({n}, cores_as_devices={cores_as_devices}) comes too late. Restart the kernel "
+                "(or process) and call it first."
+            )
         have = len(jax.devices("cpu"))
         if have != n:
             raise DeviceCountError(
@@ -78,6 +103,8 @@ def simulate_devices(n: int) -> list[jax.Device]:
                 "before anything else touches JAX."
             )
         return jax.devices()
+    if cores_as_devices:
+        os.environ[_POOL_SIZE_VAR] = str(n)  # read when the backend starts, just below
     configure_cpu_devices(n)
     devices = jax.devices()
     if devices[0].platform == "cpu" and len(devices) != n:
@@ -141,14 +168,26 @@ class DeviceSummary:
     process_count: int
     device_kinds: tuple[str, ...]
     simulated: bool
+    cores: int = 1  # the cores this process may use
+    cores_as_devices: bool = False  # simulated devices with one core's worth of threads each
 
     def __str__(self) -> str:
         kind = "simulated CPU devices" if self.simulated else f"{self.platform} devices"
         return (
             f"{self.device_count} {kind} ({', '.join(sorted(set(self.device_kinds)))}); "
             f"process {self.process_index} of {self.process_count}, "
-            f"{self.local_device_count} local"
+            f"{self.local_device_count} local" + (f"; {self.simulation}" if self.simulated else "")
         )
+
+    @property
+    def simulation(self) -> str:
+        """How the simulated devices use the cores, and what their times can show."""
+        if self.cores_as_devices:
+            return (
+                f"cores as devices: one core each ({self.local_device_count} of {self.cores} cores), "
+                "so data-parallel speed-ups are real"
+            )
+        return f"sharing {self.cores} core(s): times show overhead, not speed-up"
 
 
 def device_summary() -> DeviceSummary:
@@ -168,4 +207,6 @@ def device_summary() -> DeviceSummary:
         process_count=jax.process_count(),
         device_kinds=tuple(d.device_kind for d in devices),
         simulated=platform == "cpu" and len(devices) > 1,
+        cores=_cores(),
+        cores_as_devices=platform == "cpu" and os.environ.get(_POOL_SIZE_VAR) == str(jax.local_device_count()),
     )

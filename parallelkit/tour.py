@@ -101,7 +101,7 @@ def main(model: str, steps: int, batch_size: int, json_path: str | None = None) 
     rows = run_tour(model, steps, batch_size)
     print(format_table(rows))
     if summary.simulated:
-        print("Times are for simulated CPU devices sharing one processor: they show overheads, not speed-ups.")
+        print(f"Times are for simulated CPU devices, {summary.simulation}.")
     if json_path:
         import json
 

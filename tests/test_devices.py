@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import jax
 import pytest
 from helpers import run_python
@@ -64,3 +66,33 @@ def test_resolve_devices():
         resolve_devices(0)
     with pytest.raises(pk.DeviceCountError, match="Asked for 9 devices but JAX has 8"):
         resolve_devices(9)
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 cores for 2 devices with a core each")
+def test_cores_as_devices_gives_one_core_per_device_and_says_so():
+    code = (
+        "import parallelkit as pk, jax\n"
+        "pk.simulate_devices(2, cores_as_devices=True)\n"
+        "s = pk.device_summary()\n"
+        "print(s.cores_as_devices, s.simulation)\n"
+        "pk.simulate_devices(2, cores_as_devices=True)  # the same again: fine\n"
+        "try:\n"
+        "    pk.simulate_devices(2)\n"
+        "except pk.DeviceCountError as err:\n"
+        "    print('late:', err)\n"
+    )
+    proc = run_python(code)  # the child starts with this session's PJRT_NPROC, which the mode replaces
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("True cores as devices: one core each (2 of ")
+    assert "late: JAX already started with one core per device" in proc.stdout
+
+
+def test_shared_cores_is_the_default_and_says_times_show_overhead():
+    summary = pk.device_summary()
+    assert not summary.cores_as_devices
+    assert "times show overhead, not speed-up" in summary.simulation
+
+
+def test_cores_as_devices_needs_a_core_per_device():
+    with pytest.raises(ValueError, match="needs a core per device"):
+        pk.simulate_devices(os.cpu_count() * 4, cores_as_devices=True)

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 from matplotlib.figure import Figure
 
+from ..devices import device_summary
 from .placement import annotate_bar
 
 if TYPE_CHECKING:
@@ -38,7 +39,9 @@ def race_figure(standings: RaceStandings, title: str = "") -> Figure:
       ideal 1.0 dashed.
 
     Strategies that have not run yet have no bar (``nan``). On simulated devices the
-    title says so: they share one processor, so the times show overhead, not speed-up.
+    title says how they use the cores (:attr:`DeviceSummary.simulation
+    <parallelkit.devices.DeviceSummary.simulation>`): sharing them, the times show
+    overhead, not speed-up; one core each, speed-ups are real.
 
     Returns:
       The figure; bar ``k`` of ``axes[0].patches`` has height ``rows[k].median_seconds * 1e3``,
@@ -81,7 +84,7 @@ def race_figure(standings: RaceStandings, title: str = "") -> Figure:
     for ax in axes:
         ax.set_xticks(x, [f"{n}\n{r.devices} dev" for n, r in zip(names, rows, strict=True)], fontsize=7)
         ax.tick_params(axis="y", labelsize=7)
-    note = " · simulated CPU devices: these times show overhead, not speed-up" if standings.simulated else ""
+    note = f" · simulated CPU devices, {device_summary().simulation}" if standings.simulated else ""
     state = " · interrupted" if standings.interrupted else ""
     fig.suptitle(f"{title or 'strategy race'}{note}{state}", fontsize=10)
     return fig

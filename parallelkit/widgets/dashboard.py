@@ -17,6 +17,7 @@ import sys
 import time
 from typing import TextIO
 
+from ..devices import device_summary
 from ..training import Callback, History, RunInfo, StepRecord
 from .live import LiveTimes, TimingSummary, format_summary, svg_polyline
 
@@ -147,7 +148,7 @@ class _DashboardWidgets:
         self.title = title
 
     def update(self, s: TimingSummary, steady: list[float]) -> None:
-        simulated = " (simulated: times show overhead, not speed-up)" if s.simulated else ""
+        simulated = f" (simulated, {device_summary().simulation})" if s.simulated else ""
         state = " · <b style='color:#c00'>interrupted</b>" if s.interrupted else (" · done" if s.finished else "")
         title = f"{self.title} · " if self.title else ""
         self.header.value = f"<b>{title}{s.strategy}</b> · {s.devices} device{'s' * (s.devices != 1)}{simulated}{state}"

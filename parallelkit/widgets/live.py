@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ..devices import device_summary
 from ..timing import StepTimes, scaling_efficiency
 
 
@@ -133,7 +134,7 @@ class RaceStandings:
 
     rows: tuple[RaceRow, ...]
     reference: str | None  # the row the ratios and efficiencies are relative to
-    simulated: bool  # simulated CPU devices: the times show overhead, not speed-up
+    simulated: bool  # simulated CPU devices (the views say how they use the cores)
     running: str | None = None  # the strategy training now
     interrupted: bool = False
 
@@ -209,7 +210,7 @@ def format_race(standings: RaceStandings) -> str:
         cells = "".join(f"{'–' if v != v else format(v, spec):>{width}}" for v, width, spec in numbers)  # nan: not run
         lines.append(f"{r.name:<16}{r.devices:>9}{steps:>8}{cells}")
     if standings.simulated:
-        lines.append("simulated CPU devices sharing one processor: these times show overhead, not speed-up")
+        lines.append(f"simulated CPU devices, {device_summary().simulation}")
     if standings.interrupted:
         lines.append("INTERRUPTED: the race stopped early")
     return "\n".join(lines)

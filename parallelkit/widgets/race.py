@@ -19,6 +19,7 @@ from typing import TextIO
 
 import optax
 
+from ..devices import device_summary
 from ..strategies import SingleDevice, Strategy
 from ..strategies.base import Batch, LossFn, PyTree
 from ..training import Callback, FitResult, History, RunInfo, StepRecord, fit
@@ -225,7 +226,7 @@ class _RaceWidgets:
         running = f" · running <b>{s.running}</b>" if s.running else ""
         done = all(r.finished for r in s.rows)
         state = " · <b style='color:#c00'>interrupted</b>" if s.interrupted else (" · done" if done else running)
-        simulated = " · simulated CPU devices: times show overhead, not speed-up" if s.simulated else ""
+        simulated = f" · simulated CPU devices, {device_summary().simulation}" if s.simulated else ""
         self.header.value = f"<b>strategy race</b> (reference: {s.reference}){simulated}{state}"
         head = "".join(
             f"<th style='padding:0 8px'>{h}</th>"
