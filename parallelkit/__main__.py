@@ -1,5 +1,6 @@
 """Command line: ``python -m parallelkit tour [--devices N] [--model mlp|cnn] [--steps K]``,
 ``python -m parallelkit launch --processes 2 --devices-per-process 2 script.py [args]``,
+``python -m parallelkit bench [--quick] [--devices 1 2 4 8] [--processes 2x2] [--out FILE]``,
 ``python -m parallelkit lab [jupyter lab options]``."""
 
 from __future__ import annotations
@@ -40,6 +41,11 @@ def _parser() -> argparse.ArgumentParser:
     launch.add_argument("script")
     launch.add_argument("script_args", nargs=argparse.REMAINDER)
     commands.add_parser(
+        "bench",
+        add_help=False,
+        help="time every strategy over 1, 2, 4 and 8 devices and 2 processes x 2 devices (--help for options)",
+    )
+    commands.add_parser(
         "lab",
         help="open the course in JupyterLab (as root too; without a display it prints the URL with its token); "
         "other options go to `jupyter lab`",
@@ -55,6 +61,10 @@ def main(argv: list[str] | None = None) -> int:
             print("No display here: open the URL Jupyter prints below (it carries the token) in a browser.")
         sys.stdout.flush()
         os.execv(sys.executable, command)  # Jupyter takes over this process
+    if args.command == "bench":
+        from .bench import main as bench
+
+        return bench(extra)
     if extra:
         _parser().error(f"unrecognized arguments: {' '.join(extra)}")
     if args.command == "launch":

@@ -5,6 +5,7 @@ Import it on its own (``import parallelkit.viz``): ``import parallelkit`` stays 
 matplotlib, so it is fast and headless-safe.
 """
 
+from .bench import bench_figure as bench_figure
 from .gradsync import gradient_sync_figure as gradient_sync_figure
 from .gradsync import ring_figure as ring_figure
 from .gradsync import spread_figure as spread_figure
