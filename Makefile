@@ -26,6 +26,7 @@ tour: setup
 	$(BIN)/python -m parallelkit tour
 
 bench: setup
+	$(BIN)/python -m parallelkit bench
 	$(BIN)/python benchmarks/overhead.py
 	$(BIN)/python benchmarks/strategies.py
 	$(BIN)/python benchmarks/cpu_pool.py

@@ -18,6 +18,12 @@ SingleDevice's parameters after the run. Multi-process rows run
 :class:`~parallelkit.MultiWorkerMirrored` under :func:`parallelkit.distributed.launch`
 (gloo over loopback); their ratio uses SingleDevice from the child with as many devices.
 
+Two ratios: ``speed-up`` is SingleDevice's median step over the strategy's on the
+same global batch in the same child; ``scaling`` is weak-scaling efficiency,
+samples/s over (devices x the samples/s of SingleDevice in the one-device child),
+1.0 being perfect. With ``--cores-as-devices`` the one-device child has one core and
+an ``n``-device child ``n``, so ``scaling`` measures real data-parallel speed-up.
+
 Results: a table on stdout, JSON (``--out``) and a PNG of samples/s beside it.
 ``--quick`` runs 1 and 4 devices and 2 processes x 2 devices, a few steps each: for CI.
 ``--cores-as-devices`` gives each simulated device one core's worth of threads
@@ -62,7 +68,8 @@ class BenchRow:
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m parallelkit bench", description=__doc__.split("\n\n")[0])
     parser.add_argument("--devices", type=int, nargs="+", help="device counts, one child each (default 1 2 4 8)")
-    parser.add_argument("--processes", default=None, help="process layouts PxD, e.g. 2x2 4x1 (default 2x2)")
+    parser.add_argument("--processes", default=None, help="process layouts PxD, e.g. '2x2 4x1' (default 2x2), or none")
+    parser.add_argument("--strategies", nargs="+", help="only these (names as in the table; SingleDevice always runs)")
     parser.add_argument("--model", choices=MODELS, default="small")
     parser.add_argument("--batch-per-device", type=int, default=32)
     parser.add_argument("--steps", type=int, default=30)
@@ -177,6 +184,8 @@ def _child(args: argparse.Namespace) -> list[dict]:
     batches = list(pk.data.batches(dataset, size, steps=1 + args.warmup + args.steps, seed=0))
     rows, reference, reference_ms = [], None, None
     for name, make in _strategies(n, layers).items():
+        if args.strategies and name != "SingleDevice" and name not in args.strategies:
+            continue
         strategy = make()
         is_pipe = isinstance(strategy, pk.Pipeline)
         model_loss, model_params = (pk.models.cross_entropy, layers.params) if is_pipe else (loss, params)
@@ -211,7 +220,8 @@ def _worker(args: argparse.Namespace) -> None:
 
 def _forward(args: argparse.Namespace) -> list[str]:
     return ["--model", args.model, "--batch-per-device", str(args.batch_per_device), "--steps", str(args.steps),
-            "--warmup", str(args.warmup)] + (["--cores-as-devices"] if args.cores_as_devices else [])  # fmt: skip
+            "--warmup", str(args.warmup)] + (["--cores-as-devices"] if args.cores_as_devices else []) + (
+            ["--strategies", *args.strategies] if args.strategies else [])  # fmt: skip
 
 
 def _run_child(args: argparse.Namespace, n: int) -> list[dict]:
@@ -237,6 +247,9 @@ def _run_layout(args: argparse.Namespace, processes: int, per_process: int) -> l
 
 
 def parse_layouts(text: str | None) -> list[tuple[int, int]]:
+    """``"2x2 4x1"`` as ``[(2, 2), (4, 1)]`` (processes x devices each); ``"none"``: no multi-process rows."""
+    if text == "none":
+        return []
     layouts = []
     for part in (text or "2x2").split():
         p, _, d = part.partition("x")
@@ -249,7 +262,7 @@ def parse_layouts(text: str | None) -> list[tuple[int, int]]:
 def format_table(rows: list[dict]) -> str:
     """The rows as a text table."""
     head = (f"{'strategy':<20}{'dev':>4}{'proc':>5}{'batch':>6}{'compile s':>10}{'step ms':>9}{'samples/s':>11}"
-            f"{'speed-up':>9}{'bytes/step':>12}{'mem/device':>12}{'max |dp|':>10}")  # fmt: skip
+            f"{'speed-up':>9}{'scaling':>8}{'bytes/step':>12}{'mem/device':>12}{'max |dp|':>10}")  # fmt: skip
 
     def cell(value, spec: str, width: int) -> str:
         return f"{'-':>{width}}" if value is None else f"{value:>{width}{spec}}"
@@ -259,6 +272,7 @@ def format_table(rows: list[dict]) -> str:
         lines.append(
             f"{r['strategy']:<20}{r['devices']:>4}{r['processes']:>5}{r['global_batch']:>6}{r['compile_s']:>10.2f}"
             f"{r['median_step_ms']:>9.2f}{r['samples_per_s']:>11.0f}{cell(r['speedup'], '.2f', 9)}"
+            f"{cell(r.get('scaling_efficiency'), '.2f', 8)}"
             f"{cell(r['bytes_per_step'], ',.0f', 12)}{cell(r['memory_per_device'], ',', 12)}"
             f"{cell(r['max_param_diff'], '.1e', 10)}"
         )
@@ -287,6 +301,9 @@ def main(argv: list[str] | None = None) -> int:
         for r in _run_layout(args, processes, per_process):
             reference = singles.get(r["devices"])
             rows.append(r | {"speedup": None if reference is None else reference / r["median_step_ms"]})
+    one = next((r["samples_per_s"] for r in rows if r["devices"] == 1 and r["strategy"] == "SingleDevice"), None)
+    for r in rows:  # weak scaling against one device: throughput_N / (N x throughput_1)
+        r["scaling_efficiency"] = None if one is None else r["samples_per_s"] / (r["devices"] * one)
     print(format_table(rows))
     _save(args, counts, layouts, rows)
     return 0

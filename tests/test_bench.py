@@ -57,6 +57,7 @@ def test_ratios_use_single_device_on_the_same_batch_and_params_agree(quick):
 
 def test_bad_layouts_are_refused():
     assert parse_layouts("2x2 4x1") == [(2, 2), (4, 1)]
+    assert parse_layouts("none") == []
     for bad in ("1x2", "2by2", "2x0"):
         with pytest.raises(SystemExit, match="PxD"):
             parse_layouts(bad)
