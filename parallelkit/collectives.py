@@ -21,11 +21,12 @@ sends, which the tests read back from the compiled program's
 ``collective-permute`` instructions (:func:`sent_bytes`).
 
 >>> import jax, numpy as np
->>> from jax.sharding import PartitionSpec as P
+>>> from jax.sharding import NamedSharding, PartitionSpec as P
 >>> mesh = jax.make_mesh((2,), ("x",), devices=jax.devices()[:2])
 >>> f = jax.shard_map(lambda v: ring_allreduce(v, "x"), mesh=mesh, in_specs=P("x"), out_specs=P("x"))
->>> np.asarray(f(np.arange(8.0)))  # device 0 holds [0 1 2 3], device 1 [4 5 6 7]
-array([ 4.,  6.,  8., 10.,  4.,  6.,  8., 10.])
+>>> x = jax.device_put(np.arange(8.0, dtype=np.float32), NamedSharding(mesh, P("x")))
+>>> np.asarray(f(x))  # device 0 holds [0 1 2 3], device 1 [4 5 6 7]
+array([ 4.,  6.,  8., 10.,  4.,  6.,  8., 10.], dtype=float32)
 >>> cost = ring_cost(8, 1_000_000)  # 2(n-1) messages; 2(n-1)/n x 1 MB sent by every device
 >>> cost.rounds, cost.wire_bytes, set(cost.sent)
 (14, 1750000.0, {1750000.0})
@@ -266,8 +267,8 @@ class AllReduce:
     ``lax.psum``, the compiler's own. ``"hierarchical"`` needs ``group``: how many
     consecutive devices along the axis share fast links (a machine's GPUs).
 
-    >>> AllReduce("hierarchical", group=4).cost(8, 800)["outer"].wire_bytes
-    100.0
+    >>> AllReduce("hierarchical", group=4).cost(8, 800)["outer"].wire_bytes  # 2(m-1)/m x 800/4, m = 2
+    200.0
     """
 
     algorithm: str = "psum"
