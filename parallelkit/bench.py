@@ -14,7 +14,8 @@ run (``benchmarks/strategies.py`` interleaves, for finer comparisons).
 Also per strategy, where it can say: the bytes one step moves per replica
 (``strategy.traffic``: batch, collectives, copies between memories), the memory one
 device needs (``pk.inspect.memory_per_device``), and the largest difference from
-SingleDevice's parameters after the run. Multi-process rows run
+SingleDevice's parameters after the run, with whether every parameter is within
+rtol 1e-5, atol 1e-6 of them (``equals_single``). Multi-process rows run
 :class:`~parallelkit.MultiWorkerMirrored` under :func:`parallelkit.distributed.launch`
 (gloo over loopback); their ratio uses SingleDevice from the child with as many devices.
 
@@ -59,10 +60,11 @@ class BenchRow:
     p10_step_ms: float
     p90_step_ms: float
     samples_per_s: float
-    speedup: float | None  # SingleDevice's median step / this median, on the same global batch
+    speedup: float | None  # SingleDevice's median step / this median, on the same global batch (set by main)
     bytes_per_step: float | None  # per replica, measured (None: the strategy cannot say)
     memory_per_device: int | None  # bytes, from XLA's memory analysis (None: not one program)
     max_param_diff: float | None  # max |param - SingleDevice param| (None: another parameter layout)
+    equals_single: bool | None  # every parameter within rtol 1e-5, atol 1e-6 of SingleDevice's (None: as above)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -140,7 +142,6 @@ def _measure(strategy, loss, params, batches, warmup: int):
 
 def _extras(strategy, loss, params, batch) -> tuple[float | None, int | None]:
     """(bytes per replica per step, memory per device) where the strategy can say."""
-    import jax
     import optax
 
     from .inspect import memory_per_device
@@ -155,18 +156,25 @@ def _extras(strategy, loss, params, batch) -> tuple[float | None, int | None]:
         memory = memory_per_device(strategy.step(loss), state, batch).total
     except (NotImplementedError, AttributeError, TypeError):  # several programs: no one analysis
         memory = None
-    jax.block_until_ready(state)
     return moved, memory
 
 
-def _row(name, n, processes, size, compile_s, seconds, reference_ms, extras, diff) -> BenchRow:
+def _row(name, n, processes, size, compile_s, seconds, extras, trained=None, reference=None) -> BenchRow:
+    """A row; ``trained`` and ``reference`` (SingleDevice's) parameters, where comparable, give the difference."""
+    import jax
     import numpy as np
 
+    from .tour import max_abs_diff
+
     median = float(np.median(seconds))
+    comparable = trained is not None and reference is not None
+    pairs = zip(jax.tree.leaves(trained), jax.tree.leaves(reference), strict=True) if comparable else ()
+    same = comparable and all(np.allclose(a, b, rtol=1e-5, atol=1e-6) for a, b in pairs)
     return BenchRow(
         name, n, processes, size, compile_s, median * 1e3,
         float(np.percentile(seconds, 10)) * 1e3, float(np.percentile(seconds, 90)) * 1e3,
-        size / median, None if reference_ms is None else reference_ms / (median * 1e3), *extras, diff,
+        size / median, None, *extras,
+        max_abs_diff(trained, reference) if comparable else None, same if comparable else None,
     )  # fmt: skip
 
 
@@ -177,12 +185,10 @@ def _child(args: argparse.Namespace) -> list[dict]:
     pk.simulate_devices(n, cores_as_devices=args.cores_as_devices)
     import jax
 
-    from .tour import max_abs_diff
-
     loss, params, layers, dataset = _model(args.model)
     size = args.batch_per_device * n
     batches = list(pk.data.batches(dataset, size, steps=1 + args.warmup + args.steps, seed=0))
-    rows, reference, reference_ms = [], None, None
+    rows, reference = [], None
     for name, make in _strategies(n, layers).items():
         if args.strategies and name != "SingleDevice" and name not in args.strategies:
             continue
@@ -192,11 +198,8 @@ def _child(args: argparse.Namespace) -> list[dict]:
         extras = (None, None) if is_pipe else _extras(strategy, model_loss, model_params, batches[0])
         state, compile_s, seconds = _measure(strategy, model_loss, model_params, batches, args.warmup)
         trained = jax.device_get(strategy.unreplicate(state.params)) if not is_pipe else None
-        reference = trained if reference is None else reference
-        diff = None if trained is None else max_abs_diff(trained, reference)
-        row = _row(name, n, 1, size, compile_s, seconds, reference_ms, extras, diff)
-        reference_ms = row.median_step_ms if reference_ms is None else reference_ms  # SingleDevice ran first
-        rows.append(asdict(row) | {"speedup": reference_ms / row.median_step_ms})
+        reference = trained if reference is None else reference  # SingleDevice runs first
+        rows.append(asdict(_row(name, n, 1, size, compile_s, seconds, extras, trained, reference)))
     return rows
 
 
@@ -213,7 +216,7 @@ def _worker(args: argparse.Namespace) -> None:
     batches = list(pk.data.batches(dataset, size, steps=1 + args.warmup + args.steps, seed=0))
     strategy = pk.MultiWorkerMirrored()
     _, compile_s, seconds = _measure(strategy, loss, params, batches, args.warmup)
-    row = _row("MultiWorkerMirrored", n, jax.process_count(), size, compile_s, seconds, None, (None, None), None)
+    row = _row("MultiWorkerMirrored", n, jax.process_count(), size, compile_s, seconds, (None, None))
     if jax.process_index() == 0:
         Path(args.child_out).write_text(json.dumps([asdict(row)]))
 
@@ -295,15 +298,16 @@ def main(argv: list[str] | None = None) -> int:
     for n in counts:
         print(f"bench: {n} device(s) ...", flush=True)
         rows += _run_child(args, n)
-    singles = {r["devices"]: r["median_step_ms"] for r in rows if r["strategy"] == "SingleDevice"}
     for processes, per_process in layouts:
         print(f"bench: {processes} processes x {per_process} device(s) ...", flush=True)
-        for r in _run_layout(args, processes, per_process):
-            reference = singles.get(r["devices"])
-            rows.append(r | {"speedup": None if reference is None else reference / r["median_step_ms"]})
-    one = next((r["samples_per_s"] for r in rows if r["devices"] == 1 and r["strategy"] == "SingleDevice"), None)
-    for r in rows:  # weak scaling against one device: throughput_N / (N x throughput_1)
-        r["scaling_efficiency"] = None if one is None else r["samples_per_s"] / (r["devices"] * one)
+        rows += _run_layout(args, processes, per_process)
+    singles = {r["devices"]: r for r in rows if r["strategy"] == "SingleDevice"}  # one per child
+    one = singles.get(1)
+    for r in rows:
+        reference = singles.get(r["devices"])  # same global batch
+        r["speedup"] = None if reference is None else reference["median_step_ms"] / r["median_step_ms"]
+        # weak scaling against one device: throughput_N / (N x throughput_1)
+        r["scaling_efficiency"] = None if one is None else r["samples_per_s"] / (r["devices"] * one["samples_per_s"])
     print(format_table(rows))
     _save(args, counts, layouts, rows)
     return 0

@@ -140,6 +140,15 @@ def _position(axis: Axis, rings: Sequence[Sequence[int]]) -> jax.Array:
     return jnp.asarray(table)[lax.axis_index(axis)]
 
 
+def ring_pairs(rings: Sequence[Sequence[int]]) -> list[tuple[int, int]]:
+    """``(device, next device)`` around every ring: one ring round's messages.
+
+    >>> ring_pairs([[0, 1, 2]])
+    [(0, 1), (1, 2), (2, 0)]
+    """
+    return [(ring[k], ring[(k + 1) % len(ring)]) for ring in rings for k in range(len(ring))]
+
+
 def _reduce_scatter(chunks: jax.Array, axis: Axis, rings: Sequence[Sequence[int]]) -> tuple[jax.Array, jax.Array]:
     """Ring reduce-scatter of ``chunks`` (g rows): the device at place ``p`` ends with row ``(p+1) % g`` summed.
 
@@ -147,7 +156,7 @@ def _reduce_scatter(chunks: jax.Array, axis: Axis, rings: Sequence[Sequence[int]
     """
     g = len(rings[0])
     p = _position(axis, rings)
-    to_next = [(ring[k], ring[(k + 1) % g]) for ring in rings for k in range(g)]
+    to_next = ring_pairs(rings)
     for s in range(g - 1):
         arrived = lax.ppermute(chunks[(p - s) % g], axis, to_next)
         chunks = chunks.at[(p - s - 1) % g].add(arrived)
@@ -157,7 +166,7 @@ def _reduce_scatter(chunks: jax.Array, axis: Axis, rings: Sequence[Sequence[int]
 def _all_gather(row: jax.Array, p: jax.Array, axis: Axis, rings: Sequence[Sequence[int]]) -> jax.Array:
     """Ring all-gather: the device at place ``p`` holds row ``(p+1) % g``; every device ends with all ``g`` rows."""
     g = len(rings[0])
-    to_next = [(ring[k], ring[(k + 1) % g]) for ring in rings for k in range(g)]
+    to_next = ring_pairs(rings)
     rows = jnp.zeros((g, *row.shape), row.dtype).at[(p + 1) % g].set(row)
     for s in range(g - 1):
         rows = rows.at[(p - s) % g].set(lax.ppermute(rows[(p + 1 - s) % g], axis, to_next))

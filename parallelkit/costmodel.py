@@ -37,7 +37,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from .collectives import ALGORITHMS
+from .collectives import ALGORITHMS, ring_pairs
 
 
 @dataclass(frozen=True)
@@ -140,7 +140,7 @@ Round = list[tuple[int, int, float]]  # (source, target, bytes) messages sent at
 def _ring_rounds(rings: Sequence[Sequence[int]], nbytes: float, phases: int = 2) -> list[Round]:
     """``phases x (g-1)`` rounds; in each, every device sends ``nbytes / g`` to the next in its ring."""
     g = len(rings[0])
-    one = [(r[k], r[(k + 1) % g], nbytes / g) for r in rings for k in range(g)]
+    one = [(source, target, nbytes / g) for source, target in ring_pairs(rings)]
     return [one] * (phases * (g - 1))
 
 
