@@ -16,10 +16,19 @@ Rabenseifner and Gropp, 2005) applied round by round. Its assumptions, all of th
   total (all its network cards together);
 - an all-reduce runs in rounds (:func:`allreduce_rounds`); a round lasts as long as
   its slowest message, and the next round starts when it ends;
-- compute is ``seconds_per_sample x batch_per_device``, the same on every device;
-  communication can run during the last ``overlap`` of it (0 by default: nothing
-  hidden; frameworks that all-reduce during the backward pass, about two thirds of
-  the compute, hide up to that much);
+- compute is ``seconds_per_sample x batch_per_device``, the same on every device (a
+  model-parallel group of ``k`` devices takes ``k x batch_per_device`` samples and each
+  device does ``1/k`` of the work, so the global batch is always ``devices x
+  batch_per_device``); gradient communication can run during the last ``overlap`` of
+  it (0 by default: nothing hidden; frameworks that all-reduce during the backward
+  pass, about two thirds of the compute, hide up to that much);
+- activations are on the critical path and are never hidden: tensor parallelism's
+  all-reduces (the compiler's, taken to be rings) and a pipeline's sends between
+  stages, one send after each of the ``2 (m + s - 1)`` forward and backward slots of
+  a GPipe or 1F1B schedule, whose idle share is the bubble ``(s - 1) / (m + s - 1)``;
+- a model-parallel group is ``k`` neighbouring devices (device ``r k + j`` is position
+  ``j`` of group ``r``), as the kit's meshes lay them out, so a group fits in a machine
+  when ``k <= devices_per_machine``;
 - the optimizer update, the input pipeline, stragglers and congestion from other jobs
   cost nothing. A prediction is an estimate: set it against measurements.
 
@@ -197,14 +206,20 @@ class Workload:
     param_bytes: float  # P: the gradient has as many bytes
     seconds_per_sample: float  # forward and backward of one sample on one device
     batch_per_device: int
-    overlap: float = 0.0  # the fraction of compute during which communication can already run
+    overlap: float = 0.0  # the fraction of compute during which gradient communication can already run
     name: str = ""
+    # bytes per sample of each all-reduce tensor parallelism makes in one step (forward and
+    # backward): for the kit's MLP, ``megatron_mlp_allreduces(1, widths)`` x the item size
+    activation_allreduces: tuple[float, ...] = ()
+    boundary_bytes: float = 0.0  # bytes per sample of the activation a pipeline stage sends the next
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.overlap <= 1.0:
             raise ValueError(f"Workload(overlap={self.overlap}): a fraction between 0 and 1.")
         if self.param_bytes < 0 or self.seconds_per_sample < 0 or self.batch_per_device < 1:
             raise ValueError("Workload: param_bytes and seconds_per_sample >= 0, batch_per_device >= 1.")
+        if self.boundary_bytes < 0 or any(b < 0 for b in self.activation_allreduces):
+            raise ValueError("Workload: activation_allreduces and boundary_bytes are byte counts >= 0.")
 
 
 @dataclass(frozen=True)
@@ -218,13 +233,120 @@ class Prediction:
     step_s: float
     samples_per_s: float
     efficiency: float  # samples/s over (devices x one device's samples/s): 1.0 is perfect scaling
+    idle_s: float = 0.0  # a pipeline's bubble: devices waiting for their neighbours
 
 
-STRATEGIES = ("single", "mirrored", "fully_sharded", "central_storage", "parameter_server")
+STRATEGIES = (
+    "single",
+    "mirrored",
+    "fully_sharded",
+    "central_storage",
+    "parameter_server",
+    "tensor",
+    "hybrid",
+    "pipeline",
+)
+MODEL_PARALLEL = ("tensor", "hybrid", "pipeline")  # these take ``model``: devices per group (stages)
+
+
+def _model_size(cluster: Cluster, strategy: str, model: int | None) -> int:
+    """Devices per model-parallel group (stages for a pipeline), checked; 1 for data-parallel strategies."""
+    n = cluster.devices
+    if strategy not in MODEL_PARALLEL:
+        if model not in (None, 1):
+            raise ValueError(f"{strategy} does not split the model; model={model} is for {MODEL_PARALLEL}.")
+        return 1
+    k = n if model is None else model
+    if strategy == "hybrid" and model is None:
+        raise ValueError("hybrid needs model=k: the devices per tensor-parallel group (the model axis).")
+    if strategy == "tensor" and k != n:
+        raise ValueError(f"tensor splits every weight over all {n} devices; use hybrid for model={k} groups.")
+    if not (isinstance(k, int) and k >= 1 and n % k == 0):
+        raise ValueError(f"model={k!r} must be a whole number >= 1 that divides the {n} devices.")
+    return k
+
+
+def _groups(n: int, k: int) -> tuple[list[list[int]], list[list[int]]]:
+    """The model groups (``k`` neighbours each) and the data groups (one position of every model group)."""
+    along = [[r * k + j for j in range(k)] for r in range(n // k)]
+    across = [[r * k + j for r in range(n // k)] for j in range(k)]
+    return along, across
+
+
+def _rings_seconds(cluster: Cluster, rings: list[list[int]], nbytes: float) -> float:
+    """Concurrent ring all-reduces of ``nbytes`` over each of ``rings``."""
+    if len(rings[0]) == 1:
+        return 0.0
+    return sum(cluster.round_seconds(r) for r in _ring_rounds(rings, nbytes))
+
+
+def _model_parallel_seconds(
+    workload: Workload, cluster: Cluster, strategy: str, k: int, microbatches: int
+) -> tuple[float, float]:
+    """(gradient seconds over the data groups, activation seconds on the critical path)."""
+    along, across = _groups(cluster.devices, k)
+    gradients = _rings_seconds(cluster, across, workload.param_bytes / k)  # each device's 1/k slice
+    replica_batch = k * workload.batch_per_device
+    if k == 1:
+        return gradients, 0.0
+    if strategy in ("tensor", "hybrid"):
+        if not workload.activation_allreduces:
+            raise ValueError(
+                "Tensor parallelism all-reduces activations: give Workload(activation_allreduces=...), "
+                "bytes per sample of each (for the kit's MLP, megatron_mlp_allreduces(1, widths) x item size)."
+            )
+        activations = sum(_rings_seconds(cluster, along, replica_batch * b) for b in workload.activation_allreduces)
+        return gradients, activations
+    if not workload.boundary_bytes:
+        raise ValueError("A pipeline sends activations between stages: give Workload(boundary_bytes=...) per sample.")
+    sent = workload.boundary_bytes * replica_batch / microbatches  # what one device sends after a slot
+    one_slot = max(cluster.round_seconds([(g[s], g[s + 1], sent) for g in along]) for s in range(k - 1))
+    return gradients, 2 * (microbatches + k - 1) * one_slot
+
+
+def _communication(
+    workload: Workload,
+    cluster: Cluster,
+    strategy: str,
+    allreduce: str,
+    shards: int,
+    model: int | None,
+    microbatches: int,
+) -> tuple[float, float]:
+    """(gradient communication, which overlap can hide; activation communication, which it cannot)."""
+    n, p = cluster.devices, workload.param_bytes
+    if strategy not in STRATEGIES:
+        raise ValueError(f"Unknown strategy {strategy!r}: choose one of {STRATEGIES}.")
+    k = _model_size(cluster, strategy, model)
+    if not (isinstance(microbatches, int) and microbatches >= 1):
+        raise ValueError(f"microbatches={microbatches!r} must be a whole number >= 1.")
+    if strategy in MODEL_PARALLEL:
+        return _model_parallel_seconds(workload, cluster, strategy, k, microbatches)
+    if strategy == "single" or n == 1:
+        return 0.0, 0.0
+    if strategy == "mirrored":
+        return allreduce_seconds(cluster, p, allreduce), 0.0
+    if strategy == "fully_sharded":
+        return 1.5 * allreduce_seconds(cluster, p, "ring"), 0.0
+    if strategy == "central_storage":
+        if cluster.machines > 1:
+            raise ValueError("central_storage keeps the parameters in one machine's memory: use machines=1.")
+        return 2 * cluster.inside.seconds(p), 0.0  # pull then push, every device on its own link at once
+    link = cluster.network or cluster.inside  # parameter_server
+    server = n * p / shards  # each server's link carries its share for every device
+    worker_machine = cluster.devices_per_machine * p if cluster.machines > 1 else p
+    return 2 * link.seconds(max(server, worker_machine)), 0.0
 
 
 def communication_seconds(
-    workload: Workload, cluster: Cluster, strategy: str, allreduce: str = "ring", shards: int = 1
+    workload: Workload,
+    cluster: Cluster,
+    strategy: str,
+    allreduce: str = "ring",
+    shards: int = 1,
+    *,
+    model: int | None = None,
+    microbatches: int = 1,
 ) -> float:
     """The communication one step of ``strategy`` needs, before any overlap.
 
@@ -234,42 +356,58 @@ def communication_seconds(
     - central_storage: every device pulls ``P`` from and pushes ``P`` to the first
       machine's host memory over its ``inside`` link (one machine only);
     - parameter_server: ``shards`` servers on machines of their own, each with a
-      ``network`` link, each sending ``P/shards`` to every device and receiving as much.
+      ``network`` link, each sending ``P/shards`` to every device and receiving as much;
+    - tensor (``model`` = all devices) and hybrid (groups of ``model``): each of the
+      workload's ``activation_allreduces`` over every group at once, for the group's
+      ``model x batch_per_device`` samples; hybrid adds an all-reduce of each device's
+      ``P/model`` gradient slice over the data groups;
+    - pipeline (``model`` stages, ``microbatches``): ``2 (m + s - 1)`` sends of one
+      microbatch's boundary activation between neighbouring stages (the slowest pair
+      sets the pace), plus the all-reduce of each stage's ``P/s`` over its data groups.
+
+    >>> link = Link("test", GBps=1, latency_us=0, source="by hand")
+    >>> work = Workload(0, 1e-3, 8, activation_allreduces=(1e3, 1e3))  # two all-reduces of 1 kB a sample
+    >>> communication_seconds(work, Cluster(1, 2, link), "tensor")  # 2 x ring of 16 kB over 2: 2 x 16 us
+    3.2e-05
     """
-    n, p = cluster.devices, workload.param_bytes
-    if strategy == "single" or n == 1:
-        return 0.0
-    if strategy == "mirrored":
-        return allreduce_seconds(cluster, p, allreduce)
-    if strategy == "fully_sharded":
-        return 1.5 * allreduce_seconds(cluster, p, "ring")
-    if strategy == "central_storage":
-        if cluster.machines > 1:
-            raise ValueError("central_storage keeps the parameters in one machine's memory: use machines=1.")
-        return 2 * cluster.inside.seconds(p)  # pull then push, every device on its own link at once
-    if strategy == "parameter_server":
-        link = cluster.network or cluster.inside
-        server = n * p / shards  # each server's link carries its share for every device
-        worker_machine = cluster.devices_per_machine * p if cluster.machines > 1 else p
-        return 2 * link.seconds(max(server, worker_machine))
-    raise ValueError(f"Unknown strategy {strategy!r}: choose one of {STRATEGIES}.")
+    hideable, critical = _communication(workload, cluster, strategy, allreduce, shards, model, microbatches)
+    return hideable + critical
 
 
 def predict(
-    workload: Workload, cluster: Cluster, strategy: str = "mirrored", allreduce: str = "ring", shards: int = 1
+    workload: Workload,
+    cluster: Cluster,
+    strategy: str = "mirrored",
+    allreduce: str = "ring",
+    shards: int = 1,
+    *,
+    model: int | None = None,
+    microbatches: int = 1,
 ) -> Prediction:
-    """Predict one step of ``strategy`` on ``cluster`` (data parallel: the global batch grows with devices).
+    """Predict one step of ``strategy`` on ``cluster``; the global batch is ``devices x batch_per_device``.
 
-    Step time = compute + the communication beyond ``overlap x compute``; efficiency = samples/s over
-    ``devices`` times the samples/s of the same workload on one device.
+    Step time = compute + the pipeline's bubble + activation communication + the gradient
+    communication beyond ``overlap x compute``; efficiency = samples/s over ``devices``
+    times the samples/s of the same workload on one device. ``model``: devices per
+    model-parallel group for tensor (all of them) and hybrid, stages for pipeline.
+
+    >>> work = Workload(param_bytes=0, seconds_per_sample=1e-3, batch_per_device=8, boundary_bytes=1e3)
+    >>> link = Link("test", GBps=1, latency_us=0, source="by hand")
+    >>> p = predict(work, Cluster(1, 4, link), "pipeline", microbatches=4)  # 4 stages
+    >>> # bubble (s-1)/m x 8 ms = 6 ms; 2(m+s-1) = 14 sends of 1 kB x 32/4 samples: 14 x 8 us
+    >>> round(p.idle_s * 1e3, 3), round(p.communication_s * 1e3, 3), round(p.efficiency, 3)
+    (6.0, 0.112, 0.567)
     """
     compute = workload.seconds_per_sample * workload.batch_per_device
-    communication = communication_seconds(workload, cluster, strategy, allreduce, shards)
-    exposed = max(communication - workload.overlap * compute, 0.0)
-    step = compute + exposed
+    hideable, critical = _communication(workload, cluster, strategy, allreduce, shards, model, microbatches)
+    stages = _model_size(cluster, strategy, model) if strategy == "pipeline" else 1
+    idle = (stages - 1) / microbatches * compute  # the bubble: (s-1)/(m+s-1) of the pipeline's time
+    exposed = critical + max(hideable - workload.overlap * compute, 0.0)
+    step = compute + idle + exposed
     samples = workload.batch_per_device * cluster.devices / step
     single = workload.batch_per_device / compute if compute else math.inf
-    return Prediction(strategy, cluster.devices, compute, exposed, step, samples, samples / (cluster.devices * single))
+    efficiency = samples / (cluster.devices * single)
+    return Prediction(strategy, cluster.devices, compute, exposed, step, samples, efficiency, idle_s=idle)
 
 
 def scaled(link: Link, cards: int) -> Link:

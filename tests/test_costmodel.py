@@ -133,3 +133,93 @@ def test_bad_input_gets_a_clear_error():
     with pytest.raises(ValueError, match="fill machines"):
         local_vs_distributed(Workload(P, 1e-3, 8), FAST, SLOW, per_machine=3)
     assert "mirrored" in STRATEGIES
+
+
+# Model-parallel entries: tensor, hybrid and pipeline, worked by hand.
+
+ONE_GB = Link("1 GB/s", GBps=1, latency_us=0, source="by hand")
+
+
+def test_tensor_parallel_all_reduces_each_activation_over_its_group():
+    # 4 devices, 16 samples each: the group takes 64; each all-reduce is a ring of 64 x b bytes
+    work = Workload(0, 1e-3, 16, activation_allreduces=(100.0, 40.0))
+    rings = [2 * 3 * (2e-6 + 64 * b / 4 / 100e9) for b in (100.0, 40.0)]
+    p = predict(work, Cluster(1, 4, FAST), "tensor")
+    assert p.communication_s == pytest.approx(sum(rings))
+    assert p.compute_s == pytest.approx(16e-3)  # a quarter of the group's 64 samples' work
+    assert p.efficiency == pytest.approx(16e-3 / (16e-3 + sum(rings)))
+
+
+def test_tensor_parallel_megatron_bytes_for_the_kits_mlp():
+    from parallelkit.strategies.tensor import megatron_mlp_allreduces
+
+    # 784-1024-1024-10: one block; forward all-reduce B x 1024 floats, no backward one (the data's gradient)
+    per_sample = tuple(4.0 * e for e in megatron_mlp_allreduces(1, [784, 1024, 1024, 10]))
+    assert per_sample == (4096.0,)
+    work = Workload(0, 1e-4, 32, activation_allreduces=per_sample)
+    expected = 2 * (2 - 1) * 64 * 4096 / 2 / 1e9  # ring over 2 of 64 samples x 4 kB
+    assert communication_seconds(work, Cluster(1, 2, ONE_GB), "tensor") == pytest.approx(expected)
+
+
+def test_overlap_never_hides_activation_all_reduces():
+    work = Workload(0, 1e-3, 16, overlap=1.0, activation_allreduces=(100.0,))
+    assert predict(work, Cluster(1, 4, FAST), "tensor").communication_s > 0
+
+
+def test_hybrid_adds_the_gradient_slices_over_the_data_groups():
+    # 2 machines x 2 devices, model groups of 2 inside a machine, data groups across
+    work = Workload(P, 1e-3, 16, activation_allreduces=(100.0,))
+    cluster = Cluster(2, 2, FAST, SLOW)
+    activations = 2 * 1 * (2e-6 + 32 * 100.0 / 2 / 100e9)  # inside each machine, 32 samples a group
+    # two rings (one per model position) of P/2 across the machines; both leave each machine at once
+    gradients = 2 * 1 * (20e-6 + 2 * (P / 2 / 2) / 1e9)
+    p = predict(work, cluster, "hybrid", model=2)
+    assert p.communication_s == pytest.approx(activations + gradients)
+    assert communication_seconds(work, cluster, "hybrid", model=2) == pytest.approx(activations + gradients)
+
+
+def test_a_hybrid_group_across_machines_pays_the_network_for_activations():
+    work = Workload(0, 1e-3, 16, activation_allreduces=(100.0,))
+    inside = predict(work, Cluster(2, 2, FAST, SLOW), "hybrid", model=2)
+    split = predict(work, Cluster(2, 2, FAST, SLOW), "tensor")  # one group of 4 over both machines
+    # ring 0-1-2-3: in each of its 6 rounds one message of 64 x 100 / 4 bytes leaves each machine
+    assert split.communication_s == pytest.approx(6 * (20e-6 + 1600 / 1e9))
+    # hybrid: the activation ring stays inside (2 rounds on FAST); only the (empty) gradients cross
+    assert inside.communication_s == pytest.approx(2 * (2e-6 + 1600 / 100e9) + 2 * 20e-6)
+
+
+@pytest.mark.parametrize("stages, microbatches", [(2, 1), (4, 4), (4, 16), (8, 8)])
+def test_pipeline_bubble_is_the_textbook_share(stages, microbatches):
+    work = Workload(0, 1e-3, 8, boundary_bytes=1.0)
+    p = predict(work, Cluster(1, stages, FAST), "pipeline", microbatches=microbatches)
+    pipeline_time = p.compute_s + p.idle_s
+    assert p.idle_s / pipeline_time == pytest.approx((stages - 1) / (microbatches + stages - 1))
+
+
+def test_pipeline_sends_one_microbatch_per_slot_to_the_next_stage():
+    # 2 stages x 2 data: 4 devices, 8 samples each; a microbatch is 32/4 = 8 samples, 4 per device
+    work = Workload(P, 1e-3, 8, boundary_bytes=1000.0)
+    cluster = Cluster(1, 4, ONE_GB)
+    sends = 2 * (4 + 2 - 1) * (16 * 1000.0 / 4 / 1e9)  # each device: its stage's 16 samples / m
+    gradients = 2 * 1 * (P / 2 / 2 / 1e9)  # each stage's P/2 over its 2 data devices
+    p = predict(work, cluster, "pipeline", model=2, microbatches=4)
+    assert p.communication_s == pytest.approx(sends + gradients)
+
+
+def test_model_parallel_arguments_are_checked():
+    work = Workload(P, 1e-3, 8)
+    cluster = Cluster(1, 4, FAST)
+    with pytest.raises(ValueError, match="activation_allreduces"):
+        predict(work, cluster, "tensor")
+    with pytest.raises(ValueError, match="boundary_bytes"):
+        predict(work, cluster, "pipeline")
+    with pytest.raises(ValueError, match="hybrid needs model"):
+        predict(work, cluster, "hybrid")
+    with pytest.raises(ValueError, match="divides"):
+        predict(work, cluster, "pipeline", model=3)
+    with pytest.raises(ValueError, match="does not split the model"):
+        predict(work, cluster, "mirrored", model=2)
+    with pytest.raises(ValueError, match="microbatches"):
+        predict(work, cluster, "pipeline", model=2, microbatches=0)
+    with pytest.raises(ValueError, match="byte counts"):
+        Workload(P, 1e-3, 8, boundary_bytes=-1.0)
