@@ -31,6 +31,8 @@ bench: setup
 	$(BIN)/python benchmarks/strategies.py
 	$(BIN)/python benchmarks/cpu_pool.py
 	$(BIN)/python benchmarks/dashboard.py
+	$(BIN)/python benchmarks/prefetch.py
+	$(BIN)/python benchmarks/layouts.py
 
 lint: setup
 	$(BIN)/ruff check . && $(BIN)/ruff format --check .

@@ -410,6 +410,37 @@ def predict(
     return Prediction(strategy, cluster.devices, compute, exposed, step, samples, efficiency, idle_s=idle)
 
 
+def fit_link(devices: int, nbytes: Sequence[float], seconds: Sequence[float], name: str = "fitted") -> Link:
+    """The link whose ring all-reduce over ``devices`` best fits measured times (least squares).
+
+    A ring of ``P`` bytes takes ``2(n-1) alpha + 2(n-1)/n x P / beta``: a straight line in
+    ``P``; its intercept gives ``alpha`` and its slope ``beta``. Whatever algorithm the
+    measured all-reduce really ran, the fit gives the ring-equivalent latency and bandwidth.
+
+    >>> true = Link("true", GBps=2.0, latency_us=50.0, source="by hand")
+    >>> sizes = [1e3, 1e5, 1e7]
+    >>> times = [allreduce_seconds(Cluster(1, 4, true), s) for s in sizes]
+    >>> fit = fit_link(4, sizes, times)
+    >>> round(fit.GBps, 6), round(fit.latency_us, 6)
+    (2.0, 50.0)
+    """
+    if len(nbytes) != len(seconds) or len(set(nbytes)) < 2:
+        raise ValueError("fit_link needs times for at least two different sizes, one time per size.")
+    if not (isinstance(devices, int) and devices >= 2):
+        raise ValueError(f"fit_link(devices={devices!r}): an all-reduce needs 2 or more devices.")
+    n = len(nbytes)
+    mean_p, mean_t = sum(nbytes) / n, sum(seconds) / n
+    slope = sum((p - mean_p) * (t - mean_t) for p, t in zip(nbytes, seconds, strict=True))
+    slope /= sum((p - mean_p) ** 2 for p in nbytes)
+    intercept = mean_t - slope * mean_p
+    if slope <= 0:
+        raise ValueError("The measured times do not grow with the size: no bandwidth can be fitted.")
+    rounds = 2 * (devices - 1)
+    beta = rounds / devices / slope
+    alpha = max(intercept / rounds, 0.0)
+    return Link(name, beta / 1e9, alpha * 1e6, f"fitted to ring all-reduces over {devices} devices")
+
+
 def scaled(link: Link, cards: int) -> Link:
     """``cards`` links side by side (a machine with several network cards): ``cards`` times the bandwidth."""
     return Link(f"{cards} x {link.name}", link.GBps * cards, link.latency_us, link.source)

@@ -14,6 +14,7 @@ from parallelkit.costmodel import (
     allreduce_rounds,
     allreduce_seconds,
     communication_seconds,
+    fit_link,
     local_vs_distributed,
     predict,
     scaled,
@@ -223,3 +224,23 @@ def test_model_parallel_arguments_are_checked():
         predict(work, cluster, "pipeline", model=2, microbatches=0)
     with pytest.raises(ValueError, match="byte counts"):
         Workload(P, 1e-3, 8, boundary_bytes=-1.0)
+
+
+def test_fit_link_recovers_a_link_from_noisy_times():
+    true = Link("true", GBps=0.5, latency_us=80.0, source="by hand")
+    sizes = [4e3, 64e3, 1e6, 4e6, 16e6]
+    times = [allreduce_seconds(Cluster(1, 2, true), s) for s in sizes]
+    noisy = [t * f for t, f in zip(times, [1.02, 0.98, 1.01, 0.99, 1.0], strict=True)]
+    fit = fit_link(2, sizes, noisy)
+    assert fit.GBps == pytest.approx(0.5, rel=0.02)
+    assert fit.latency_us == pytest.approx(80.0, rel=0.1)
+    assert "2 devices" in fit.source
+
+
+def test_fit_link_refuses_what_it_cannot_fit():
+    with pytest.raises(ValueError, match="two different sizes"):
+        fit_link(4, [1e3, 1e3], [1e-3, 2e-3])
+    with pytest.raises(ValueError, match="do not grow"):
+        fit_link(4, [1e3, 1e6], [2e-3, 1e-3])
+    with pytest.raises(ValueError, match="2 or more devices"):
+        fit_link(1, [1e3, 1e6], [1e-3, 2e-3])
