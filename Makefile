@@ -33,6 +33,7 @@ bench: setup
 	$(BIN)/python benchmarks/dashboard.py
 	$(BIN)/python benchmarks/prefetch.py
 	$(BIN)/python benchmarks/layouts.py
+	$(BIN)/python benchmarks/central.py
 
 lint: setup
 	$(BIN)/ruff check . && $(BIN)/ruff format --check .

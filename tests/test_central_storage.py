@@ -93,3 +93,13 @@ def test_repr_and_devices():
     assert pk.CentralStorage().num_replicas == 8
     with pytest.raises(pk.DeviceCountError):
         pk.CentralStorage(16)
+
+
+@pytest.mark.parametrize("replicas", [1, 2, 3, 8])
+def test_mean_rows_is_the_mean_over_replicas(replicas):
+    from parallelkit.strategies.central import mean_rows
+
+    rows = np.random.default_rng(replicas).normal(size=(replicas, 5, 7)).astype(np.float32)
+    got = jax.jit(mean_rows)(rows)
+    np.testing.assert_allclose(got, rows.mean(axis=0), rtol=1e-6, atol=1e-7)
+    assert got.shape == (5, 7)

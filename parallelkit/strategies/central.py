@@ -7,9 +7,12 @@ stages, and the bytes of each are real transfers between memories:
 2. **compute**: each device takes its slice of the global batch and computes its
    own gradients (one compiled program, ``jax.shard_map`` over the ``data`` axis);
    no collective runs between the devices;
-3. **push and update**: the per-replica gradients are copied back to the owner of
-   the state, averaged there into one copy, and the optimizer update is applied
-   once, centrally (a second compiled program on the owner's device).
+3. **push and update**: the per-replica gradients are copied to the owner's device
+   (its default memory), and a second compiled program there copies the state in
+   from host memory, averages the gradients into one, applies the optimizer update
+   once and writes the state back to host memory. The arithmetic runs on the owner's
+   device, not on the CPU host; the state crosses between host memory and that
+   device twice a step.
 
 The same three stages, with the state cut into several owners, are a parameter
 server (:mod:`parallelkit.strategies.parameter_server`); both share this module's
@@ -23,7 +26,6 @@ from collections.abc import Callable, Sequence
 from functools import cached_property
 
 import jax
-import jax.numpy as jnp
 import optax
 from flax import struct
 from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
@@ -131,9 +133,22 @@ def apply_mean_gradients(
     ``pmap``'s ``pmean`` does; the key becomes the workers' next key.
     """
     state = jax.device_put(state, compute)
-    mean = functools.partial(jax.tree.map, functools.partial(jnp.mean, axis=0))
+    mean = functools.partial(jax.tree.map, mean_rows)
     new = state.apply_gradients(mean(rows.grads)).replace(rng=rows.rng, model_state=mean(rows.model_state))
     return new, mean(rows.metrics)
+
+
+def mean_rows(x: jax.Array) -> jax.Array:
+    """The mean over the leading (replica) axis, as ``(x[0] + x[1] + ... + x[n-1]) / n``.
+
+    The same numbers as ``jnp.mean(x, axis=0)``, written as ``n - 1`` additions of whole
+    rows because XLA's CPU backend reduces over a leading axis slowly: for the gradients
+    of a 784-1024-1024-10 MLP from 2 replicas, 18.8 ms against 0.5 ms for the additions.
+    """
+    total = x[0]
+    for i in range(1, x.shape[0]):
+        total = total + x[i]
+    return total / x.shape[0]
 
 
 class PushPullStep:
@@ -225,8 +240,8 @@ class CentralStorage(OffDeviceStrategy):
 
         params_i = copy(params)                     # pull: host -> device i, for every i
         grads_i = grad(loss_fn)(params_i, b[i * len(b) // n : (i + 1) * len(b) // n])
-        grads = mean(copy_to_host(grads_i) for i in range(n))   # push, then reduce on the host
-        params = update(params, grads)              # once, on the one host copy
+        grads = mean(copy_to(storage, grads_i) for i in range(n))   # push to the storage device
+        params = update(params, grads)   # once: state copied in from host memory, updated, written back
 
     which equals the single-device step on ``b`` because the loss is a mean.
 
