@@ -26,11 +26,12 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import gc
+import functools
 import json
 import platform
-import time
 from pathlib import Path
+
+from interleaved import summarize, take_turns
 
 import parallelkit as pk
 
@@ -41,6 +42,7 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
 from parallelkit.bench import _model  # noqa: E402
+from parallelkit.tour import max_abs_diff  # noqa: E402
 
 
 def hand_central(loss, tx, params, devices):
@@ -96,26 +98,16 @@ def main() -> None:
     jax.block_until_ready([batches for _, _, batches in variants.values()])
     states = {name: state for name, (state, _, _) in variants.items()}
     position = dict.fromkeys(variants, 0)
-    per_step: dict[str, list[float]] = {name: [] for name in variants}
 
-    def run(name: str, count: int) -> float:
+    def advance(name: str, count: int) -> None:
         _, fn, batches = variants[name]
-        start = time.perf_counter()
         for _ in range(count):
             states[name] = fn(states[name], batches[position[name]])
             position[name] += 1
             jax.block_until_ready(states[name])
-        return (time.perf_counter() - start) / count
 
-    for name in variants:
-        run(name, 2)
-    gc.disable()
-    try:
-        for r in range(args.rounds):
-            for name in variants if r % 2 == 0 else reversed(variants):
-                per_step[name].append(run(name, args.chunk))
-    finally:
-        gc.enable()
+    turns = {name: functools.partial(advance, name) for name in variants}
+    per_step = take_turns(turns, args.rounds, args.chunk)
 
     def host_params(name):
         state = states[name]
@@ -126,15 +118,14 @@ def main() -> None:
     diffs = {}
     for name in strategies:
         leaves = host_params(name)
-        diffs[name] = max(float(np.max(np.abs(a - b))) for a, b in zip(leaves, reference, strict=True))
+        diffs[name] = max_abs_diff(leaves, reference)
         same = all(np.allclose(a, b, rtol=1e-5, atol=1e-6) for a, b in zip(leaves, reference, strict=True))
         if name != "single device" and not same:
             raise SystemExit(f"{name} ended {diffs[name]:.2e} away from the hand-written central storage.")
 
-    hand = float(np.median(per_step["hand central"]))
-    rows = {name: {"median_ms": float(np.median(t)) * 1e3, "p10_ms": float(np.percentile(t, 10)) * 1e3,
-                   "p90_ms": float(np.percentile(t, 90)) * 1e3, "ratio_to_hand": float(np.median(t)) / hand,
-                   "max_diff_to_hand": diffs.get(name, 0.0)} for name, t in per_step.items()}  # fmt: skip
+    rows = summarize(per_step, "hand central")
+    for name, row in rows.items():
+        row["max_diff_to_hand"] = diffs.get(name, 0.0)
     print(f"{'variant':<24}{'median ms':>11}{'p10':>8}{'p90':>8}{'/ hand':>8}{'max |dp|':>11}")
     for name, r in rows.items():
         print(f"{name:<24}{r['median_ms']:>11.2f}{r['p10_ms']:>8.2f}{r['p90_ms']:>8.2f}"

@@ -45,19 +45,13 @@ SIZES = (4_000, 64_000, 1_000_000, 4_000_000)  # bytes per device in each timed 
 
 
 def _median_seconds(fn, *args, repeats: int) -> float:
-    import time
-
-    import jax
     import numpy as np
 
-    jax.block_until_ready(fn(*args))  # compile and warm up
-    jax.block_until_ready(fn(*args))
-    seconds = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        seconds.append(time.perf_counter() - start)
-    return float(np.median(seconds))
+    from parallelkit.timing import timed
+
+    timed(fn, *args)  # compile and warm up
+    timed(fn, *args)
+    return float(np.median([timed(fn, *args)[1] for _ in range(repeats)]))
 
 
 def _global(mesh, spec, host):
@@ -118,6 +112,7 @@ def _against_single(strategy, loss, params, batches) -> tuple[float, bool]:
     import optax
 
     import parallelkit as pk
+    from parallelkit.tour import max_abs_diff
 
     def train(s):
         state, step = s.init(params, optax.sgd(0.01)), s.step(loss)
@@ -125,9 +120,9 @@ def _against_single(strategy, loss, params, batches) -> tuple[float, bool]:
             state, _ = step(state, batch)
         return jax.tree.leaves(s.unreplicate(state.params))
 
-    pairs = list(zip(train(strategy), train(pk.SingleDevice(jax.local_devices()[0])), strict=True))
-    worst = max(float(np.max(np.abs(a - b))) for a, b in pairs)
-    return worst, all(np.allclose(a, b, rtol=1e-5, atol=1e-6) for a, b in pairs)
+    ours, single = train(strategy), train(pk.SingleDevice(jax.local_devices()[0]))
+    same = all(np.allclose(a, b, rtol=1e-5, atol=1e-6) for a, b in zip(ours, single, strict=True))
+    return max_abs_diff(ours, single), same
 
 
 def _run(args: argparse.Namespace, processes: int, per_process: int) -> dict:

@@ -23,16 +23,16 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import gc
+import functools
 import json
 import platform
-import time
 from pathlib import Path
 
 import jax
 import numpy as np
 import optax
 from flax import nnx
+from interleaved import summarize, take_turns
 
 import parallelkit as pk
 
@@ -68,24 +68,14 @@ def main() -> None:
         "library, prefetch": (pk.prefetch(iter(host), strategy), step, strategy.init(params, tx)),
     }
     states = {name: state for name, (_, _, state) in feeds.items()}
-    per_step: dict[str, list[float]] = {name: [] for name in feeds}
 
-    def run(name: str, count: int) -> float:
+    def advance(name: str, count: int) -> None:
         batches, fn, _ = feeds[name]
-        start = time.perf_counter()
         for _ in range(count):
             states[name], out = fn(states[name], next(batches))
             jax.block_until_ready(out)
-        return time.perf_counter() - start
 
-    for name in feeds:
-        run(name, 2)  # compile and warm up
-    gc.disable()
-    for r in range(args.rounds):
-        order = list(feeds) if r % 2 == 0 else list(reversed(feeds))
-        for name in order:
-            per_step[name].append(run(name, args.chunk) / args.chunk)
-    gc.enable()
+    per_step = take_turns({name: functools.partial(advance, name) for name in feeds}, args.rounds, args.chunk)
     feeds["library, prefetch"][0].close()
 
     reference = jax.device_get(states["hand, on device"][0])
@@ -93,15 +83,10 @@ def main() -> None:
         jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
                      jax.device_get(states[name].params), reference)  # fmt: skip
 
-    floor = float(np.median(per_step["hand, on device"]))
+    rows = summarize(per_step, "hand, on device")
     print(f"{'variant':<22}{'median ms/step':>15}{'p10':>8}{'p90':>8}{'/ hand':>8}")
-    rows = {}
-    for name, values in per_step.items():
-        median = float(np.median(values))
-        rows[name] = {"median_ms": median * 1e3, "p10_ms": float(np.percentile(values, 10)) * 1e3,
-                      "p90_ms": float(np.percentile(values, 90)) * 1e3, "ratio_to_hand": median / floor,
-                      "per_step_s": values}  # fmt: skip
-        r = rows[name]
+    for name, r in rows.items():
+        r["per_step_s"] = per_step[name]
         print(f"{name:<22}{r['median_ms']:>15.2f}{r['p10_ms']:>8.2f}{r['p90_ms']:>8.2f}{r['ratio_to_hand']:>8.3f}")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
