@@ -129,6 +129,39 @@ def collectives(step, *args) -> list[Collective]:
     return parse_collectives(compiled_text(step, *args))
 
 
+_LAID_OUT = re.compile(r"([a-z][a-z0-9]*)\[([0-9,]*)\]\{([^}]*)\}")
+HOST_MEMORY_SPACE = "S(5)"  # XLA's memory space of host memory (pinned_host) in a layout
+
+
+def host_memory_bytes(hlo_text: str) -> tuple[int, int]:
+    """(bytes the program reads from host memory, bytes it writes there), from its entry layout.
+
+    An argument or result that lives in host memory (``memory_kind="pinned_host"``)
+    carries the memory space ``S(5)`` in the compiled program's entry layout; the
+    program copies such an argument into device memory before it computes on it, and
+    its result back out.
+
+    >>> hlo = "HloModule m, entry_computation_layout={(f32[2,3]{1,0:S(5)}, f32[4]{0})->(f32[2,3]{1,0:S(5)})}"
+    >>> host_memory_bytes(hlo)
+    (24, 24)
+    """
+    start = hlo_text.find("entry_computation_layout={")
+    if start < 0:
+        raise ValueError("No entry_computation_layout in this HLO text: pass a compiled program's as_text().")
+    depth, end = 0, start
+    for end in range(start + len("entry_computation_layout="), len(hlo_text)):  # to the brace closing it
+        depth += {"{": 1, "}": -1}.get(hlo_text[end], 0)
+        if depth == 0:
+            break
+    args, results = hlo_text[start:end].split(")->", 1)
+
+    def host(part: str) -> int:
+        arrays = [(dtype, dims) for dtype, dims, layout in _LAID_OUT.findall(part) if HOST_MEMORY_SPACE in layout]
+        return sum(_arrays(f"{dtype}[{dims}]")[0][2] for dtype, dims in arrays)
+
+    return host(args), host(results)
+
+
 @dataclass(frozen=True)
 class MemoryUse:
     """Bytes one device needs for one call of a compiled program, from XLA's own memory analysis."""

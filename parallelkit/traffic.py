@@ -5,8 +5,13 @@ step, in bytes, on one of three kinds of link:
 
 - ``host->device``: from host memory to a compute device (the batch slice; the pull of
   parameters kept off the devices);
-- ``device->host``: from a compute device back to host memory (the push of gradients);
-- ``device<->device``: between devices (collectives).
+- ``device->host``: from a compute device back to host memory;
+- ``device<->device``: between devices (collectives; the push of gradients to the device
+  that updates the state kept off the devices).
+
+Strategies that keep the state off the devices (CentralStorage, ParameterServer) also
+report the transfers at the state's owners, once per step rather than per replica: the
+update programs copy the state in from host memory and write it back (``owner_flows``).
 
 Each strategy reports its own traffic (``strategy.traffic(loss_fn, state, batch)``;
 :func:`step_traffic` is the same call). Where the numbers come from:
@@ -16,7 +21,9 @@ Each strategy reports its own traffic (``strategy.traffic(loss_fn, state, batch)
   gathered result, of the scattered shard); the strategy's formulas say what the payload
   should be (:meth:`Strategy.expected_collectives <parallelkit.Strategy.expected_collectives>`);
 - pulls and pushes (CentralStorage, ParameterServer): the arrays the strategy really
-  moves, pulled and computed once here, measured on each device;
+  moves, pulled and computed once here, measured on each device; the state's round trip:
+  the host-memory arguments and results of the compiled update programs
+  (:func:`parallelkit.inspect.host_memory_bytes`);
 - the batch: the placed batch, measured on each device.
 
 What a collective sends over the wire depends on its algorithm. ``bus_bytes`` is a
@@ -26,8 +33,10 @@ the measured payloads: an all-reduce of ``S`` bytes over ``n`` devices counts
 
 The formulas, with ``P`` the parameter bytes (a gradient has the same size) and ``n``
 replicas: mirrored, an all-reduce of ``P`` (plus the scalar metrics, ``M`` bytes, which
-XLA fuses into it); central storage ``P`` out to and ``P`` back from every replica;
-parameter servers a pull and a push of ``P`` per worker, each split over the ``k`` shards.
+XLA fuses into it); central storage ``P`` out to and ``P`` back from every replica, and the
+state (``S``: parameters, optimizer state ``O``, counters) into and out of host memory at
+the owner; parameter servers a pull and a push of ``P`` per worker, each split over the
+``k`` shards, and each shard's state round trip.
 
 :class:`TopologyModel` turns these bytes into a rough communication time per step, under
 assumptions it states, to ask when central storage beats mirroring.
@@ -97,7 +106,9 @@ class StepTraffic:
 
     ``owner_bytes`` is the load on each central owner of the state (CentralStorage's
     storage, each PS shard): gradient bytes it receives per step from all replicas,
-    which equals the parameter bytes it sends. Replicated strategies have no owner.
+    which equals the parameter bytes it sends. ``owner_flows`` are the transfers at the
+    owners, all owners together, once per step (not per replica): the state's round trip
+    between host memory and the device that updates it. Replicated strategies have neither.
     """
 
     strategy: str
@@ -108,6 +119,7 @@ class StepTraffic:
     flows: tuple[Flow, ...]
     owner_bytes: tuple[int, ...] = ()
     bus_bytes: float = 0.0  # derived: NCCL's bus-bandwidth convention on the measured collectives
+    owner_flows: tuple[Flow, ...] = ()  # bytes per step at the owners, all of them together
 
     def total(self, link: str, expected: bool = False) -> float:
         """Bytes per replica per step on ``link`` (measured, or by the formulas; NaN where one has none)."""
@@ -125,15 +137,16 @@ class StepTraffic:
         return self.total(D2H)
 
     @property
-    def between_replicas(self) -> float:
+    def between_devices(self) -> float:
         return self.total(D2D)
 
     def flow(self, what: str) -> Flow:
-        """The flow whose ``what`` starts with ``what``."""
-        for f in self.flows:
+        """The flow (per replica, or at the owners) whose ``what`` starts with ``what``."""
+        for f in (*self.flows, *self.owner_flows):
             if f.what.startswith(what):
                 return f
-        raise KeyError(f"{self.strategy} has no flow {what!r}; it has {[f.what for f in self.flows]}.")
+        known = [f.what for f in (*self.flows, *self.owner_flows)]
+        raise KeyError(f"{self.strategy} has no flow {what!r}; it has {known}.")
 
     def table(self) -> str:
         """The flows as a text table, measured beside the formula."""
@@ -142,9 +155,13 @@ class StepTraffic:
             head,
             f"  {'link':<17}{'what':<36}{'measured B':>11}{'formula B':>11}  formula  [measured from]",
         ]
+        row = "  {:<17}{:<36}{:>11,.0f}{:>11}  {}  [{}]"
         for f in self.flows:
-            expected = "n/a" if f.expected is None else f"{f.expected:,.0f}"
-            lines.append(f"  {f.link:<17}{f.what:<36}{f.measured:>11,.0f}{expected:>11}  {f.formula}  [{f.source}]")
+            lines.append(row.format(f.link, f.what, f.measured, _figure(f.expected), f.formula, f.source))
+        if self.owner_flows:
+            lines.append("  at the owner(s), once per step (not per replica):")
+        for f in self.owner_flows:
+            lines.append(row.format(f.link, f.what, f.measured, _figure(f.expected), f.formula, f.source))
         if self.bus_bytes:
             lines.append(f"  bus bytes per device (derived by NCCL's bus-bandwidth convention, not measured): "
                          f"{self.bus_bytes:,.0f}")  # fmt: skip
@@ -154,10 +171,18 @@ class StepTraffic:
         return "\n".join(lines)
 
 
+def _figure(expected: float | None) -> str:
+    return "n/a" if expected is None else f"{expected:,.0f}"
+
+
 def compare_table(traffics: Sequence[StepTraffic]) -> str:
-    """One line per strategy: bytes per replica per step on each link, measured (formula in brackets)."""
+    """One line per strategy: bytes per replica per step on each link, measured (formula in brackets).
+
+    The owners' state round trip (CentralStorage, ParameterServer) is not per replica,
+    so it is left out here: each strategy's :meth:`StepTraffic.table` shows it.
+    """
     width = max([len("strategy"), *(len(t.strategy) for t in traffics)]) + 2
-    head = f"{'strategy':<{width}}{'host->device':>20}{'device->host':>20}{'between replicas':>20}"
+    head = f"{'strategy':<{width}}{'host->device':>20}{'device->host':>20}{'device<->device':>20}"
     lines = [head, "-" * len(head)]
     for t in traffics:
         cells = "".join(f"{f'{t.total(k):,.0f} ({t.total(k, expected=True):,.0f})':>20}" for k in LINKS)

@@ -51,7 +51,7 @@ def test_the_known_model_has_the_sizes_the_formulas_use(mlp, batch):
 def test_every_measured_flow_equals_its_formula(traffic, name):
     t = traffic[name]
     assert (t.param_bytes, t.metric_bytes) == (P, M)
-    for flow in t.flows:
+    for flow in (*t.flows, *t.owner_flows):
         assert flow.measured == pytest.approx(flow.expected, abs=1e-9), f"{name}: {flow}"
     assert t.flow("batch").measured == B / t.replicas
 
@@ -59,7 +59,7 @@ def test_every_measured_flow_equals_its_formula(traffic, name):
 def test_single_device_moves_only_its_batch(traffic):
     t = traffic["SingleDevice"]
     assert (t.replicas, t.pattern) == (1, "local")
-    assert (t.host_to_device, t.device_to_host, t.between_replicas) == (B, 0, 0)
+    assert (t.host_to_device, t.device_to_host, t.between_devices) == (B, 0, 0)
 
 
 @pytest.mark.parametrize("name", ["Mirrored(jit)", "Mirrored(pmap)"])
@@ -105,17 +105,42 @@ def test_without_a_formula_the_payload_is_still_reported(batch, digits):
 def test_central_storage_pulls_and_pushes_p_per_replica(traffic):
     t = traffic["CentralStorage"]
     assert t.flow("parameters (pull)").measured == P
-    assert t.flow("gradients (push)").measured == P
-    assert t.host_to_device == B / 8 + P and t.device_to_host == P + M
-    assert t.between_replicas == 0  # the workers' program has no collective
+    assert t.flow("gradients (push").measured == P
+    assert t.host_to_device == B / 8 + P and t.device_to_host == 0
+    assert t.between_devices == P + M  # the push to the storage device; the workers' program has no collective
+    assert t.flow("collectives").measured == 0
     assert t.owner_bytes == (8 * P,)  # the one storage receives every replica's gradient
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+@pytest.mark.parametrize("make", [lambda: pk.CentralStorage(4), lambda: pk.ParameterServer(3, devices=4)])
+def test_the_state_round_trip_at_the_owner_is_counted(mlp, batch, optimizer, make):
+    """The update program reads the whole state from host memory and writes it back, every step.
+
+    By hand: SGD's state is the parameters and the step counter; Adam's adds two moments of
+    P bytes and its own counter. Each PS shard but the first also reads and writes a copy
+    of the step counter. The measured figure is read from the compiled update programs.
+    """
+    loss_fn, params = mlp
+    strategy = make()
+    tx = {"sgd": optax.sgd(0.1), "adam": optax.adam(1e-3)}[optimizer]
+    t = strategy.traffic(loss_fn, strategy.init(params, tx), batch)
+    state_bytes = {"sgd": P + 4, "adam": 3 * P + 4 + 4}[optimizer]
+    shards = getattr(strategy, "num_shards", 1)
+    if optimizer == "adam":
+        state_bytes += (shards - 1) * 4  # each shard has its own Adam counter
+    state_bytes += (shards - 1) * 4
+    assert t.flow("state in").measured == t.flow("state out").measured == state_bytes
+    assert t.flow("state in").link == H2D and t.flow("state out").link == D2H
+    assert t.flow("state in").expected == state_bytes
+    assert "at the owner(s), once per step" in t.table()
 
 
 @pytest.mark.parametrize("shards", [1, 3])
 def test_parameter_servers_split_the_push_and_pull_over_their_shards(traffic, shards):
     t = traffic[f"PS({shards} shard{'s' * (shards > 1)})"]
     assert t.flow("parameters").measured == P and t.flow("gradients").measured == P
-    assert t.between_replicas == 0
+    assert t.between_devices == P + M  # each gradient piece pushed to its shard's device, the metrics to shard 0
     assert len(t.owner_bytes) == shards and sum(t.owner_bytes) == 8 * P
     # balanced: each shard's slice differs by at most one float32, so its load by at most 8 of them
     assert max(t.owner_bytes) - min(t.owner_bytes) <= 8 * 4
@@ -128,18 +153,18 @@ def test_two_devices(mlp, batch):
     loss_fn, params = mlp
     for strategy in (pk.Mirrored(2), pk.CentralStorage(2)):
         t = pk.traffic.step_traffic(strategy, loss_fn, strategy.init(params, optax.sgd(0.1)), batch)
-        assert all(f.measured == pytest.approx(f.expected) for f in t.flows)
+        assert all(f.measured == pytest.approx(f.expected) for f in (*t.flows, *t.owner_flows))
         assert t.flow("batch").measured == B / 2
         if isinstance(strategy, pk.Mirrored):
-            assert t.between_replicas == P + M and t.host_to_device == B / 2
+            assert t.between_devices == P + M and t.host_to_device == B / 2
             assert t.bus_bytes == P + M  # 2(n-1)/n = 1
         else:
-            assert (t.host_to_device, t.device_to_host, t.between_replicas) == (B / 2 + P, P + M, 0)
+            assert (t.host_to_device, t.device_to_host, t.between_devices) == (B / 2 + P, 0, P + M)
 
 
 def test_totals_and_tables(traffic):
     t = traffic["CentralStorage"]
-    assert t.total(H2D, expected=True) == B / 8 + P and t.total(D2H) == P + M and t.total(D2D) == 0
+    assert t.total(H2D, expected=True) == B / 8 + P and t.total(D2H) == 0 and t.total(D2D) == P + M
     with pytest.raises(ValueError, match="Unknown link 'wire'"):
         t.total("wire")
     with pytest.raises(KeyError, match="no flow 'nothing'"):
@@ -178,7 +203,7 @@ def test_a_strategy_of_ones_own_reports_its_traffic(mlp, batch):
     loss_fn, params = mlp
     strategy = Custom(1)
     t = pk.traffic.step_traffic(strategy, loss_fn, strategy.init(params, optax.sgd(0.1)), batch)
-    assert (t.host_to_device, t.between_replicas, t.pattern) == (B, 0, "local")
+    assert (t.host_to_device, t.between_devices, t.pattern) == (B, 0, "local")
 
 
 def test_bus_bytes_follow_nccls_convention():

@@ -8,11 +8,12 @@ stages, and the bytes of each are real transfers between memories:
    own gradients (one compiled program, ``jax.shard_map`` over the ``data`` axis);
    no collective runs between the devices;
 3. **push and update**: the per-replica gradients are copied to the owner's device
-   (its default memory), and a second compiled program there copies the state in
-   from host memory, averages the gradients into one, applies the optimizer update
-   once and writes the state back to host memory. The arithmetic runs on the owner's
-   device, not on the CPU host; the state crosses between host memory and that
-   device twice a step.
+   (its default memory: a device-to-device copy, as TensorFlow would copy them to the
+   CPU), and a second compiled program there copies the state in from host memory,
+   averages the gradients into one, applies the optimizer update once and writes the
+   state back to host memory. The arithmetic runs on the owner's device, not on the
+   CPU host; the state crosses between host memory and that device twice a step, and
+   the traffic report counts both crossings.
 
 The same three stages, with the state cut into several owners, are a parameter
 server (:mod:`parallelkit.strategies.parameter_server`); both share this module's
@@ -32,7 +33,7 @@ from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 
 from ..axes import DATA
-from ..inspect import collectives
+from ..inspect import collectives, host_memory_bytes
 from ..mesh import make_mesh
 from ..traffic import D2D, D2H, H2D, Flow, StepTraffic, batch_flow, bus_bytes, per_replica_bytes, sizes
 from .base import (
@@ -151,6 +152,30 @@ def mean_rows(x: jax.Array) -> jax.Array:
     return total / x.shape[0]
 
 
+class CentralUpdate:
+    """The push and the update of central storage: the rows to the storage device, one program there.
+
+    ``update(state, rows) -> (state, metrics)``; :meth:`lowered` gives the update
+    program as it runs (the traffic report reads its host-memory arguments from it).
+    """
+
+    def __init__(self, storage: SingleDeviceSharding):
+        self.compute = compute_sharding(storage)
+        self.program = jax.jit(
+            functools.partial(apply_mean_gradients, compute=self.compute),
+            in_shardings=(storage, self.compute),
+            out_shardings=(storage, self.compute),
+            donate_argnums=0,
+        )
+
+    def __call__(self, state: TrainState, rows: ReplicaRows):
+        # push: every replica's rows are copied to the storage device
+        return self.program(state, jax.device_put(rows, self.compute))
+
+    def lowered(self, state: TrainState, rows: ReplicaRows) -> list:
+        return [self.program.lower(state, jax.device_put(rows, self.compute))]
+
+
 class PushPullStep:
     """Pull, compute, push-and-update, as one callable; ``lower`` gives the workers' program.
 
@@ -158,7 +183,7 @@ class PushPullStep:
       pull: ``state -> (params, rng, model_state)`` replicated on the workers (host-to-device copies).
       compute: the jitted :func:`replica_gradients`.
       push_update: ``(state, rows) -> (state, metrics)``: moves the rows to the owners
-        and applies the update there.
+        and applies the update there; its ``lowered(state, rows)`` lists the update programs.
       choose: optional ``pulled params -> params the workers use`` (an older version, for
         simulated asynchrony); the identity by default.
     """
@@ -202,18 +227,26 @@ class OffDeviceStrategy(Strategy):
         return put_batch(batch, self.batch_sharding, self.num_replicas)
 
     traffic_pattern = "central"
-    pull_label, push_label, formula = "parameters (pull)", "gradients (push)", "P"
+    pull_label, push_label, formula = "parameters (pull)", "gradients (push to the storage device)", "P"
 
     def owner_loads(self, rows: ReplicaRows) -> tuple[int, ...]:
         """Gradient bytes each owner of the state receives per step (all replicas' rows)."""
         return (sum(int(x.nbytes) for x in jax.tree.leaves(rows.grads)),)
 
+    def round_trip_bytes(self, state: TrainState) -> tuple[int, str]:
+        """(bytes, formula) of the state its update programs copy in from host memory, and back, per step."""
+        return sum(int(x.nbytes) for x in jax.tree.leaves(state)), "S = P + O + step, key, model state"
+
     def traffic(self, loss_fn: LossFn, state: TrainState, batch: Batch) -> StepTraffic:
-        """The pull, the push and the batch, measured on the arrays this strategy really moves.
+        """Every transfer of a step, measured on the arrays and programs this strategy really runs.
 
         Runs one pull and the workers' gradient computation (real copies; ``state`` is
-        left as it is) and measures what lands on each worker; the workers' compiled
-        program is read for collectives (none, unless the model adds its own).
+        left as it is) and measures what lands on each worker; reads the workers'
+        compiled program for collectives (none, unless the model adds its own) and the
+        update programs for the state they copy in from host memory and write back.
+        Per replica: the batch slice, the pull (host memory to each worker), the push
+        (each worker's rows to the owner's device; the owner's own row stays where it
+        is). At the owners, once per step: the state's round trip.
         """
         step = self.step(loss_fn)
         size = sizes(self, loss_fn, state, batch)
@@ -225,12 +258,21 @@ class OffDeviceStrategy(Strategy):
         flows = (
             batch_flow(self, batch),
             Flow(H2D, self.pull_label, measure(params), size.params, self.formula, "pulled arrays, per device"),
-            Flow(D2H, self.push_label, measure(rows.grads), size.params, self.formula, "pushed gradient rows"),
-            Flow(D2H, "metrics (push)", measure(rows.metrics), size.metrics, "M", "pushed metric rows"),
+            Flow(D2D, self.push_label, measure(rows.grads), size.params, self.formula, "pushed gradient rows"),
+            Flow(D2D, "metrics (push)", measure(rows.metrics), size.metrics, "M", "pushed metric rows"),
             Flow(D2D, "collectives", sum(c.bytes for c in found), 0, "0", "compiled HLO of the workers"),
         )
+        moved = [host_memory_bytes(u.compile().as_text()) for u in step.fn.push_update.lowered(state, rows)]
+        expected, formula = self.round_trip_bytes(state)
+        source = "host-memory {} of the update program(s)"
+        owner_flows = (
+            Flow(H2D, "state in (host memory -> owner)", sum(m[0] for m in moved), expected, formula,
+                 source.format("arguments")),
+            Flow(D2H, "state out (owner -> host memory)", sum(m[1] for m in moved), expected, formula,
+                 source.format("results")),
+        )  # fmt: skip
         return StepTraffic(repr(self), self.traffic_pattern, size.replicas, size.params, size.metrics, flows,
-                           self.owner_loads(rows), bus_bytes(found))  # fmt: skip
+                           self.owner_loads(rows), bus_bytes(found), owner_flows)  # fmt: skip
 
 
 class CentralStorage(OffDeviceStrategy):
@@ -273,22 +315,11 @@ class CentralStorage(OffDeviceStrategy):
         return jax.device_put(state, self.storage)
 
     def step(self, loss_fn: LossFn) -> Step:
-        compute = compute_sharding(self.storage)
-        update = jax.jit(
-            lambda state, rows: apply_mean_gradients(state, rows, compute),
-            in_shardings=(self.storage, compute),
-            out_shardings=(self.storage, compute),
-            donate_argnums=0,
-        )
-
-        def push_update(state: TrainState, rows: ReplicaRows):
-            # push: every replica's rows are copied to the storage device
-            return update(state, jax.device_put(rows, compute))
-
         def pull(state: TrainState):
             return jax.device_put((state.params, state.rng, state.model_state), self.replicated)
 
-        return Step(PushPullStep(pull, replica_gradients(loss_fn, self.mesh), push_update), self.place_batch, self)
+        step = PushPullStep(pull, replica_gradients(loss_fn, self.mesh), CentralUpdate(self.storage))
+        return Step(step, self.place_batch, self)
 
     def __repr__(self) -> str:
         return f"CentralStorage(devices={self.num_replicas}, storage={self.storage.memory_kind})"

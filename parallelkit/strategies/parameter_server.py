@@ -218,6 +218,11 @@ class ParameterServer(OffDeviceStrategy):
         """Gradient bytes each shard receives per step: ``n`` rows of its slice."""
         return tuple(int(shard.nbytes) for shard in rows.grads.shards)
 
+    def round_trip_bytes(self, state: TrainState) -> tuple[int, str]:
+        """The state, plus the step counter each shard but the first reads and writes (its own copy)."""
+        extra = (self.num_shards - 1) * int(state.step.nbytes)
+        return super().round_trip_bytes(state)[0] + extra, "S + (k-1) step counters"
+
     def partition(self, params: PyTree) -> Partition:
         """How ``params`` are cut over the shards (``print(strategy.partition(params).table(strategy.devices))``)."""
         return Partition.of(params, self.num_shards)
@@ -249,9 +254,6 @@ class ParameterServer(OffDeviceStrategy):
         return TrainState(step, params, tuple(o for _, o in placed), tx, rng=rng, model_state=model_state)
 
     def step(self, loss_fn: LossFn) -> Step:
-        updates = [_shard_update_program(where) for where in self.shard_storage]
-        computes = [compute_sharding(where) for where in self.shard_storage]  # built once, not every step
-
         def flat_loss(shards: Sharded, batch: Batch, **extras):
             return loss_fn(shards.partition.join(shards.shards), batch, **extras)
 
@@ -259,24 +261,7 @@ class ParameterServer(OffDeviceStrategy):
             # every shard to every worker, with the key and model state
             return jax.device_put((state.params, state.rng, state.model_state), self.replicated)
 
-        def push_update(state: TrainState, rows: ReplicaRows):
-            new = []
-            for j, (update, where, compute) in enumerate(zip(updates, self.shard_storage, computes, strict=True)):
-                # shard j receives its slice of every gradient row; shard 0 also the metrics, key and model state
-                if j == 0:
-                    mine = rows.replace(grads=rows.grads.shards[0])
-                    step, extras = state.step, (state.rng, state.model_state)
-                else:
-                    mine = ReplicaRows(rows.grads.shards[j], {})
-                    step, extras = jax.device_put(state.step, where), (None, None)
-                new.append(update(state.tx, step, state.params.shards[j], state.opt_state[j], extras,
-                                  jax.device_put(mine, compute)))  # fmt: skip
-            step, _, _, (rng, model_state), metrics = new[0]
-            params = Sharded(tuple(n[1] for n in new), state.params.partition)
-            opt_state = tuple(n[2] for n in new)
-            new_state = state.replace(step=step, params=params, opt_state=opt_state, rng=rng, model_state=model_state)
-            return new_state, metrics
-
+        push_update = ShardedUpdate(self.shard_storage)
         choose = _StalePull(self.staleness, self.seed) if self.mode == "async" else None
         return Step(
             PushPullStep(pull, replica_gradients(flat_loss, self.mesh), push_update, choose), self.place_batch, self
@@ -294,6 +279,41 @@ class ParameterServer(OffDeviceStrategy):
     def __repr__(self) -> str:
         extra = f", staleness={self.staleness}" if self.mode == "async" else ""
         return f"ParameterServer(num_shards={self.num_shards}, mode={self.mode!r}{extra}, workers={self.num_replicas})"
+
+
+class ShardedUpdate:
+    """The push and the updates of the PS shards: each gradient piece to its owner, one program per shard.
+
+    ``update(state, rows) -> (state, metrics)``; :meth:`lowered` gives each shard's
+    update program as it runs (the traffic report reads their host-memory arguments).
+    """
+
+    def __init__(self, shard_storage: Sequence[SingleDeviceSharding]):
+        self.storage = tuple(shard_storage)
+        self.programs = [_shard_update_program(where) for where in self.storage]
+        self.computes = [compute_sharding(where) for where in self.storage]  # built once, not every step
+
+    def _calls(self, state: TrainState, rows: ReplicaRows):
+        """Each shard's program and its arguments: its slice of every gradient row, pushed to its device."""
+        for j, (program, where, compute) in enumerate(zip(self.programs, self.storage, self.computes, strict=True)):
+            if j == 0:  # shard 0 also takes the metrics, the key and the model state
+                mine = rows.replace(grads=rows.grads.shards[0])
+                step, extras = state.step, (state.rng, state.model_state)
+            else:
+                mine = ReplicaRows(rows.grads.shards[j], {})
+                step, extras = jax.device_put(state.step, where), (None, None)
+            yield program, (state.tx, step, state.params.shards[j], state.opt_state[j], extras,
+                            jax.device_put(mine, compute))  # fmt: skip
+
+    def __call__(self, state: TrainState, rows: ReplicaRows):
+        new = [program(*args) for program, args in self._calls(state, rows)]
+        step, _, _, (rng, model_state), metrics = new[0]
+        params = Sharded(tuple(n[1] for n in new), state.params.partition)
+        opt_state = tuple(n[2] for n in new)
+        return state.replace(step=step, params=params, opt_state=opt_state, rng=rng, model_state=model_state), metrics
+
+    def lowered(self, state: TrainState, rows: ReplicaRows) -> list:
+        return [program.lower(*args) for program, args in self._calls(state, rows)]
 
 
 def _shard_update_program(where: SingleDeviceSharding):
