@@ -148,9 +148,15 @@ class Checkpoints:
 
         Returns:
           True if a checkpoint was written.
+
+        Raises:
+          ValueError: the strategy's run cannot be resumed from its state alone
+            (an async ParameterServer), or the state has no single owner across processes.
         """
         import orbax.checkpoint as ocp
 
+        if refusal := strategy.checkpoint_refusal():
+            raise ValueError(refusal)
         step = host_step(strategy, state)
         if not (force or self.should_save(step)) or step in self.manager.all_steps():
             return False

@@ -205,6 +205,8 @@ def fit(
         raise ValueError("Give state or resume=True, not both: resuming restores the state from checkpoint_dir.")
     ckpt = Checkpoints(checkpoint_dir, every=checkpoint_every, keep=checkpoint_keep) if checkpoint_dir else None
     try:
+        if ckpt and (refusal := strategy.checkpoint_refusal()):
+            raise ValueError(refusal)
         if ckpt:
             restored = _restore_or_check(ckpt, resume, strategy, params, tx, model_state, rng)
             state, consumed, resumed_from = (state, 0, None) if restored is None else restored

@@ -247,6 +247,16 @@ class TestErrors:
         with pytest.raises(ValueError, match="does not fit"):
             pk.checkpoint.restore(tmp_path, pk.SingleDevice(), other, optax.sgd(0.1))
 
+    def test_an_async_parameter_server_refuses_checkpoints_before_training(self, mlp, digits, tmp_path):
+        """Its workers' stale copies live outside the state: refused up front, not after the work."""
+        loss_fn, params = mlp
+        strategy = pk.ParameterServer(2, mode="async", devices=2)
+        with pytest.raises(ValueError, match=r"could not resume it exactly.*mode='sync'"):
+            pk.fit(strategy, loss_fn, params, optax.sgd(0.1), batches(digits, 2), checkpoint_dir=tmp_path)
+        assert pk.checkpoint.latest_step(tmp_path) is None
+        with pytest.raises(ValueError, match="could not resume it exactly"):
+            pk.checkpoint.save(tmp_path, strategy.init(params, optax.sgd(0.1)), strategy)
+
     def test_too_few_batches_to_skip(self, mlp, digits, tmp_path):
         loss_fn, params = mlp
         pk.fit(pk.SingleDevice(), loss_fn, params, optax.sgd(0.1), batches(digits, 5), checkpoint_dir=tmp_path)

@@ -9,7 +9,8 @@ import pytest
 from helpers import assert_steps_compile_once, tree_allclose
 
 import parallelkit as pk
-from parallelkit.strategies.parameter_server import Partition, Sharded
+from parallelkit.strategies.asynchronous import AsyncWorkers
+from parallelkit.strategies.parameter_server import Partition, RoundRobin, Sharded
 
 STEPS = 6
 
@@ -92,31 +93,93 @@ def test_partition_table_text(mlp):
     assert pk.ParameterServer(3).partition(params).table().splitlines()[2].split()[1] == "-"  # no devices given
 
 
-@pytest.fixture(scope="module")
-def sync_params(mlp, digits):
-    return _train(pk.ParameterServer(3), mlp, digits)[0]
+def test_async_applies_each_gradient_on_the_version_it_claims(mlp, digits):
+    """Replayed in plain JAX from the log: push k's gradient at the parameters of version ``push.version``.
+
+    Each applied gradient is computed on the claimed version's parameters, on slice k of
+    its round's batch, and applied alone, one optimizer update per push; the result must
+    be the strategy's parameters. A push computed on any other version breaks the equality.
+    """
+    loss_fn, params = mlp
+    tx = optax.sgd(0.3, momentum=0.9)
+    strategy = pk.ParameterServer(3, mode="async", devices=4, seed=0, worker_times=(1.0, 1.0, 1.5, 3.0))
+    step, state = strategy.step(loss_fn), strategy.init(params, tx)
+    batches = list(pk.data.batches(digits, 64, steps=STEPS))
+    for batch in batches:
+        state, _ = step(state, batch)
+    pushes = step.fn.pushes
+    assert len(pushes) == 4 * STEPS == int(state.step)
+    assert max(p.delay for p in pushes) > 0
+    history, opt_state = [params], tx.init(params)
+    grad = jax.jit(jax.grad(lambda p, b: loss_fn(p, b)[0]))
+    for k, push in enumerate(pushes):
+        assert push.applied_to == len(history) - 1  # applied in order, to the newest version
+        i = k % 4  # push k computes on slice i of round k // 4
+        data = {key: x[i * 16 : (i + 1) * 16] for key, x in batches[k // 4].items()}
+        updates, opt_state = tx.update(grad(history[push.version], data), opt_state)
+        history.append(optax.apply_updates(history[-1], updates))
+    tree_allclose(strategy.unreplicate(state.params), history[-1], rtol=1e-5, atol=1e-6)
 
 
-def test_async_with_staleness_zero_equals_sync_exactly(mlp, digits, sync_params):
-    zero, step = _train(pk.ParameterServer(3, mode="async", staleness=0), mlp, digits)
-    tree_allclose(zero, sync_params, rtol=0, atol=0)
-    assert step.fn.delays == [0] * STEPS
+def test_async_workers_schedule_follows_their_speeds():
+    """Equal workers are stale by about n - 1 updates; a slow worker pushes less often and staler."""
+    equal, pushes = AsyncWorkers(4, seed=0), []
+    for _ in range(100):
+        push, repulled = equal.next_push()
+        equal.applied()
+        pushes.append(push)
+        assert repulled == []  # no bound: nothing dropped
+    assert sorted(p.delay for p in pushes[:4]) == [0, 1, 2, 3]  # all start together on version 0
+    # then, on average, each finds the other three workers' pushes applied since its pull
+    assert np.mean([p.delay for p in pushes[8:]]) == pytest.approx(3, abs=0.1)
+    slow = AsyncWorkers(4, worker_times=(1, 1, 1, 4), seed=0)
+    pushes = []
+    for _ in range(100):
+        pushes.append(slow.next_push()[0])
+        slow.applied()
+    by_worker = {w: [p.delay for p in pushes if p.worker == w] for w in range(4)}
+    assert len(by_worker[3]) < min(len(by_worker[w]) for w in range(3))
+    assert np.mean(by_worker[3]) > max(np.mean(by_worker[w]) for w in range(3))
 
 
-def test_stale_gradients_differ_from_sync_and_reproduce_with_their_seed(mlp, digits, sync_params):
-    strategy = pk.ParameterServer(3, mode="async", staleness=4, seed=0)
-    first, first_step = _train(strategy, mlp, digits)
-    again, again_step = _train(strategy, mlp, digits)  # a fresh step: the same seeded schedule
-    delays = first_step.fn.delays
-    assert len(delays) == STEPS and any(delays) and all(0 <= d <= min(4, t) for t, d in enumerate(delays))
-    assert again_step.fn.delays == delays
-    tree_allclose(again, first, rtol=0, atol=0)  # bit-reproducible
-    assert not np.array_equal(first["head"]["kernel"], sync_params["head"]["kernel"])
-    # another seed draws another schedule (the delays are chosen before any compute: no training needed)
-    other = pk.ParameterServer(3, mode="async", staleness=4, seed=1).step(mlp[0])
-    for t in range(STEPS):
-        other.fn.choose(t)
-    assert other.fn.delays != delays and all(0 <= d <= min(4, t) for t, d in enumerate(other.fn.delays))
+def test_a_staleness_bound_drops_older_gradients_and_the_seed_fixes_the_schedule():
+    def run(staleness, seed):
+        workers, pushes = AsyncWorkers(8, staleness=staleness, seed=seed), []
+        for _ in range(80):
+            pushes.append(workers.next_push()[0])
+            workers.applied()
+        return [(p.worker, p.version, p.delay) for p in pushes], workers.dropped
+
+    bounded, dropped = run(2, 0)
+    assert max(d for _, _, d in bounded) <= 2 and dropped > 0
+    assert run(2, 0) == (bounded, dropped)  # the seed fixes the schedule
+    assert run(2, 1)[0] != bounded
+    free, none_dropped = run(None, 0)
+    assert max(d for _, _, d in free) > 2 and none_dropped == 0
+
+
+def test_staler_gradients_train_worse_on_fixed_seeds(mlp, digits):
+    """The lesson of notebook 03: the loss on all the data worsens as the staleness bound grows."""
+    loss_fn, params = mlp
+    everything = {"x": digits.x, "y": digits.y}
+    losses = []
+    for staleness in (0, 2, None):
+        strategy = pk.ParameterServer(3, mode="async", staleness=staleness, seed=0, devices=4)
+        trained, step = _train(strategy, mlp, digits, steps=20, tx=optax.sgd(0.3))
+        assert max(step.fn.delays) <= (4 * 20 if staleness is None else staleness)
+        losses.append(float(loss_fn(trained, everything)[0]))
+    assert losses[0] < losses[1] < losses[2], losses
+
+
+def test_an_async_step_continues_only_its_own_run(mlp, digits):
+    loss_fn, params = mlp
+    strategy = pk.ParameterServer(2, mode="async", devices=2)
+    step, start = strategy.step(loss_fn), strategy.init(params, optax.sgd(0.1))
+    first, second = pk.data.batches(digits, 64, steps=2)
+    state, _ = step(start, first)
+    state, _ = step(state, second)  # its own state: fine
+    with pytest.raises(ValueError, match=r"applied 4 updates since step 0, but was handed a state at step 0.*fresh"):
+        step(strategy.init(params, optax.sgd(0.1)), first)
 
 
 @pytest.mark.parametrize(
@@ -125,11 +188,14 @@ def test_stale_gradients_differ_from_sync_and_reproduce_with_their_seed(mlp, dig
         ({"num_shards": 0}, r"num_shards=0: use an integer >= 1"),
         ({"num_shards": 2.0}, r"num_shards=2.0: use an integer >= 1"),
         ({"num_shards": True}, r"num_shards=True: use an integer >= 1"),
-        ({"mode": "async", "staleness": -1}, r"staleness=-1: it counts updates, so use an integer >= 0"),
+        ({"mode": "async", "staleness": -1}, r"staleness=-1: it counts updates, so use an integer >= 0 \(or None"),
         ({"mode": "async", "staleness": 1.5}, r"staleness=1.5: it counts updates"),
         ({"mode": "async", "staleness": "2"}, r"staleness='2': it counts updates"),
         ({"mode": "hogwild"}, r"mode='hogwild'\): choose one of \('sync', 'async'\)"),
-        ({"staleness": 2}, r"staleness=2 needs mode='async'"),
+        ({"staleness": 2}, r"staleness needs mode='async'"),
+        ({"worker_times": (1, 2)}, r"worker_times needs mode='async'"),
+        ({"mode": "async", "devices": 2, "worker_times": (1, 2, 3)}, r"give one time per worker \(2\)"),
+        ({"mode": "async", "devices": 2, "worker_times": (1, 0)}, r"each a number > 0"),
     ],
 )
 def test_bad_arguments_are_clear_errors(kwargs, message):
@@ -173,3 +239,17 @@ def test_repr():
     assert (
         repr(pk.ParameterServer(3, "async", 4)) == "ParameterServer(num_shards=3, mode='async', staleness=4, workers=8)"
     )
+
+
+def test_round_robin_placement_of_whole_variables_is_unbalanced(mlp):
+    """TF1's replica_device_setter deals whole variables in turn; the balanced partition cuts bytes evenly."""
+    _, params = mlp
+    order = ["['head']['bias']", "['head']['kernel']", "['hidden'][0]['bias']", "['hidden'][0]['kernel']"]
+    placed = RoundRobin.of(params, 2)
+    assert [(path, shard) for path, shard, _ in placed.assignment] == list(zip(order, [0, 1, 0, 1], strict=True))
+    assert placed.loads == ((10 + 64) * 4, (640 + 4096) * 4)  # one task holds 98% of the bytes
+    assert RoundRobin.of(params, 3).loads == ((10 + 4096) * 4, 640 * 4, 64 * 4)
+    assert Partition.of(params, 2).loads == (2405 * 4, 2405 * 4)
+    assert sum(Partition.of(params, 3).loads) == sum(RoundRobin.of(params, 3).loads) == 4810 * 4
+    with pytest.raises(ValueError, match="num_shards=0: use an integer >= 1"):
+        RoundRobin.of(params, 0)

@@ -267,3 +267,10 @@ def test_topology_model_reads_measured_traffic(traffic):
     assert NVLINK.seconds(traffic["PS(3 shards)"]) == NVLINK.parameter_server_seconds(P, 8, 3)
     with pytest.raises(ValueError, match="no model for TensorParallel"):
         NVLINK.seconds(traffic["TensorParallel"])
+
+
+def test_async_parameter_servers_say_what_to_measure_instead(mlp, batch):
+    loss_fn, params = mlp
+    strategy = pk.ParameterServer(2, mode="async", devices=2)
+    with pytest.raises(ValueError, match=r"measured for a synchronous step.*ParameterServer\(2, devices=...\)"):
+        strategy.traffic(loss_fn, strategy.init(params, optax.sgd(0.1)), batch)

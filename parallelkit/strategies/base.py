@@ -371,6 +371,10 @@ class Strategy(abc.ABC):
     def logical_shape(self, leaf: jax.Array) -> tuple[int, ...]:
         return tuple(leaf.shape)
 
+    def checkpoint_refusal(self) -> str | None:
+        """Why a checkpoint of this strategy's state could not resume its run exactly (None: it can)."""
+        return None
+
     # How TopologyModel reads this strategy's traffic: "local", "all-reduce", "central",
     # "sharded" (parameter servers) or another name that it has no model for.
     traffic_pattern = "local"

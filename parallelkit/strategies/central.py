@@ -85,6 +85,25 @@ class ReplicaRows:
     rng: jax.Array | None = None
 
 
+def gradient_rows(
+    loss_fn: LossFn, params: PyTree, batch: Batch, rng: jax.Array | None, model_state: PyTree, replica
+) -> ReplicaRows:
+    """One replica's gradients, metrics and model state, each as a row (a leading axis of 1), and the next key.
+
+    With a key, the replica draws its own randomness from it: ``rng, key = split(rng)``,
+    then ``fold_in(key, replica)``, as under ``pmap``.
+    """
+    extras = {} if model_state is None else {"model_state": model_state}
+    if rng is not None:
+        rng, key = jax.random.split(rng)
+        extras["rng"] = jax.random.fold_in(key, replica)
+    (loss, (aux, model_state)), grads = jax.value_and_grad(_loss_with_aux(loss_fn), has_aux=True)(
+        params, batch, **extras
+    )
+    rows = jax.tree.map(lambda x: x[None], (grads, {"loss": loss, **aux}, model_state))
+    return ReplicaRows(*rows, rng=rng)
+
+
 def replica_gradients(loss_fn: LossFn, mesh: Mesh) -> Callable:
     """``(params, batch, rng, model_state) -> ReplicaRows``: one row per replica, nothing reduced.
 
@@ -102,15 +121,7 @@ def replica_gradients(loss_fn: LossFn, mesh: Mesh) -> Callable:
     """
 
     def per_replica(params: PyTree, batch: Batch, rng: jax.Array | None, model_state: PyTree):
-        extras = {} if model_state is None else {"model_state": model_state}
-        if rng is not None:
-            rng, key = jax.random.split(rng)
-            extras["rng"] = jax.random.fold_in(key, jax.lax.axis_index(DATA))
-        (loss, (aux, model_state)), grads = jax.value_and_grad(_loss_with_aux(loss_fn), has_aux=True)(
-            params, batch, **extras
-        )
-        rows = jax.tree.map(lambda x: x[None], (grads, {"loss": loss, **aux}, model_state))
-        return ReplicaRows(*rows, rng=rng)
+        return gradient_rows(loss_fn, params, batch, rng, model_state, jax.lax.axis_index(DATA))
 
     # check_vma=False: with it on, differentiating replicated (unvarying) params against a
     # sharded batch inserts a psum of the gradients, the all-reduce we want to leave out.
@@ -184,27 +195,18 @@ class PushPullStep:
       compute: the jitted :func:`replica_gradients`.
       push_update: ``(state, rows) -> (state, metrics)``: moves the rows to the owners
         and applies the update there; its ``lowered(state, rows)`` lists the update programs.
-      choose: optional ``pulled params -> params the workers use`` (an older version, for
-        simulated asynchrony); the identity by default.
     """
 
-    def __init__(self, pull: Callable, compute: Callable, push_update: Callable, choose: Callable | None = None):
-        self.pull, self.compute, self.push_update, self.choose = pull, compute, push_update, choose
+    def __init__(self, pull: Callable, compute: Callable, push_update: Callable):
+        self.pull, self.compute, self.push_update = pull, compute, push_update
 
     def __call__(self, state: TrainState, batch: Batch):
         params, rng, model_state = self.pull(state)
-        if self.choose is not None:
-            params = self.choose(params)
         return self.push_update(state, self.compute(params, batch, rng, model_state))
 
     def lower(self, state: TrainState, batch: Batch):
         params, rng, model_state = self.pull(state)
         return self.compute.lower(params, batch, rng, model_state)
-
-    @property
-    def delays(self) -> list[int]:
-        """How many updates old each step's pulled parameters were, so far (empty when never stale)."""
-        return list(getattr(self.choose, "delays", []))
 
 
 class OffDeviceStrategy(Strategy):

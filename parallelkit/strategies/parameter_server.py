@@ -12,8 +12,9 @@ What runs for real and what is simulated, in this one-process teaching version:
   of one device (shard ``j`` beside device ``j % n``); pulls and pushes are real
   copies between memories; each shard's update is its own compiled program.
 - simulated: the PS tasks are not separate processes (the multi-process version
-  belongs to :mod:`parallelkit.distributed`); asynchrony is a seeded schedule of
-  delays (see ``mode="async"``), not a race between processes.
+  belongs to :mod:`parallelkit.distributed`); in ``mode="async"`` the workers' clocks
+  are a seeded event simulation (:mod:`parallelkit.strategies.asynchronous`), not a
+  race between processes, while every pull, gradient and update it schedules is real.
 
 The partition follows TensorFlow's variable partitioners in spirit: the parameters
 are flattened in tree order into one vector and cut into ``num_shards`` contiguous
@@ -24,10 +25,10 @@ which slice of which variable each shard holds.
 
 from __future__ import annotations
 
-import collections
 import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
@@ -36,7 +37,11 @@ import optax
 from flax import struct
 from jax.sharding import SingleDeviceSharding
 
+from .asynchronous import AsyncStep, AsyncWorkers
 from .base import Batch, LossFn, PyTree, Step, TrainState, check_same_tree, prng_key
+
+if TYPE_CHECKING:
+    from ..traffic import StepTraffic
 from .central import (
     OffDeviceStrategy,
     PushPullStep,
@@ -114,6 +119,12 @@ class Partition:
         sizes = np.cumsum([int(np.prod(s, dtype=np.int64)) for s in self.shapes])[:-1]
         return self.treedef.unflatten([x.reshape(s) for x, s in zip(xp.split(flat, sizes), self.shapes, strict=True)])
 
+    @property
+    def loads(self) -> tuple[int, ...]:
+        """Bytes of parameters each shard holds."""
+        itemsize = np.dtype(self.dtype).itemsize
+        return tuple((b - a) * itemsize for a, b in self.bounds)
+
     def pieces(self, shard: int) -> list[Piece]:
         """Which run of which variable ``shard`` holds."""
         lo, hi = self.bounds[shard]
@@ -139,6 +150,43 @@ class Partition:
             )
             lines.append(f"{j:<6}{where:<10}{b - a:>10}{(b - a) * itemsize:>10}  {pieces}")
         return "\n".join(lines)
+
+
+@dataclass(frozen=True)
+class RoundRobin:
+    """TensorFlow 1's ``replica_device_setter`` placement: whole variables dealt to the PS tasks in turn.
+
+    Variable ``i`` goes to task ``i mod k`` (TensorFlow deals them in creation order; here,
+    in tree order), whatever its size, so one large variable can leave its task with most
+    of the bytes: what the byte-balanced :class:`Partition` avoids. Shown for comparison;
+    :class:`ParameterServer` uses the balanced partition.
+
+    >>> RoundRobin.of({"w": np.zeros((4, 4), np.float32), "b": np.zeros(4, np.float32)}, 2).loads
+    (16, 64)
+    """
+
+    assignment: tuple[tuple[str, int, int], ...]  # (variable path, shard, bytes)
+    num_shards: int
+
+    @classmethod
+    def of(cls, params: PyTree, num_shards: int) -> RoundRobin:
+        if isinstance(num_shards, bool) or not isinstance(num_shards, int) or num_shards < 1:
+            raise ValueError(f"num_shards={num_shards!r}: use an integer >= 1 (one shard per PS task).")
+        leaves = jax.tree_util.tree_flatten_with_path(params)[0]
+        return cls(
+            tuple(
+                (jax.tree_util.keystr(p), i % num_shards, int(np.asarray(x).nbytes)) for i, (p, x) in enumerate(leaves)
+            ),
+            num_shards,
+        )
+
+    @property
+    def loads(self) -> tuple[int, ...]:
+        """Bytes of parameters each shard holds."""
+        loads = [0] * self.num_shards
+        for _, shard, nbytes in self.assignment:
+            loads[shard] += nbytes
+        return tuple(loads)
 
 
 @struct.dataclass
@@ -168,39 +216,50 @@ class ParameterServer(OffDeviceStrategy):
     in :class:`~parallelkit.CentralStorage`: each worker draws its own dropout masks,
     and the workers' model state is averaged.
 
-    In ``"async"`` mode, the workers of step ``t`` compute on parameters ``d_t``
-    updates old, ``d_t`` drawn uniformly from ``0..min(staleness, t)`` by a generator
-    seeded with ``seed``: the bounded-staleness model of asynchronous PS training,
-    on a reproducible schedule (``step.fn.delays`` records it). ``staleness=0`` is
-    exactly ``"sync"``. The step remembers the last ``staleness + 1`` pulls, as
-    workers keep the copy they pulled: use a fresh ``step(loss_fn)`` for each run.
+    In ``"async"`` mode each worker's gradient is applied on its own, as it arrives
+    (``n`` updates per step for ``n`` workers, each on ``1/n`` of the global batch),
+    computed on the parameters its worker pulled, which other workers may have
+    updated since. Who pushes when follows the workers' speeds (``worker_times``) on a
+    schedule seeded by ``seed``; ``staleness`` drops gradients older than that many
+    updates (its worker pulls and computes again); ``None`` keeps them all.
+    ``step.fn.pushes`` records every applied gradient (worker, version, delay), and the
+    workers keep the copies they pulled: use a fresh ``step(loss_fn)`` for each run.
+    See :mod:`parallelkit.strategies.asynchronous`.
 
     Args:
       num_shards: how many PS shards, from 1 to the number of parameter elements.
       mode: ``"sync"`` or ``"async"``.
-      staleness: the largest delay, in updates, in ``"async"`` mode (``>= 0``).
+      staleness: in ``"async"`` mode, the oldest gradient applied, in updates (``>= 0``;
+        ``None``: no bound).
       devices: how many workers (the first ``n`` devices), or which; all by default.
-      seed: seeds the async delay schedule.
+      seed: seeds the async workers' schedule.
+      worker_times: in ``"async"`` mode, each worker's relative time per gradient
+        (equal by default).
     """
 
     def __init__(
         self,
         num_shards: int = 1,
         mode: str = "sync",
-        staleness: int = 0,
+        staleness: int | None = None,
         devices: int | Sequence[jax.Device] | None = None,
         seed: int = 0,
+        worker_times: Sequence[float] | None = None,
     ):
         if mode not in MODES:
             raise ValueError(f"ParameterServer(mode={mode!r}): choose one of {MODES}.")
-        if isinstance(staleness, bool) or not isinstance(staleness, int) or staleness < 0:
-            raise ValueError(f"staleness={staleness!r}: it counts updates, so use an integer >= 0 (0 means sync).")
-        if mode == "sync" and staleness:
-            raise ValueError(f"staleness={staleness} needs mode='async'; sync training is never stale.")
+        if staleness is not None and (isinstance(staleness, bool) or not isinstance(staleness, int) or staleness < 0):
+            raise ValueError(f"staleness={staleness!r}: it counts updates, so use an integer >= 0 (or None: no bound).")
+        if mode == "sync" and (staleness is not None or worker_times is not None):
+            given = "staleness" if staleness is not None else "worker_times"
+            raise ValueError(f"{given} needs mode='async'; sync training waits for every worker and is never stale.")
         if isinstance(num_shards, bool) or not isinstance(num_shards, int) or num_shards < 1:
             raise ValueError(f"num_shards={num_shards!r}: use an integer >= 1 (one shard per PS task).")
         super().__init__(devices)
         self.num_shards, self.mode, self.staleness, self.seed = num_shards, mode, staleness, seed
+        self.worker_times = None if worker_times is None else tuple(worker_times)
+        if mode == "async":
+            AsyncWorkers(self.num_replicas, self.worker_times)  # checks worker_times now, not at the first step
         self.shard_storage = tuple(host_sharding(self.devices[j % self.num_replicas]) for j in range(num_shards))
 
     traffic_pattern = "sharded"
@@ -222,6 +281,25 @@ class ParameterServer(OffDeviceStrategy):
         """The state, plus the step counter each shard but the first reads and writes (its own copy)."""
         extra = (self.num_shards - 1) * int(state.step.nbytes)
         return super().round_trip_bytes(state)[0] + extra, "S + (k-1) step counters"
+
+    def traffic(self, loss_fn: LossFn, state: TrainState, batch: Batch) -> StepTraffic:
+        """The bytes of one synchronous step (see :meth:`OffDeviceStrategy.traffic`); sync mode only."""
+        if self.mode == "async":
+            raise ValueError(
+                f"{self!r}: traffic is measured for a synchronous step. Asynchronously, each applied gradient "
+                "moves a pull and a push of P for its worker and a state round trip at every shard, and each "
+                f"dropped one another pull: measure ParameterServer({self.num_shards}, devices=...) for those flows."
+            )
+        return super().traffic(loss_fn, state, batch)
+
+    def checkpoint_refusal(self) -> str | None:
+        if self.mode == "sync":
+            return None
+        return (
+            f"{self!r}: an async run lives partly outside its state (each worker's pulled copy of the parameters, "
+            "the workers' simulated clocks), so a checkpoint of the state could not resume it exactly. "
+            "Checkpoint a mode='sync' run, or train async without checkpoint_dir."
+        )
 
     def partition(self, params: PyTree) -> Partition:
         """How ``params`` are cut over the shards (``print(strategy.partition(params).table(strategy.devices))``)."""
@@ -262,10 +340,10 @@ class ParameterServer(OffDeviceStrategy):
             return jax.device_put((state.params, state.rng, state.model_state), self.replicated)
 
         push_update = ShardedUpdate(self.shard_storage)
-        choose = _StalePull(self.staleness, self.seed) if self.mode == "async" else None
-        return Step(
-            PushPullStep(pull, replica_gradients(flat_loss, self.mesh), push_update, choose), self.place_batch, self
-        )
+        if self.mode == "async":
+            workers = AsyncWorkers(self.num_replicas, self.worker_times, self.staleness, self.seed)
+            return Step(AsyncStep(flat_loss, self.devices, push_update, workers), self.place_batch, self)
+        return Step(PushPullStep(pull, replica_gradients(flat_loss, self.mesh), push_update), self.place_batch, self)
 
     def unreplicate(self, tree: PyTree) -> PyTree:
         """One host copy; sharded parameters come back as the original tree."""
@@ -278,6 +356,7 @@ class ParameterServer(OffDeviceStrategy):
 
     def __repr__(self) -> str:
         extra = f", staleness={self.staleness}" if self.mode == "async" else ""
+        extra += f", worker_times={self.worker_times}" if self.worker_times is not None else ""
         return f"ParameterServer(num_shards={self.num_shards}, mode={self.mode!r}{extra}, workers={self.num_replicas})"
 
 
@@ -338,18 +417,3 @@ def _shard_update(tx, step, params, opt_state, extras, rows, *, compute):
     owned = TrainState(step, params, opt_state, tx, rng=rng, model_state=model_state)
     state, metrics = apply_mean_gradients(owned, rows, compute)
     return state.step, state.params, state.opt_state, (state.rng, state.model_state), metrics
-
-
-class _StalePull:
-    """Simulated asynchrony: hand the workers a pull up to ``staleness`` updates old, on a seeded schedule."""
-
-    def __init__(self, staleness: int, seed: int):
-        self.pulls: collections.deque = collections.deque(maxlen=staleness + 1)
-        self.rng = np.random.default_rng(seed)
-        self.delays: list[int] = []
-
-    def __call__(self, params: Sharded) -> Sharded:
-        self.pulls.append(params)
-        delay = int(self.rng.integers(0, len(self.pulls)))  # 0..min(staleness, updates so far)
-        self.delays.append(delay)
-        return self.pulls[-1 - delay]

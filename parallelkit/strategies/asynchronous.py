@@ -1,0 +1,221 @@
+"""Asynchronous parameter-server training: every worker's gradient applied on its own, as it arrives.
+
+Each worker loops on its own: pull the parameters, compute a gradient on its slice of
+data, push it; the shards apply each push as one update, without waiting for the
+other workers. A gradient is therefore computed on the parameters as they were at its
+worker's pull, and by the time it arrives the other workers may have pushed ``d``
+updates since: its *delay* (staleness). Delays arise from the workers' speeds alone,
+with no straggler needed: eight equally fast workers that start together each find
+the other seven's pushes applied before their own.
+
+What runs for real and what is simulated, in this one-process teaching version:
+
+- simulated: time. :class:`AsyncWorkers` is a seeded event simulation of the
+  workers' clocks (worker ``i`` takes ``worker_times[i]`` time units per gradient,
+  each computation varying by up to ``JITTER`` either side), which decides who
+  pushes next and on which version of the parameters it computed;
+- real: everything the schedule says happens. Each worker's pull is a copy of every
+  shard to its device, kept there until its next pull (the stale copy it computes
+  on); each gradient is computed on that copy, on its worker's device; each push goes
+  to the shards, whose update programs apply it alone.
+
+A round (one call of the step) applies the next ``n`` pushes for ``n`` workers, so it
+consumes the global batch like a synchronous step does: push ``k`` of the round
+computes on the ``k``-th slice of the batch (the data a worker reads is assigned when
+its gradient is computed; what the schedule decides is the parameters it reads).
+
+A staleness bound drops a gradient older than ``staleness`` updates when it arrives
+(as TensorFlow's ``SyncReplicasOptimizer`` drops stale gradients); its worker pulls
+again and computes anew. Stale-synchronous parallel (Ho et al., 2013) bounds it
+instead by making a fast worker wait; either way no applied gradient is older than
+the bound.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import jax
+import numpy as np
+from jax.sharding import SingleDeviceSharding
+
+from .base import Batch, LossFn, TrainState
+from .central import gradient_rows
+
+JITTER = 0.25  # each gradient computation takes its worker's time x U(1 - JITTER, 1 + JITTER)
+
+
+@dataclass(frozen=True)
+class Push:
+    """One gradient the shards applied: who computed it, on which version, and how stale it was."""
+
+    worker: int
+    version: int  # updates applied to the parameters it was computed on (0: the initial ones)
+    delay: int  # updates other workers applied between its pull and its push
+
+    @property
+    def applied_to(self) -> int:
+        """The version it was applied to (it produced version ``applied_to + 1``)."""
+        return self.version + self.delay
+
+
+class AsyncWorkers:
+    """The workers' clocks, simulated on a seeded schedule: who pushes next, on which version.
+
+    All workers pull version 0 at time 0. The worker whose computation ends first pushes
+    (ties go to the lower index); if its gradient is more than ``staleness`` updates old
+    it is dropped and the worker pulls the current version and computes again,
+    otherwise it is applied (the version grows by one) and the worker pulls the new one.
+
+    Three equal workers start on version 0 together; after the first round each finds the
+    other two's pushes applied since its pull:
+
+    >>> workers = AsyncWorkers(3, seed=0)
+    >>> for _ in range(6):
+    ...     push, dropped = workers.next_push()
+    ...     workers.applied()
+    ...     print(push)
+    Push(worker=2, version=0, delay=0)
+    Push(worker=1, version=0, delay=1)
+    Push(worker=0, version=0, delay=2)
+    Push(worker=2, version=1, delay=2)
+    Push(worker=1, version=2, delay=2)
+    Push(worker=0, version=3, delay=2)
+    """
+
+    def __init__(
+        self, workers: int, worker_times: Sequence[float] | None = None, staleness: int | None = None, seed: int = 0
+    ):
+        times = np.ones(workers) if worker_times is None else np.asarray(worker_times, dtype=float)
+        if times.shape != (workers,) or not np.all(np.isfinite(times)) or np.any(times <= 0):
+            raise ValueError(
+                f"worker_times={worker_times!r}: give one time per worker ({workers}), each a number > 0 "
+                "(the relative time a worker takes to compute one gradient)."
+            )
+        self.times, self.staleness = times, staleness
+        self.rng = np.random.default_rng(seed)
+        self.version = 0  # updates applied so far
+        self.pulled = [0] * workers  # the version each worker holds
+        self.finish = [self._duration(w) for w in range(workers)]  # when each worker's gradient is ready
+        self.dropped = 0  # gradients dropped for being staler than the bound
+
+    def _duration(self, worker: int) -> float:
+        return float(self.times[worker] * self.rng.uniform(1 - JITTER, 1 + JITTER))
+
+    def _pull(self, worker: int) -> None:
+        self.pulled[worker] = self.version
+        self.finish[worker] += self._duration(worker)
+
+    def next_push(self) -> tuple[Push, list[int]]:
+        """The next gradient to apply, and the workers that dropped theirs and pulled the current version first.
+
+        Call :meth:`applied` after applying it.
+        """
+        repulled = []
+        while True:
+            worker = min(range(len(self.finish)), key=lambda w: (self.finish[w], w))
+            delay = self.version - self.pulled[worker]
+            if self.staleness is None or delay <= self.staleness:
+                self._pushing = worker
+                return Push(worker, self.pulled[worker], delay), repulled
+            self.dropped += 1
+            self._pull(worker)
+            repulled.append(worker)
+
+    def applied(self) -> None:
+        """The push :meth:`next_push` returned was applied: one version more, and its worker pulls it."""
+        self.version += 1
+        self._pull(self._pushing)
+
+
+class AsyncStep:
+    """One round of asynchronous PS training: the next ``n`` pushes, each applied on its own.
+
+    ``state, metrics = step(state, batch)``; ``metrics`` are the mean of the round's
+    pushes' metrics, each measured by its worker on the parameters it pulled.
+    ``pushes`` lists every applied gradient so far (:class:`Push`), ``delays`` their delays.
+
+    Args:
+      loss_fn: the loss on the strategy's parameters (the shards' flat slices).
+      devices: the workers' devices, in the order the batch is sliced over them.
+      update: ``(state, rows) -> (state, metrics)``, the shards' push and update for
+        rows of one gradient (:class:`~parallelkit.strategies.parameter_server.ShardedUpdate`).
+      workers: the simulated clocks.
+    """
+
+    def __init__(self, loss_fn: LossFn, devices: Sequence[jax.Device], update: Callable, workers: AsyncWorkers):
+        self.devices, self.update, self.workers = tuple(devices), update, workers
+        self.places = [SingleDeviceSharding(d, memory_kind=d.default_memory().kind) for d in self.devices]
+        self.gradient = jax.jit(functools.partial(gradient_rows, loss_fn))
+        self.programs: list = []  # each worker's compiled gradient program
+        self.copies: list = []  # each worker's pulled (params, model_state), on its device
+        self.pushes: list[Push] = []
+        self.start: int | None = None  # the state's step counter when this run began
+
+    @property
+    def delays(self) -> list[int]:
+        """How many updates old each applied gradient was, in the order applied."""
+        return [p.delay for p in self.pushes]
+
+    def pull(self, state: TrainState, worker: int) -> tuple:
+        """Every shard (and the model state) copied to ``worker``'s device: the copy it computes on."""
+        return jax.device_put((state.params, state.model_state), self.places[worker])
+
+    def _check_continues(self, state: TrainState) -> None:
+        step = int(jax.device_get(state.step))
+        if self.start is None:
+            self.start = step
+        elif step != self.start + self.workers.version:
+            raise ValueError(
+                f"This async ParameterServer step has applied {self.workers.version} updates since step "
+                f"{self.start}, but was handed a state at step {step}. Its workers hold copies of their own run's "
+                "parameters, so it continues only the state it returned last: make a fresh strategy.step(loss_fn) "
+                "for another run."
+            )
+
+    def __call__(self, state: TrainState, batch: Batch):
+        self._check_continues(state)
+        slices = _slices(batch, self.devices)
+        if not self.copies:  # every worker pulls the starting parameters and compiles its program
+            self.copies = [self.pull(state, w) for w in range(len(self.devices))]
+            self.programs = [self._compile(state, w, slices[w]) for w in range(len(self.devices))]
+        metrics = []
+        for data in slices:  # push k of the round computes on slice k
+            push, repulled = self.workers.next_push()
+            for w in repulled:  # dropped a stale gradient: pulls the current parameters again
+                self.copies[w] = self.pull(state, w)
+            w = push.worker
+            params, model_state = self.copies[w]
+            rows = self.programs[w](params, jax.device_put(data, self.places[w]), self._key(state, w),
+                                    model_state, w)  # fmt: skip
+            state, pushed = self.update(state, rows)
+            self.workers.applied()
+            self.pushes.append(push)
+            self.copies[w] = self.pull(state, w)
+            metrics.append(pushed)
+        return state, jax.tree.map(lambda *m: sum(m) / len(m), *metrics)
+
+    def _key(self, state: TrainState, worker: int):
+        return None if state.rng is None else jax.device_put(state.rng, self.places[worker])
+
+    def _compile(self, state: TrainState, worker: int, data: Batch):
+        params, model_state = self.copies[worker]
+        placed = jax.device_put(data, self.places[worker])
+        return self.gradient.lower(params, placed, self._key(state, worker), model_state, worker).compile()
+
+    def lower(self, state: TrainState, batch: Batch):
+        """The first worker's gradient program (it holds no collective: each worker computes alone)."""
+        params, model_state = self.pull(state, 0)
+        data = jax.device_put(_slices(batch, self.devices)[0], self.places[0])
+        return self.gradient.lower(params, data, self._key(state, 0), model_state, 0)
+
+
+def _slices(batch: Batch, devices: Sequence[jax.Device]) -> list[Batch]:
+    """The placed global batch's slice on each device, in device order."""
+    by_device = [
+        {shard.device: shard.data for shard in x.addressable_shards} for x in jax.tree.leaves(batch)
+    ]  # one dict per leaf
+    treedef = jax.tree.structure(batch)
+    return [treedef.unflatten([leaf[d] for leaf in by_device]) for d in devices]
