@@ -66,6 +66,33 @@ def max_abs_diff(a, b) -> float:
     )
 
 
+RTOL, ATOL = 1e-5, 1e-6  # the float32 tolerance of every equivalence in parallelkit
+
+
+def assert_close(actual, expected, rtol: float = RTOL, atol: float = ATOL) -> float:
+    """Assert two trees of the same structure agree leaf by leaf (NumPy's ``allclose`` rule); return max |diff|.
+
+    >>> round(assert_close({"w": np.ones(3)}, {"w": np.ones(3) + 1e-7}), 9)
+    1e-07
+    >>> assert_close({"w": np.ones(3)}, {"w": np.ones(3) + 0.1})
+    Traceback (most recent call last):
+    ...
+    AssertionError: ...
+    Not equal to tolerance rtol=1e-05, atol=1e-06
+    leaf ['w'] differs...
+    """
+    paths, leaves = zip(*jax.tree_util.tree_flatten_with_path(actual)[0], strict=True)
+    if jax.tree.structure(actual) != jax.tree.structure(expected):
+        raise AssertionError(
+            f"The trees differ in structure: {jax.tree.structure(actual)} vs {jax.tree.structure(expected)}"
+        )
+    for path, x, y in zip(paths, leaves, jax.tree.leaves(expected), strict=True):
+        np.testing.assert_allclose(
+            np.asarray(x), np.asarray(y), rtol=rtol, atol=atol, err_msg=f"leaf {jax.tree_util.keystr(path)} differs"
+        )
+    return max_abs_diff(actual, expected)
+
+
 def run_tour(
     model: str = "mlp", steps: int = 50, batch_size: int = 64, learning_rate: float = 1e-3, devices: int | None = None
 ) -> list[TourRow]:

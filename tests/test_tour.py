@@ -6,6 +6,8 @@ import json
 import subprocess
 import sys
 
+import numpy as np
+import pytest
 from helpers import ROOT
 
 import parallelkit as pk
@@ -38,3 +40,12 @@ def test_max_abs_diff():
     a = {"w": [1.0, 2.0], "b": 0.5}
     b = {"w": [1.0, 2.5], "b": 0.25}
     assert pk.tour.max_abs_diff(a, b) == 0.5
+
+
+def test_assert_close_names_the_leaf_and_checks_the_structure():
+    a = {"w": np.zeros(3, np.float32), "b": np.zeros(2, np.float32)}
+    assert pk.tour.assert_close(a, {"w": np.full(3, 5e-7, np.float32), "b": np.zeros(2, np.float32)}) > 0
+    with pytest.raises(AssertionError, match=r"leaf \['w'\] differs"):
+        pk.tour.assert_close(a, {"w": np.full(3, 2e-6, np.float32), "b": np.zeros(2, np.float32)})
+    with pytest.raises(AssertionError, match="differ in structure"):
+        pk.tour.assert_close(a, {"w": np.zeros(3, np.float32)})

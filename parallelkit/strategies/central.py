@@ -287,7 +287,9 @@ class CentralStorage(OffDeviceStrategy):
         grads = mean(copy_to(storage, grads_i) for i in range(n))   # push to the storage device
         params = update(params, grads)   # once: state copied in from host memory, updated, written back
 
-    which equals the single-device step on ``b`` because the loss is a mean.
+    which equals the single-device step on ``b`` because the loss is a mean over the
+    examples (an unweighted one: a loss divided by a per-replica count, such as unmasked
+    tokens, averages differently).
 
     Randomness and model state work as under ``pmap``: with ``rng=`` each replica
     draws its own dropout masks (its index folded into the step's key), and the

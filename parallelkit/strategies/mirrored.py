@@ -64,7 +64,9 @@ class Mirrored(DataParallelTraffic, Strategy):
         grads = mean(grads_i for i in range(n))  # the all-reduce
         params = update(params, grads)           # on every device, identically
 
-    which equals the single-device step on ``b`` because the loss is a mean.
+    which equals the single-device step on ``b`` because the loss is a mean over the
+    examples (an unweighted one: a loss divided by a per-replica count, such as unmasked
+    tokens, averages differently).
 
     Args:
       devices: how many devices (the first ``n``), or which; all by default.
