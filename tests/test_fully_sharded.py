@@ -144,7 +144,7 @@ def test_traffic_read_from_the_compiled_program(mlp, digits):
     assert t.flow("gradients and metrics (all-reduce)").measured == pk.models.param_bytes(params) + 8
     assert t.flow("parameter shards (all-gather)").measured == sharded  # each device updated its shard only
     t = one.traffic(loss_fn, one.init(params, optax.sgd(0.1)), batch)  # no optimizer state to shard:
-    assert t.between_replicas == t.total("device<->device", expected=True) == pk.models.param_bytes(params) + 8
+    assert t.between_devices == t.total("device<->device", expected=True) == pk.models.param_bytes(params) + 8
     three = pk.FullySharded(3, 4)
     t = three.traffic(loss_fn, three.init(params, optax.sgd(0.1)), batch)
     assert t.flow("parameter shards (all-gather)").measured >= sharded  # gathered before use
