@@ -61,6 +61,17 @@ class Push:
         return self.version + self.delay
 
 
+def worker_time_array(workers: int, worker_times: Sequence[float] | None) -> np.ndarray:
+    """Each worker's relative time per gradient (1 for all by default), or a clear error."""
+    times = np.ones(workers) if worker_times is None else np.asarray(worker_times, dtype=float)
+    if times.shape != (workers,) or not np.all(np.isfinite(times)) or np.any(times <= 0):
+        raise ValueError(
+            f"worker_times={worker_times!r}: give one time per worker ({workers}), each a number > 0 "
+            "(the relative time a worker takes to compute one gradient)."
+        )
+    return times
+
+
 class AsyncWorkers:
     """The workers' clocks, simulated on a seeded schedule: who pushes next, on which version.
 
@@ -88,18 +99,13 @@ class AsyncWorkers:
     def __init__(
         self, workers: int, worker_times: Sequence[float] | None = None, staleness: int | None = None, seed: int = 0
     ):
-        times = np.ones(workers) if worker_times is None else np.asarray(worker_times, dtype=float)
-        if times.shape != (workers,) or not np.all(np.isfinite(times)) or np.any(times <= 0):
-            raise ValueError(
-                f"worker_times={worker_times!r}: give one time per worker ({workers}), each a number > 0 "
-                "(the relative time a worker takes to compute one gradient)."
-            )
-        self.times, self.staleness = times, staleness
+        self.times, self.staleness = worker_time_array(workers, worker_times), staleness
         self.rng = np.random.default_rng(seed)
         self.version = 0  # updates applied so far
         self.pulled = [0] * workers  # the version each worker holds
         self.finish = [self._duration(w) for w in range(workers)]  # when each worker's gradient is ready
         self.dropped = 0  # gradients dropped for being staler than the bound
+        self._pushing: int | None = None  # the worker whose push next_push returned last
 
     def _duration(self, worker: int) -> float:
         return float(self.times[worker] * self.rng.uniform(1 - JITTER, 1 + JITTER))
@@ -180,7 +186,9 @@ class AsyncStep:
         slices = _slices(batch, self.devices)
         if not self.copies:  # every worker pulls the starting parameters and compiles its program
             self.copies = [self.pull(state, w) for w in range(len(self.devices))]
-            self.programs = [self._compile(state, w, slices[w]) for w in range(len(self.devices))]
+            self.programs = [
+                self._lower(state, w, self.copies[w], slices[w]).compile() for w in range(len(self.devices))
+            ]
         metrics = []
         for data in slices:  # push k of the round computes on slice k
             push, repulled = self.workers.next_push()
@@ -200,16 +208,15 @@ class AsyncStep:
     def _key(self, state: TrainState, worker: int):
         return None if state.rng is None else jax.device_put(state.rng, self.places[worker])
 
-    def _compile(self, state: TrainState, worker: int, data: Batch):
-        params, model_state = self.copies[worker]
+    def _lower(self, state: TrainState, worker: int, copy: tuple, data: Batch):
+        """``worker``'s gradient program, lowered for its pulled ``copy`` and its slice ``data``."""
+        params, model_state = copy
         placed = jax.device_put(data, self.places[worker])
-        return self.gradient.lower(params, placed, self._key(state, worker), model_state, worker).compile()
+        return self.gradient.lower(params, placed, self._key(state, worker), model_state, worker)
 
     def lower(self, state: TrainState, batch: Batch):
         """The first worker's gradient program (it holds no collective: each worker computes alone)."""
-        params, model_state = self.pull(state, 0)
-        data = jax.device_put(_slices(batch, self.devices)[0], self.places[0])
-        return self.gradient.lower(params, data, self._key(state, 0), model_state, 0)
+        return self._lower(state, 0, self.pull(state, 0), _slices(batch, self.devices)[0])
 
 
 def _slices(batch: Batch, devices: Sequence[jax.Device]) -> list[Batch]:

@@ -37,11 +37,8 @@ import optax
 from flax import struct
 from jax.sharding import SingleDeviceSharding
 
-from .asynchronous import AsyncStep, AsyncWorkers
+from .asynchronous import AsyncStep, AsyncWorkers, worker_time_array
 from .base import Batch, LossFn, PyTree, Step, TrainState, check_same_tree, prng_key
-
-if TYPE_CHECKING:
-    from ..traffic import StepTraffic
 from .central import (
     OffDeviceStrategy,
     PushPullStep,
@@ -52,7 +49,16 @@ from .central import (
     replica_gradients,
 )
 
+if TYPE_CHECKING:
+    from ..traffic import StepTraffic
+
 MODES = ("sync", "async")
+
+
+def check_num_shards(num_shards: int) -> None:
+    """A clear error unless ``num_shards`` is a whole number >= 1."""
+    if isinstance(num_shards, bool) or not isinstance(num_shards, int) or num_shards < 1:
+        raise ValueError(f"num_shards={num_shards!r}: use an integer >= 1 (one shard per PS task).")
 
 
 @dataclass(frozen=True)
@@ -170,8 +176,7 @@ class RoundRobin:
 
     @classmethod
     def of(cls, params: PyTree, num_shards: int) -> RoundRobin:
-        if isinstance(num_shards, bool) or not isinstance(num_shards, int) or num_shards < 1:
-            raise ValueError(f"num_shards={num_shards!r}: use an integer >= 1 (one shard per PS task).")
+        check_num_shards(num_shards)
         leaves = jax.tree_util.tree_flatten_with_path(params)[0]
         return cls(
             tuple(
@@ -253,13 +258,12 @@ class ParameterServer(OffDeviceStrategy):
         if mode == "sync" and (staleness is not None or worker_times is not None):
             given = "staleness" if staleness is not None else "worker_times"
             raise ValueError(f"{given} needs mode='async'; sync training waits for every worker and is never stale.")
-        if isinstance(num_shards, bool) or not isinstance(num_shards, int) or num_shards < 1:
-            raise ValueError(f"num_shards={num_shards!r}: use an integer >= 1 (one shard per PS task).")
+        check_num_shards(num_shards)
         super().__init__(devices)
         self.num_shards, self.mode, self.staleness, self.seed = num_shards, mode, staleness, seed
         self.worker_times = None if worker_times is None else tuple(worker_times)
         if mode == "async":
-            AsyncWorkers(self.num_replicas, self.worker_times)  # checks worker_times now, not at the first step
+            worker_time_array(self.num_replicas, self.worker_times)  # a clear error now, not at the first step
         self.shard_storage = tuple(host_sharding(self.devices[j % self.num_replicas]) for j in range(num_shards))
 
     traffic_pattern = "sharded"
