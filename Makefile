@@ -6,7 +6,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup lab test tour bench lint clean
+.PHONY: setup lab test tour bench course lint clean
 
 setup: $(STAMP)
 
@@ -34,6 +34,9 @@ bench: setup
 	$(BIN)/python benchmarks/prefetch.py
 	$(BIN)/python benchmarks/layouts.py
 	$(BIN)/python benchmarks/central.py
+
+course: setup
+	$(BIN)/python -m parallelkit course --out build/course
 
 lint: setup
 	$(BIN)/ruff check . && $(BIN)/ruff format --check .

@@ -12,6 +12,7 @@ from . import data as data
 from . import distributed as distributed
 from . import gradsync as gradsync
 from . import inspect as inspect
+from . import lesson as lesson
 from . import mesh as mesh
 from . import models as models
 from . import partition as partition

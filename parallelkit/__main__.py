@@ -1,7 +1,8 @@
 """Command line: ``python -m parallelkit tour [--devices N] [--model mlp|cnn] [--steps K]``,
 ``python -m parallelkit launch --processes 2 --devices-per-process 2 script.py [args]``,
 ``python -m parallelkit bench [--quick] [--devices 1 2 4 8] [--processes 2x2] [--out FILE]``,
-``python -m parallelkit lab [jupyter lab options]``."""
+``python -m parallelkit lab [jupyter lab options]``,
+``python -m parallelkit course [--out DIR]``."""
 
 from __future__ import annotations
 
@@ -50,6 +51,10 @@ def _parser() -> argparse.ArgumentParser:
         help="open the course in JupyterLab (as root too; without a display it prints the URL with its token); "
         "other options go to `jupyter lab`",
     )
+    course = commands.add_parser(
+        "course", help="run every notebook top to bottom and write the course as static HTML pages"
+    )
+    course.add_argument("--out", default="build/course", help="where the pages go (default: build/course)")
     return parser
 
 
@@ -69,6 +74,14 @@ def main(argv: list[str] | None = None) -> int:
         _parser().error(f"unrecognized arguments: {' '.join(extra)}")
     if args.command == "launch":
         return _launch(args)
+    if args.command == "course":
+        from pathlib import Path
+
+        from .course import build
+
+        pages = build(Path(args.out))
+        print(f"wrote {len(pages) - 1} notebook pages; open {pages[0]}")
+        return 0
     import parallelkit as pk
 
     pk.simulate_devices(args.devices)  # before anything starts JAX

@@ -48,7 +48,7 @@ def _strip_force_count(flags: str) -> str:
     return re.sub(rf"{_FORCE_COUNT_FLAG}=\S*", "", flags).strip()
 
 
-def simulate_devices(n: int, *, cores_as_devices: bool = False) -> list[jax.Device]:
+def simulate_devices(n: int, *, cores_as_devices: bool = False, force_cpu: bool = False) -> list[jax.Device]:
     """Split the host CPU into ``n`` XLA devices; call it before any JAX work.
 
     By default the devices share every core: XLA's CPU thread pool serves them all,
@@ -65,19 +65,23 @@ def simulate_devices(n: int, *, cores_as_devices: bool = False) -> list[jax.Devi
 
     On a machine with accelerators the CPU count is set but the accelerators stay
     JAX's default devices, so the call changes nothing there: the returned list
-    is then the accelerators. It also puts the count into ``XLA_FLAGS`` so that
+    is then the accelerators. ``force_cpu=True`` starts JAX on the CPU alone
+    (``jax_platforms="cpu"``), so that a machine with one GPU (a hosted notebook)
+    still shows ``n`` devices. It also puts the count into ``XLA_FLAGS`` so that
     subprocesses started from here see the same devices.
 
     Args:
       n: number of CPU devices, at least 1.
       cores_as_devices: give the process one core's worth of threads per device.
+      force_cpu: use the simulated CPU devices even where there are accelerators.
 
     Returns:
       ``jax.devices()``: ``n`` CPU devices, or the accelerators where there are some.
 
     Raises:
       DeviceCountError: JAX already started with another number of CPU devices (or
-        the other threading). Restart the Python process (kernel) and call this first.
+        the other threading, or on accelerators where ``force_cpu`` asks for the CPU).
+        Restart the Python process (kernel) and call this first.
       ValueError: ``cores_as_devices`` with more devices than cores.
     """
     if not isinstance(n, int) or n < 1:
@@ -88,6 +92,11 @@ def simulate_devices(n: int, *, cores_as_devices: bool = False) -> list[jax.Devi
             f"{_cores()}: ask for at most {_cores()} devices, or leave cores_as_devices off."
         )
     if _backends_started():
+        if force_cpu and jax.default_backend() != "cpu":
+            raise DeviceCountError(
+                f"JAX already started on {jax.default_backend()}, so simulate_devices({n}, force_cpu=True) comes "
+                "too late. Restart the kernel (or process) and call it first."
+            )
         if cores_as_devices != device_summary().cores_as_devices:
             raise DeviceCountError(
                 f"JAX already started {'without' if cores_as_devices else 'with'} one core per device, so "
@@ -106,6 +115,8 @@ def simulate_devices(n: int, *, cores_as_devices: bool = False) -> list[jax.Devi
     if cores_as_devices:
         os.environ[_POOL_SIZE_VAR] = str(n)  # read when the backend starts, just below
     configure_cpu_devices(n)
+    if force_cpu:
+        jax.config.update("jax_platforms", "cpu")
     devices = jax.devices()
     if devices[0].platform == "cpu" and len(devices) != n:
         raise DeviceCountError(f"Asked for {n} simulated CPU devices but JAX made {len(devices)}.")

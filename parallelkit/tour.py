@@ -8,7 +8,7 @@ too, marked: it applies each worker's gradient on its own, so it is meant to dif
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 
 import jax
@@ -27,7 +27,7 @@ from .strategies import (
     Strategy,
     TensorParallel,
 )
-from .training import fit
+from .training import FitResult, fit
 
 # Every strategy of one process, built for n devices. MultiWorkerMirrored runs here over this
 # process's devices (across processes: `python -m parallelkit launch`). Left out: Hybrid, which
@@ -56,6 +56,21 @@ class TourRow:
     final_loss: float
     max_param_diff: float  # max |param - single-device param| after the run
     meant_to_equal: bool = True  # False: differs from SingleDevice by design (async)
+
+    @classmethod
+    def of(cls, name: str, result: FitResult, reference_params, meant_to_equal: bool = True) -> TourRow:
+        """The row of one ``pk.fit`` run, its parameters compared with ``reference_params``."""
+        times = result.history.times
+        return cls(
+            name,
+            len(result.strategy.devices),
+            times.compile_seconds,
+            times.median * 1e3,
+            times.samples_per_second,
+            float(result.history.losses[-1]),
+            max_abs_diff(result.params, reference_params),
+            meant_to_equal,
+        )
 
 
 def max_abs_diff(a, b) -> float:
@@ -107,21 +122,17 @@ def run_tour(
         result = fit(
             strategy, loss_fn, params, optax.adam(learning_rate), data.batches(dataset, batch_size, steps=steps)
         )
-        trained, times = result.params, result.history.times
-        reference = trained if reference is None else reference
-        rows.append(
-            TourRow(
-                name,
-                len(strategy.devices),
-                times.compile_seconds,
-                times.median * 1e3,
-                times.samples_per_second,
-                float(result.history.losses[-1]),
-                max_abs_diff(trained, reference),
-                name not in MEANT_TO_DIFFER,
-            )
-        )
+        reference = result.params if reference is None else reference
+        rows.append(TourRow.of(name, result, reference, name not in MEANT_TO_DIFFER))
     return rows
+
+
+def results_table(results: Mapping[str, FitResult], reference: str = "SingleDevice") -> str:
+    """A table of ``pk.fit`` results by name, each run's parameters compared with ``results[reference]``'s."""
+    if reference not in results:
+        raise ValueError(f"No run named {reference!r} to compare with: the runs are {list(results)}.")
+    reference_params = results[reference].params
+    return format_table([TourRow.of(name, result, reference_params) for name, result in results.items()])
 
 
 def format_table(rows: list[TourRow]) -> str:

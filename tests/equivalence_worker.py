@@ -20,11 +20,19 @@ TENSOR_ONLY_MODELS = ("deep_mlp", "transformer")
 # The transformer trains with dropout on (a PRNG key in the state). Under jax.jit the key draws
 # the dropout masks for the global batch, so the jit strategies equal SingleDevice exactly.
 DROPOUT_SEED = 0
-# Adam's g / (sqrt(v) + eps) turns the reduction-order noise of near-zero gradients (layer norms,
-# position embeddings) into full-size updates; eps 1e-3 keeps it well-conditioned. With eps 1e-8
-# the transformer differs by 1e-3 after 10 steps even without dropout, while SGD agrees to 1e-7.
-TRANSFORMER_ADAM_EPS = 1e-3
 OPTIMIZERS = {"sgd": ("sgd", 0.1), "adam": ("adam", 1e-3)}
+
+
+def optimizers(model: str) -> dict:
+    """The optimizers a model trains with here: both for the MLPs and the CNN, SGD for the transformers.
+
+    SGD is the stricter check (Adam divides each update by its gradient's own scale, so a gradient
+    off by a constant factor would still pass), and the MLPs already cover Adam's optimizer state
+    on every strategy; the transformers add dropout keys and split heads, which SGD exercises.
+    """
+    return {k: v for k, v in OPTIMIZERS.items() if "transformer" not in model or k == "sgd"}
+
+
 STEPS = 12
 BATCH = 32  # divisible by 1, 2, 4 and 8
 PS_SHARDS = (1, 2, 3)  # 3 does not divide the parameter count: the partition must still balance
@@ -106,9 +114,8 @@ def train_pipelines(dataset) -> dict[str, np.ndarray]:
             saved[f"pipe_{model}|-|init|{jax.tree_util.keystr(path)}"] = np.asarray(leaf)
         runs = [("single", pk.SingleDevice(), pk.pipeline.sequential_loss(layers, head))]
         runs += [(name, pk.Pipeline(layers, st, mb, sc, data=d), head) for name, st, mb, sc, d in PIPELINE_RUNS]
-        for opt_name, (factory, lr) in OPTIMIZERS.items():
-            options = {"eps": TRANSFORMER_ADAM_EPS} if model == "transformer" and factory == "adam" else {}
-            tx = getattr(optax, factory)(lr, **options)
+        for opt_name, (factory, lr) in optimizers(model).items():
+            tx = getattr(optax, factory)(lr)
             for name, strategy, loss_fn in runs:
                 result = pk.fit(strategy, loss_fn, params, tx, pk.data.batches(dataset, BATCH, steps=STEPS))
                 for path, leaf in jax.tree_util.tree_flatten_with_path(result.params)[0]:
@@ -139,7 +146,7 @@ def main(devices: int, out: str) -> None:
         loss_fn = pk.models.classifier_loss(apply)
         for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
             saved[f"{model}|-|init|{jax.tree_util.keystr(path)}"] = np.asarray(leaf)
-        for opt_name, (factory, lr) in OPTIMIZERS.items():
+        for opt_name, (factory, lr) in optimizers(model).items():
             if model == "transformer":
                 chosen = dropout_strategies(devices)
             elif model in TENSOR_ONLY_MODELS:
@@ -152,8 +159,7 @@ def main(devices: int, out: str) -> None:
                 chosen = strategies(devices)
             for name, strategy in chosen.items():
                 dropout = model == "transformer"
-                options = {"eps": TRANSFORMER_ADAM_EPS} if dropout and factory == "adam" else {}
-                tx = getattr(optax, factory)(lr, **options)
+                tx = getattr(optax, factory)(lr)
                 batches = pk.data.batches(dataset, BATCH, steps=STEPS)
                 result = pk.fit(strategy, loss_fn, params, tx, batches, rng=DROPOUT_SEED if dropout else None)
                 assert int(strategy.unreplicate(result.state.step)) == STEPS

@@ -15,6 +15,30 @@ ROOT = Path(__file__).resolve().parents[1]
 # The equivalence tolerance for float32, fixed by the foundation issue.
 RTOL, ATOL = 1e-5, 1e-6
 
+# Debian's chromium, driven by Playwright (executable_path: no browser download).
+CHROMIUM = Path("/usr/bin/chromium")
+CHROMIUM_ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--no-first-run",
+    "--disable-quic",
+]
+
+
+def browser_missing() -> str | None:
+    """Why the browser tests cannot run here, or None."""
+    if not CHROMIUM.exists():
+        return f"{CHROMIUM} not found: install Debian's chromium (apt-get install -y chromium)"
+    try:
+        import playwright.sync_api  # noqa: F401
+    except ImportError:
+        return "playwright is not installed: pip install -e '.[dev]' (never `playwright install`)"
+    return None
+
 
 def run_python(
     code: str, *, devices: int | None = None, timeout: float = 300, args: tuple[str, ...] = ()

@@ -25,19 +25,9 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from helpers import CHROMIUM, CHROMIUM_ARGS
 
 ROOT = Path(__file__).resolve().parents[1]
-CHROMIUM = Path("/usr/bin/chromium")
-CHROMIUM_ARGS = [
-    "--headless",
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-    "--no-first-run",
-    "--disable-quic",
-]
 NOTEBOOK = "01_mirrored.ipynb"
 SCREENSHOTS = ROOT / "build" / "screenshots"
 RACE_ROWS = "() => [...document.querySelectorAll('.pk-race .pk-race-row')].map(r => Number(r.dataset.steps))"
@@ -57,25 +47,6 @@ DASHBOARD_STEP = re.compile(r"step <b class='pk-value'>(\d+)</b>")
 RACE_ROW_STEPS = re.compile(r"class='pk-race-row' data-name='[^']*' data-steps='(\d+)'")
 
 pytestmark = [pytest.mark.browser, pytest.mark.timeout(300)]
-
-
-def _missing() -> str | None:
-    if not CHROMIUM.exists():
-        return f"{CHROMIUM} not found: install Debian's chromium (apt-get install -y chromium)"
-    try:
-        import playwright.sync_api  # noqa: F401
-    except ImportError:
-        return "playwright is not installed: pip install -e '.[dev]' (never `playwright install`)"
-    return None
-
-
-@pytest.fixture(scope="module")
-def browser_ready():
-    reason = _missing()
-    if reason and os.environ.get("PK_REQUIRE_BROWSER") == "1":
-        pytest.fail(f"PK_REQUIRE_BROWSER=1 but the browser test cannot run: {reason}", pytrace=False)
-    if reason:
-        pytest.skip(reason)
 
 
 def _setting(name: str) -> int:

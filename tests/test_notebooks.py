@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
+import ast
 import re
-import shutil
 from pathlib import Path
 
 import nbformat
 import pytest
-from nbclient import NotebookClient
 from nbclient.exceptions import CellExecutionError
+
+from parallelkit import course
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
@@ -24,26 +25,27 @@ def test_there_are_notebooks():
     assert NOTEBOOKS, f"no notebooks found in {ROOT / 'notebooks'}"
 
 
-@pytest.mark.notebook
-@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
-def test_notebook_runs_top_to_bottom(path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
-    committed = path.read_bytes()
-    # Work on a copy, in a scratch directory that is also the kernel's working directory.
-    copy = tmp_path / path.name
-    shutil.copyfile(path, copy)
-    nb = nbformat.read(copy, as_version=4)
-    # A learner's kernel starts without this session's device flags: the notebook chooses its own.
-    monkeypatch.delenv("XLA_FLAGS", raising=False)
-    client = NotebookClient(nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}})
+EXECUTED: dict[str, nbformat.NotebookNode] = {}  # the runs below, kept for the static course test
+
+
+def _execute(path: Path, workdir: Path) -> nbformat.NotebookNode:
+    """Run a notebook as a learner's fresh kernel would; fail the test with the cell's error."""
     failure = None
     try:
-        client.execute()
+        return course.execute(path, workdir)
     except CellExecutionError as error:
         failure = _ANSI.sub("", str(error))
-    if failure:  # failed outside the except block, so the report shows the cell's error once
-        pytest.fail(f"{path.name}: a cell raised\n{failure}", pytrace=False)
+    pytest.fail(f"{path.name}: a cell raised\n{failure}", pytrace=False)  # outside the except: the error once
+
+
+@pytest.mark.notebook
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_notebook_runs_top_to_bottom(path: Path, tmp_path: Path):
+    committed = path.read_bytes()
+    nb = _execute(path, tmp_path)  # the kernel works in a scratch directory
     assert all(cell.execution_count is not None for cell in _code_cells(nb)), "some cells did not run"
     assert path.read_bytes() == committed, "running the notebook must not modify the committed file"
+    EXECUTED[path.name] = nb
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
@@ -60,8 +62,86 @@ def test_committed_notebook_is_stripped(path: Path):
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
 def test_devices_are_chosen_before_any_jax_work(path: Path):
-    """The device count is fixed when JAX starts, so the first cell that imports calls simulate_devices."""
+    """The device count is fixed when JAX starts, so the first cell that imports checks the settings and
+    chooses the devices (pk.lesson.setup calls pk.simulate_devices)."""
     nb = nbformat.read(path, as_version=4)
     first_import = next(cell for cell in _code_cells(nb) if "import " in cell.source)
     assert "import parallelkit as pk" in first_import.source
-    assert "pk.simulate_devices(" in first_import.source
+    assert "pk.lesson.setup(" in first_import.source
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_settings_come_first_tagged_parameters(path: Path):
+    """The first code cell holds only the settings, tagged so that papermill-style tools can override them."""
+    settings = _code_cells(nbformat.read(path, as_version=4))[0]
+    assert "parameters" in settings.metadata.get("tags", [])
+    statements = ast.parse(settings.source).body
+    assert statements and all(isinstance(s, ast.Assign) for s in statements), "only NAME = value lines"
+    names = [target.id for s in statements for target in s.targets]
+    assert all(name.isupper() for name in names), names
+
+
+def _with_settings(path: Path, tmp_path: Path, **overrides) -> Path:
+    """A copy of the notebook with a cell after the settings that overrides some (as papermill injects)."""
+    nb = nbformat.read(path, as_version=4)
+    index = nb.cells.index(_code_cells(nb)[0]) + 1
+    nb.cells.insert(index, nbformat.v4.new_code_cell("\n".join(f"{k} = {v!r}" for k, v in overrides.items())))
+    copy = tmp_path / path.name
+    nbformat.write(nb, copy)
+    return copy
+
+
+@pytest.mark.notebook
+def test_a_setting_the_lesson_cannot_use_is_refused_with_a_sentence(tmp_path: Path):
+    copy = _with_settings(ROOT / "notebooks" / "00_devices_and_placement.ipynb", tmp_path, BATCH=63)
+    with pytest.raises(CellExecutionError, match="BATCH=63 does not split evenly over 8 devices: choose a multiple"):
+        course.execute(copy, tmp_path)
+
+
+@pytest.mark.notebook
+def test_the_first_notebook_runs_with_another_model_on_forced_cpu(tmp_path: Path):
+    copy = _with_settings(ROOT / "notebooks" / "00_devices_and_placement.ipynb", tmp_path, MODEL="cnn", FORCE_CPU=True)
+    nb = _execute(copy, tmp_path)
+    printed = "".join(o.get("text", "") for cell in _code_cells(nb) for o in cell.outputs)
+    assert "cnn parameters:" in printed and "8 simulated CPU devices" in printed
+
+
+@pytest.mark.notebook
+@pytest.mark.browser
+def test_static_course_builds_and_its_pages_load_in_chromium(tmp_path: Path, browser_ready):
+    """`make course`: every page opens from disk with every figure loaded, the widgets as their final snapshot,
+    and nothing fetched from the network."""
+    from helpers import CHROMIUM, CHROMIUM_ARGS
+    from playwright.sync_api import sync_playwright
+
+    index, *pages = course.build(tmp_path / "course", executed=EXECUTED)  # runs any notebook not run above
+    assert [p.stem for p in pages] == [p.stem for p in (*NOTEBOOKS, *course.REFERENCES)]
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=str(CHROMIUM), headless=True, args=CHROMIUM_ARGS)
+        try:
+            page = browser.new_page()
+            remote = []
+            page.on("request", lambda r: remote.append(r.url) if not r.url.startswith(("file:", "data:")) else None)
+            page.goto(index.as_uri())
+            assert page.locator("ol li a").evaluate_all("links => links.map(a => a.getAttribute('href'))") == [
+                p.name for p in pages
+            ]
+            figures = 0
+            for html_page, notebook in zip(pages, (*NOTEBOOKS, *course.REFERENCES), strict=True):
+                page.goto(html_page.as_uri(), wait_until="load")
+                sizes = page.locator("img").evaluate_all("imgs => imgs.map(i => i.complete ? i.naturalWidth : -1)")
+                assert all(w > 0 for w in sizes), f"{notebook.name}: figures not loaded: {sizes}"
+                assert len(sizes) == html_page.read_text().count("<img"), f"{notebook.name}: figures missing"
+                figures += len(sizes)
+                assert page.locator(".pk-widget-missing").count() == 0, f"{notebook.name}: a widget lost its state"
+                assert page.get_by_text("Traceback").count() == 0, f"{notebook.name}: a cell shows an error"
+            assert figures >= len(NOTEBOOKS), f"only {figures} figures in the whole course"
+            page.goto(pages[-1].as_uri())  # the Rosetta reference: its tables rendered
+            assert page.locator("table").count() >= 5
+            page.goto(pages[1].as_uri())  # 01: its link to the reference, the live views as they ended
+            assert page.locator("a[href='rosetta.html']").count() == 1
+            assert "done" in page.locator(".pk-dashboard .pk-header").first.text_content()
+            assert "done" in page.locator(".pk-race .pk-race-header").first.text_content()
+        finally:
+            browser.close()
+    assert not remote, f"the pages fetched from the network: {remote[:5]}"

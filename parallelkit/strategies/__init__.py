@@ -5,6 +5,7 @@ from .base import Step as Step
 from .base import Strategy as Strategy
 from .base import TrainState as TrainState
 from .base import bytes_by_part as bytes_by_part
+from .base import total_bytes as total_bytes
 from .central import CentralStorage as CentralStorage
 from .fully_sharded import FullySharded as FullySharded
 from .hybrid import Hybrid as Hybrid

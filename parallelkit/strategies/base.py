@@ -315,6 +315,19 @@ class LeafPlacement:
     bytes_per_device: int
 
 
+def total_bytes(rows: Sequence[LeafPlacement]) -> int:
+    """Bytes a state takes over all its devices: every device's share of every leaf.
+
+    A replicated leaf counts once per device that holds a copy; a sharded one, its shards.
+
+    >>> rows = [LeafPlacement(".params['w']", (4,), "float32", (0, 1), "device", "P()", 2, 16),
+    ...         LeafPlacement(".params['b']", (4,), "float32", (0, 1), "device", "P('data')", 1, 8)]
+    >>> total_bytes(rows)
+    48
+    """
+    return sum(row.bytes_per_device * len(row.devices) for row in rows)
+
+
 def bytes_by_part(rows: Sequence[LeafPlacement]) -> dict[str, int]:
     """Bytes one device holds of each part of a state (``params``, ``opt_state``, ``step``, ...).
 

@@ -1,0 +1,98 @@
+"""The notebooks' helpers: settings refused in words, predictions checked, widgets rendered as snapshots."""
+
+from __future__ import annotations
+
+import base64
+
+import jax
+import nbformat
+import pytest
+
+import parallelkit as pk
+from parallelkit import course
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (
+            {"model": "resnet"},
+            "MODEL='resnet' is not one this lesson can use: choose one of 'mlp', 'cnn', 'transformer'",
+        ),
+        ({"model": "cnn", "models": ("mlp",)}, "choose one of 'mlp'"),
+        ({"force_cpu": "yes"}, "FORCE_CPU must be True or False"),
+        ({"batch": 0}, "BATCH=0 must be a whole number of examples, at least 1"),
+        ({"batch": 100}, "BATCH=100 does not split evenly over 8 devices: choose a multiple of 8, such as 96"),
+        ({"needs": 16}, "N_DEVICES=8: this lesson needs a whole number of at least 16 devices"),
+    ],
+)
+def test_setup_refuses_what_the_lesson_cannot_use(kwargs, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        pk.lesson.setup(8, **kwargs)
+
+
+def test_setup_returns_the_devices_and_says_what_they_are(capsys):
+    devices = pk.lesson.setup(8, batch=64, model="transformer", force_cpu=True)
+    assert devices == jax.devices() and len(devices) == 8
+    assert "8 simulated CPU devices" in capsys.readouterr().out
+
+
+def test_setup_too_late_for_another_count_says_restart():
+    with pytest.raises(pk.DeviceCountError, match="Restart the kernel"):
+        pk.lesson.setup(4)
+
+
+@pytest.mark.parametrize(
+    "prediction, measured, expected",
+    [(None, 3.0, None), (3, 2.95, True), (2, 3.0, False), (0, 0.0, True), (0.01, 0.0, False), ("P()", "P()", True)],
+)
+def test_check_compares_a_prediction_with_the_measurement(prediction, measured, expected, capsys):
+    assert pk.lesson.check(prediction, measured, what="x") is expected
+    said = capsys.readouterr().out
+    assert ("right" in said) == (expected is True) and ("not quite" in said) == (expected is False)
+
+
+def _notebook_with_widgets(states: dict, model_id: str) -> nbformat.NotebookNode:
+    view = {"application/vnd.jupyter.widget-view+json": {"model_id": model_id, "version_major": 2}}
+    cell = nbformat.v4.new_code_cell("w", outputs=[nbformat.v4.new_output("display_data", data=view)])
+    nb = nbformat.v4.new_notebook(cells=[cell])
+    nb.metadata["widgets"] = {course.WIDGET_STATE: {"state": states}}
+    return nb
+
+
+def test_widget_snapshots_show_the_last_state_as_html():
+    png = base64.b64encode(b"\x89PNG fake").decode()
+    states = {
+        "box": {
+            "model_name": "VBoxModel",
+            "state": {
+                "children": ["IPY_MODEL_html", "IPY_MODEL_bar", "IPY_MODEL_img"],
+                "_dom_classes": ["pk-dashboard"],
+            },
+        },  # fmt: skip
+        "html": {"model_name": "HTMLModel", "state": {"value": "<b class='pk-value'>400</b>"}},
+        "bar": {"model_name": "FloatProgressModel", "state": {"value": 400, "max": 400, "description": "steps"}},
+        "img": {
+            "model_name": "ImageModel",
+            "state": {"format": "png"},
+            "buffers": [{"data": png, "encoding": "base64", "path": ["value"]}],
+        },  # fmt: skip
+    }
+    nb = course.snapshot_widgets(_notebook_with_widgets(states, "box"))
+    html = nb.cells[0].outputs[0].data["text/html"]
+    assert "class='pk-widget pk-dashboard'" in html
+    assert "<b class='pk-value'>400</b>" in html
+    assert "<progress value='400' max='400'>" in html
+    assert f"src='data:image/png;base64,{png}'" in html
+    assert "widgets" not in nb.metadata  # nothing left for a widget manager
+
+
+def test_a_widget_without_stored_state_says_so():
+    nb = course.snapshot_widgets(_notebook_with_widgets({}, "gone"))
+    assert "pk-widget-missing" in nb.cells[0].outputs[0].data["text/html"]
+
+
+def test_an_output_widget_shows_its_outputs():
+    states = {"out": {"model_name": "OutputModel", "state": {"outputs": [{"output_type": "stream", "text": "a < b"}]}}}
+    nb = course.snapshot_widgets(_notebook_with_widgets(states, "out"))
+    assert "<pre>a &lt; b</pre>" in nb.cells[0].outputs[0].data["text/html"]
