@@ -12,6 +12,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -67,15 +69,19 @@ PER_REPLICA = {
 }
 
 
-@pytest.mark.parametrize("name", PER_REPLICA)
-@pytest.mark.parametrize("n", [2, 4])
-def test_replicas_that_draw_their_own_dropout_do_as_documented(n, name, digits):
-    """The step == the mean over replicas r of grad(loss)(params, slice_r, rng=fold_in(key, r)), by hand."""
-    loss_fn, params = transformer(digits)
-    pmapped, _, key = train(PER_REPLICA[name](n), loss_fn, params, digits, rng=3)
-    single, _, single_key = train(pk.SingleDevice(), loss_fn, params, digits, rng=3)
-    np.testing.assert_array_equal(key, single_key)  # the state's key advances as on one device
+@functools.cache
+def single_device_with_dropout() -> tuple:
+    """SingleDevice's parameters and key after training with dropout from seed 3 (shared by the tests below)."""
+    digits = pk.data.digits()
+    params, _, key = train(pk.SingleDevice(), *transformer(digits), digits, rng=3)
+    return params, key
 
+
+@functools.cache
+def replicas_by_hand(n: int):
+    """The mean over replicas r of grad(loss)(params, slice_r, rng=fold_in(key, r)), STEPS steps of SGD."""
+    digits = pk.data.digits()
+    loss_fn, params = transformer(digits)
     grad = jax.jit(jax.grad(lambda p, b, k: loss_fn(p, b, rng=k)[0]))
     by_hand, rng = params, jax.random.PRNGKey(3)
     for batch in pk.data.batches(digits, BATCH, steps=STEPS):
@@ -84,8 +90,19 @@ def test_replicas_that_draw_their_own_dropout_do_as_documented(n, name, digits):
         grads = [grad(by_hand, s, jax.random.fold_in(key, r)) for r, s in enumerate(slices)]
         mean = jax.tree.map(lambda *g: sum(g) / n, *grads)
         by_hand = jax.tree.map(lambda p, g: p - 0.1 * g, by_hand, mean)
-    tree_allclose(pmapped, by_hand)
-    assert max_diff(pmapped, single) > 1e-4  # other masks than one device's: not SingleDevice's parameters
+    return by_hand
+
+
+@pytest.mark.parametrize("name", PER_REPLICA)
+@pytest.mark.parametrize("n", [2, 4])
+def test_replicas_that_draw_their_own_dropout_do_as_documented(n, name, digits):
+    """The step == the mean over replicas r of grad(loss)(params, slice_r, rng=fold_in(key, r)), by hand."""
+    loss_fn, params = transformer(digits)
+    per_replica, _, key = train(PER_REPLICA[name](n), loss_fn, params, digits, rng=3)
+    single, single_key = single_device_with_dropout()
+    np.testing.assert_array_equal(key, single_key)  # the state's key advances as on one device
+    tree_allclose(per_replica, replicas_by_hand(n))
+    assert max_diff(per_replica, single) > 1e-4  # other masks than one device's: not SingleDevice's parameters
 
 
 def bn_model(axis_name=None):
