@@ -2,7 +2,8 @@
 
 Every notebook starts with a cell of settings (tagged ``parameters``, so tools such as
 papermill can override them) and then calls :func:`setup`, which refuses values the
-lesson cannot run with, in words that say what to change, before any device is touched.
+lesson cannot run with, in words that say what to change: every value before JAX starts,
+except the batch, whose check needs the device count.
 Exercises ask the learner to predict a number, measure it, and :func:`check` says how
 close the prediction was.
 """
