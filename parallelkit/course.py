@@ -142,27 +142,28 @@ def build(
     if not paths:
         raise FileNotFoundError(f"No notebooks to render: {NOTEBOOKS} has no .ipynb files (build from a checkout).")
     out_dir.mkdir(parents=True, exist_ok=True)
-    executed = dict(executed or {})
+    executed = executed or {}
     pages = []
     for path in paths:
         nb = executed.get(path.name)
         if nb is None:
             with tempfile.TemporaryDirectory() as workdir:
                 nb = execute(path, Path(workdir))
-        title = _title(nb, path.stem)
-        page = out_dir / f"{path.stem}.html"
-        page.write_text(render(nb, title), encoding="utf-8")
-        pages.append((page, title))
+        pages.append(_write_page(out_dir / f"{path.stem}.html", nb))
     for reference in REFERENCES:  # a Markdown page, rendered as a notebook of one cell
         text = reference.read_text(encoding="utf-8")
         nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_markdown_cell(text)])
-        title = _title(nb, reference.stem)
-        page = out_dir / f"{reference.stem}.html"
-        page.write_text(render(nb, title), encoding="utf-8")
-        pages.append((page, title))
+        pages.append(_write_page(out_dir / f"{reference.stem}.html", nb))
     index = out_dir / "index.html"
     index.write_text(_index_html(pages), encoding="utf-8")
     return [index, *(page for page, _ in pages)]
+
+
+def _write_page(page: Path, nb: nbformat.NotebookNode) -> tuple[Path, str]:
+    """Render ``nb`` to ``page``, titled by its first heading; return the page and the title."""
+    title = _title(nb, page.stem)
+    page.write_text(render(nb, title), encoding="utf-8")
+    return page, title
 
 
 def _title(nb: nbformat.NotebookNode, default: str) -> str:

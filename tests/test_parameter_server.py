@@ -123,20 +123,13 @@ def test_async_applies_each_gradient_on_the_version_it_claims(mlp, digits):
 
 def test_async_workers_schedule_follows_their_speeds():
     """Equal workers are stale by about n - 1 updates; a slow worker pushes less often and staler."""
-    equal, pushes = AsyncWorkers(4, seed=0), []
-    for _ in range(100):
-        push, repulled = equal.next_push()
-        equal.applied()
-        pushes.append(push)
-        assert repulled == []  # no bound: nothing dropped
+    equal = AsyncWorkers(4, seed=0)
+    pushes = equal.schedule(100)
+    assert equal.dropped == 0  # no bound: no worker dropped its gradient and pulled again
     assert sorted(p.delay for p in pushes[:4]) == [0, 1, 2, 3]  # all start together on version 0
     # then, on average, each finds the other three workers' pushes applied since its pull
     assert np.mean([p.delay for p in pushes[8:]]) == pytest.approx(3, abs=0.1)
-    slow = AsyncWorkers(4, worker_times=(1, 1, 1, 4), seed=0)
-    pushes = []
-    for _ in range(100):
-        pushes.append(slow.next_push()[0])
-        slow.applied()
+    pushes = AsyncWorkers(4, worker_times=(1, 1, 1, 4), seed=0).schedule(100)
     by_worker = {w: [p.delay for p in pushes if p.worker == w] for w in range(4)}
     assert len(by_worker[3]) < min(len(by_worker[w]) for w in range(3))
     assert np.mean(by_worker[3]) > max(np.mean(by_worker[w]) for w in range(3))
@@ -144,10 +137,8 @@ def test_async_workers_schedule_follows_their_speeds():
 
 def test_a_staleness_bound_drops_older_gradients_and_the_seed_fixes_the_schedule():
     def run(staleness, seed):
-        workers, pushes = AsyncWorkers(8, staleness=staleness, seed=seed), []
-        for _ in range(80):
-            pushes.append(workers.next_push()[0])
-            workers.applied()
+        workers = AsyncWorkers(8, staleness=staleness, seed=seed)
+        pushes = workers.schedule(80)
         return [(p.worker, p.version, p.delay) for p in pushes], workers.dropped
 
     bounded, dropped = run(2, 0)

@@ -135,6 +135,18 @@ class AsyncWorkers:
         self.version += 1
         self._pull(self._pushing)
 
+    def schedule(self, pushes: int) -> list[Push]:
+        """The next ``pushes`` gradients applied, with nothing trained: the clocks alone.
+
+        >>> [p.delay for p in AsyncWorkers(3, seed=0).schedule(6)]
+        [0, 1, 2, 2, 2, 2]
+        """
+        applied = []
+        for _ in range(pushes):
+            applied.append(self.next_push()[0])
+            self.applied()
+        return applied
+
 
 class AsyncStep:
     """One round of asynchronous PS training: the next ``n`` pushes, each applied on its own.
