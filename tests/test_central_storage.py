@@ -103,3 +103,24 @@ def test_mean_rows_is_the_mean_over_replicas(replicas):
     got = jax.jit(mean_rows)(rows)
     np.testing.assert_allclose(got, rows.mean(axis=0), rtol=1e-6, atol=1e-7)
     assert got.shape == (5, 7)
+
+
+def test_push_copies_each_row_to_the_owner_and_leaves_the_owners_own_row_in_place(mlp, batch):
+    """The push moves replica i's row from device i to the owner; the owner's own row is not copied."""
+    from parallelkit.strategies.central import push_rows
+
+    loss_fn, params = mlp
+    strategy = pk.CentralStorage(4)
+    fn = strategy.step(loss_fn).fn
+    state = strategy.init(params, optax.sgd(0.1))
+    params_on_workers, rng, model_state = fn.pull(state)
+    rows = fn.compute(params_on_workers, strategy.place_batch(batch), rng, model_state)
+    owner = fn.push_update.compute
+    pushed = push_rows(rows, owner)
+    assert len(pushed) == 4
+    for sent, row in zip(jax.tree.leaves(rows.grads), zip(*(jax.tree.leaves(p.grads) for p in pushed)), strict=True):
+        assert all(r.sharding == owner and r.shape == (1, *sent.shape[1:]) for r in row)
+        shards = sorted(sent.addressable_shards, key=lambda s: s.index[0].start)
+        np.testing.assert_array_equal(np.concatenate([np.asarray(r) for r in row]), np.asarray(sent))
+        assert row[0].unsafe_buffer_pointer() == shards[0].data.unsafe_buffer_pointer()  # not copied
+        assert row[1].unsafe_buffer_pointer() != shards[1].data.unsafe_buffer_pointer()  # copied to the owner

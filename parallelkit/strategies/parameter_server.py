@@ -46,6 +46,7 @@ from .central import (
     apply_mean_gradients,
     compute_sharding,
     host_sharding,
+    push_rows,
     replica_gradients,
 )
 
@@ -386,7 +387,7 @@ class ShardedUpdate:
                 mine = ReplicaRows(rows.grads.shards[j], {})
                 step, extras = jax.device_put(state.step, where), (None, None)
             yield program, (state.tx, step, state.params.shards[j], state.opt_state[j], extras,
-                            jax.device_put(mine, compute))  # fmt: skip
+                            push_rows(mine, compute))  # fmt: skip
 
     def __call__(self, state: TrainState, rows: ReplicaRows):
         new = [program(*args) for program, args in self._calls(state, rows)]
