@@ -17,17 +17,30 @@ loopback). In every layout the script measures, process 0 reporting:
    within 1.5e-8 for 14 steps, then a jump to 2.6e-6 at step 15), a real difference
    of float32 arithmetic, not of the strategy.
 
+What ran, read rather than guessed: process 0 parses the compiled HLO of the ``psum``
+program and of the training step and records each all-reduce's replica groups (and the
+devices, with their processes, in mesh order), and the launcher's log gives the gloo
+contexts the CPU runtime formed ("[Gloo] Rank r is connected to k peer ranks", one line
+per rank it hosts). The HLO names which devices reduce together, not how: on CPU that is
+the runtime's choice. Within one process it is XLA's in-process communicator; across
+processes, XLA's gloo communicator runs gloo's ring algorithm over one gloo rank per
+device (``xla/backends/cpu/collectives/gloo_communicator.cc`` sets
+``gloo::AllreduceOptions::Algorithm::RING``), so two devices of one process also
+exchange over gloo's TCP transport.
+
 Then the cost model is calibrated, not told: ``pk.costmodel.fit_link`` fits one link
 to 1x4's all-reduce times (devices of one process: the "inside" link) and one to 4x1's
 (every device its own process: the loopback "network" link). With those two links the
-model predicts 2x2's all-reduces, which were not fitted, under two readings: a flat
-ring over the 4 devices, and hierarchical (inside each process, then across). It also
-predicts each layout's step as the layout's measured compute plus the all-reduce of
-the gradients, read the way that fits 2x2's all-reduces better (the update and the
-rest, which the model leaves out, are the remainder).
+model predicts 2x2's all-reduces, which were not fitted, under two formulas: a flat
+ring over the 4 devices, and hierarchical (inside each process, then across); which
+one fits better is recorded as a fit (``better_fit``), not as what ran. Each layout's
+step is predicted as its measured compute plus the all-reduce of the gradients as a
+flat ring, the algorithm the runtime runs (the update and the rest, which the model
+leaves out, are the remainder).
 
 Run: ``.venv/bin/python benchmarks/layouts.py`` (about two minutes on 2 cores); it
-prints the tables and writes ``benchmarks/results/layouts.json``.
+prints the tables and writes ``benchmarks/results/layouts.json``, and exits with status 1
+if a layout's parameters left SingleDevice's.
 """
 
 from __future__ import annotations
@@ -36,12 +49,20 @@ import argparse
 import datetime
 import json
 import platform
+import re
 import sys
 import tempfile
 from pathlib import Path
 
 LAYOUTS = ((1, 4), (2, 2), (4, 1))  # processes x devices each
 SIZES = (4_000, 64_000, 1_000_000, 4_000_000)  # bytes per device in each timed all-reduce
+# the replica_groups attribute in each form XLA prints
+_REPLICA_GROUPS = re.compile(
+    r"replica_groups=(\{\{[0-9,{}]*\}\}"  # {{0,1,2,3}}
+    r"|\[[0-9,]+\]<=\[[0-9,]+\](?:T\([0-9,]+\))?"  # [1,4]<=[4]
+    r"|mesh\[[^\]]*\]\s*\{[^}]*\})"  # mesh['axis_0'=4,'axis_1'=1] {'axis_0'}
+)
+_GLOO_RANK = re.compile(r"\[Gloo\] Rank (\d+) is connected to (\d+) peer ranks")
 
 
 def _median_seconds(fn, *args, repeats: int) -> float:
@@ -63,25 +84,50 @@ def _global(mesh, spec, host):
     return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
 
 
+def allreduces(hlo_text: str) -> list[dict]:
+    """Each all-reduce of a compiled program: its replica groups as XLA wrote them, group size and bytes.
+
+    >>> allreduces("%ar = f32[8]{0} all-reduce(f32[8]{0} %g), channel_id=1, replica_groups={{0,1,2,3}}, x")
+    [{'replica_groups': '{{0,1,2,3}}', 'group_size': 4, 'bytes': 32}]
+    """
+    from parallelkit.inspect import parse_collectives
+
+    found = []
+    for line in hlo_text.splitlines():
+        parsed = [c for c in parse_collectives(line) if c.op == "all-reduce"]
+        if parsed and (groups := _REPLICA_GROUPS.search(line)):
+            found.append({"replica_groups": groups.group(1), "group_size": parsed[0].group_size,
+                          "bytes": parsed[0].bytes})  # fmt: skip
+    return found
+
+
+def gloo_ranks(output: str) -> list[dict]:
+    """The gloo ranks a process's runtime log reports: ``[{"rank": r, "peers": k}, ...]``, in order."""
+    return [{"rank": int(r), "peers": int(k)} for r, k in _GLOO_RANK.findall(output)]
+
+
 def _worker(args: argparse.Namespace) -> None:
     import parallelkit as pk
 
     pk.distributed.initialize()
     import jax
     import numpy as np
+    import optax
     from jax import lax
     from jax.sharding import PartitionSpec as P
 
-    from parallelkit.bench import _measure, _model
+    from parallelkit.bench import LEARNING_RATE, _measure, _model, compare, trained_params
+    from parallelkit.inspect import compiled_text
 
     n = jax.device_count()
     mesh = jax.make_mesh((n,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,))
-    rows: dict = {"processes": jax.process_count(), "devices": n, "allreduce_s": {}}
+    rows: dict = {"processes": jax.process_count(), "devices": n, "allreduce_s": {}, "hlo": {}}
 
     summed = jax.jit(jax.shard_map(lambda v: lax.psum(v, "data"), mesh=mesh, in_specs=P("data"), out_specs=P("data")))
     for size in SIZES:
         x = _global(mesh, P("data"), np.ones((n, size // 4), np.float32))
         rows["allreduce_s"][str(size)] = _median_seconds(summed, x, repeats=args.repeats)
+    rows["hlo"]["psum"] = allreduces(compiled_text(summed, x))
 
     loss, params, _, dataset = _model("wide")
     size = args.batch_per_device * n
@@ -98,31 +144,16 @@ def _worker(args: argparse.Namespace) -> None:
     rows["param_bytes"] = int(sum(np.asarray(leaf).nbytes for leaf in jax.tree.leaves(params)))
 
     strategy = pk.MultiWorkerMirrored()
+    rows["mesh"] = [[d.id, d.process_index] for d in strategy.mesh.devices.flat]  # position -> device, process
+    state = strategy.init(params, optax.sgd(LEARNING_RATE))
+    rows["hlo"]["step"] = allreduces(compiled_text(strategy.step(loss), state, batches[0]))
     _, _, seconds = _measure(strategy, loss, params, batches, args.warmup)
     rows["step_s"] = float(np.median(seconds))
-    rows["max_param_diff"], rows["equals_single"] = _against_single(strategy, loss, params, batches[: args.check_steps])
+    checked = batches[: args.check_steps]
+    single = trained_params(pk.SingleDevice(jax.local_devices()[0]), loss, params, checked)
+    rows["max_param_diff"], rows["equals_single"] = compare(trained_params(strategy, loss, params, checked), single)
     if jax.process_index() == 0:
         Path(args.child_out).write_text(json.dumps(rows))
-
-
-def _against_single(strategy, loss, params, batches) -> tuple[float, bool]:
-    """Train ``strategy`` and SingleDevice (on this process's first device) on ``batches``; compare."""
-    import jax
-    import numpy as np
-    import optax
-
-    import parallelkit as pk
-    from parallelkit.tour import max_abs_diff
-
-    def train(s):
-        state, step = s.init(params, optax.sgd(0.01)), s.step(loss)
-        for batch in batches:
-            state, _ = step(state, batch)
-        return jax.tree.leaves(s.unreplicate(state.params))
-
-    ours, single = train(strategy), train(pk.SingleDevice(jax.local_devices()[0]))
-    same = all(np.allclose(a, b, rtol=1e-5, atol=1e-6) for a, b in zip(ours, single, strict=True))
-    return max_abs_diff(ours, single), same
 
 
 def _run(args: argparse.Namespace, processes: int, per_process: int) -> dict:
@@ -133,8 +164,31 @@ def _run(args: argparse.Namespace, processes: int, per_process: int) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "layout.json"
         command = [sys.executable, __file__, "--worker", "--child-out", str(out), *forward]
-        launch(command, processes, per_process, timeout=args.timeout, stream=False)
-        return json.loads(out.read_text())
+        reports = launch(command, processes, per_process, timeout=args.timeout, stream=False)
+        measured = json.loads(out.read_text())
+    measured["gloo_ranks"] = [gloo_ranks(report.output) for report in reports]  # one list per process
+    return measured
+
+
+def what_ran(m: dict) -> str:
+    """What a layout's compiled all-reduces and its runtime log say ran, in one sentence."""
+    devices = m["devices"]
+    found = [a for program in m["hlo"].values() for a in program]
+    groups = " and ".join(sorted({a["replica_groups"] for a in found}))
+    whole = found and all(a["group_size"] == devices for a in found)
+    text = f"HLO: {len(found)} all-reduce(s) in the psum program and the step, replica groups {groups}" + (
+        f", one group of all {devices} devices" if whole else ""
+    )
+    if m["processes"] == 1:
+        return text + "; runtime: one process, XLA's in-process communicator"
+    ranks = [sorted(r["rank"] for r in lines if r["peers"] + 1 == devices) for lines in m["gloo_ranks"]]
+    if not any(ranks):
+        return text + f"; runtime: the log showed no gloo context of {devices} ranks"
+    hosted = ", ".join(f"process {p} ranks {r}" for p, r in enumerate(ranks))
+    return (
+        text + f"; runtime: one gloo context of {devices} ranks, one per device ({hosted}), so gloo's ring runs "
+        "over all of them, with no reduction inside each process first"
+    )
 
 
 def predictions(measured: dict[str, dict]) -> dict:
@@ -155,12 +209,13 @@ def predictions(measured: dict[str, dict]) -> dict:
         got = [cm.allreduce_seconds(clusters[key], s, algorithm) for s in sizes]
         return sum(abs(g - t) / t for g, t in zip(got, times(key), strict=True)) / len(sizes)
 
-    reading = min(("ring", "hierarchical"), key=lambda a: error("2x2", a))  # what 2x2's all-reduces support
-    out: dict = {"inside": inside.__dict__, "network": network.__dict__, "reading": reading, "layouts": {}}
+    better_fit = min(("ring", "hierarchical"), key=lambda a: error("2x2", a))  # a fit, not what ran
+    out: dict = {"inside": inside.__dict__, "network": network.__dict__, "better_fit": better_fit, "layouts": {}}
     for key, cluster in clusters.items():
         m = measured[key]
-        gradients = cm.allreduce_seconds(cluster, m["param_bytes"], reading)
+        gradients = cm.allreduce_seconds(cluster, m["param_bytes"], "ring")  # the runtime runs a flat ring
         out["layouts"][key] = {
+            "what_ran": what_ran(m),
             "allreduce_measured_s": times(key),
             "allreduce_ring_s": [cm.allreduce_seconds(cluster, s, "ring") for s in sizes],
             "allreduce_hierarchical_s": [cm.allreduce_seconds(cluster, s, "hierarchical") for s in sizes],
@@ -170,6 +225,7 @@ def predictions(measured: dict[str, dict]) -> dict:
             "gradient_allreduce_s": gradients,
             "step_predicted_s": m["compute_s"] + gradients,
             "step_measured_s": m["step_s"],
+            "step_error": (m["compute_s"] + gradients - m["step_s"]) / m["step_s"],  # predicted vs measured
             "max_param_diff": m["max_param_diff"],
             "equals_single": m["equals_single"],
         }
@@ -191,7 +247,9 @@ def _table(result: dict) -> str:
         ):
             lines.append(f"{key:<8}{size:>14,}{m * 1e3:>13.3f}{ring * 1e3:>10.3f}{hier * 1e3:>10.3f}")
         errors.append(f"{key}: ring {r['error_ring']:.0%}, hierarchical {r['error_hierarchical']:.0%}")
-    lines += ["mean relative error: " + "; ".join(errors), f"the steps below use the {result['reading']} reading"]
+    lines += ["mean relative error: " + "; ".join(errors), f"better fit to 2x2: {result['better_fit']} (a fit)"]
+    lines += [f"{key}: {r['what_ran']}" for key, r in result["layouts"].items()]
+    lines += ["the steps below predict the gradients' all-reduce as a flat ring, as the runtime runs it"]
     lines += ["", f"{'layout':<8}{'compute ms':>12}{'+ all-reduce':>14}{'= predicted':>13}{'measured':>10}{'equal':>7}"]
     for key, r in result["layouts"].items():
         lines.append(
@@ -233,6 +291,10 @@ def main(argv: list[str] | None = None) -> int:
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(record, indent=1))
     print(f"wrote {args.out}")
+    if differ := [key for key, r in result["layouts"].items() if not r["equals_single"]]:
+        print(f"layouts: FAILED: MultiWorkerMirrored left SingleDevice's parameters in {differ} "
+              "(rtol 1e-5, atol 1e-6): those steps time another computation.", file=sys.stderr)  # fmt: skip
+        return 1
     return 0
 
 

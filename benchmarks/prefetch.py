@@ -7,7 +7,7 @@ variants train from the same parameters on the same batches:
   device before the clock started (the floor: no copy at all);
 - ``library, host batch``: ``pk.SingleDevice().step`` given host (NumPy) batches, so
   each step first copies its batch to the device;
-- ``library, prefetch``: the same step fed by ``pk.prefetch`` (what ``pk.fit`` does),
+- ``library, prefetch``: the same step fed by ``pk.prefetch`` (what ``pk.fit(..., prefetch=2)`` does),
   a background thread copying the next batches while a step runs.
 
 Each variant runs ``--chunk`` steps in a row, blocking on every step; the variants

@@ -23,6 +23,7 @@ from .axes import DATA as DATA
 from .axes import MODEL as MODEL
 from .axes import STAGE as STAGE
 from .devices import DeviceCountError as DeviceCountError
+from .devices import DeviceSubsetWarning as DeviceSubsetWarning
 from .devices import device_summary as device_summary
 from .devices import simulate_devices as simulate_devices
 from .pipeline import Pipeline as Pipeline

@@ -11,24 +11,41 @@ by :func:`parallelkit.prefetch` before the clock starts. The strategies run one
 after another, not interleaved: the ratios carry the machine's drift over a child's
 run (``benchmarks/strategies.py`` interleaves, for finer comparisons).
 
-Also per strategy, where it can say: the bytes one step moves per replica
-(``strategy.traffic``: batch, collectives, copies between memories), the memory one
-device needs (``pk.inspect.memory_per_device``), and the largest difference from
-SingleDevice's parameters after the run, with whether every parameter is within
-rtol 1e-5, atol 1e-6 of them (``equals_single``). Multi-process rows run
-:class:`~parallelkit.MultiWorkerMirrored` under :func:`parallelkit.distributed.launch`
-(gloo over loopback); their ratio uses SingleDevice from the child with as many devices.
+Every row is checked against one device: after its run, its parameters are compared
+with those of :class:`~parallelkit.SingleDevice` trained from the same parameters on
+the same batches (every parameter within rtol 1e-5, atol 1e-6: ``equals_single``, and
+the largest difference, ``max_param_diff``). The pipeline's reference is SingleDevice
+on :func:`parallelkit.pipeline.sequential_loss` of the same layers; multi-process rows
+run :class:`~parallelkit.MultiWorkerMirrored` under :func:`parallelkit.distributed.launch`
+(gloo over loopback) and train their SingleDevice reference in the same processes. A
+row that differs is marked ``NO`` in the table, and the command exits with status 1
+after saving, naming it. Also per strategy, where it can say: the bytes one step moves
+per replica (``strategy.traffic``: batch, collectives, copies between memories) and the
+memory one device needs, as the compiler estimates it for a strategy whose step is one
+program (``pk.inspect.memory_per_device``).
 
-Two ratios: ``speed-up`` is SingleDevice's median step over the strategy's on the
-same global batch in the same child; ``scaling`` is weak-scaling efficiency,
-samples/s over (devices x the samples/s of SingleDevice in the one-device child),
-1.0 being perfect. With ``--cores-as-devices`` the one-device child has one core and
-an ``n``-device child ``n``, so ``scaling`` measures real data-parallel speed-up.
+Three ratios, against two one-device runs (the JSON's ``yardsticks`` says which, for the
+mode it ran in):
+
+- ``speedup`` (``speed-up``): SingleDevice's median step over the strategy's on the same
+  global batch in the same child, so on the same cores (a multi-process row uses the
+  in-process child with as many devices). This says whether spreading the work over
+  devices beats one device given the same hardware.
+- ``throughput_ratio`` (``thru x``): samples/s over SingleDevice's in the one-device child.
+- ``scaling_efficiency`` (``scaling``): ``throughput_ratio`` over the device count, 1.0
+  being perfect weak scaling.
+
+By default every child's devices share all the cores, so one device already computes
+on all of them. With ``--cores-as-devices`` (:func:`parallelkit.simulate_devices`) an
+``n``-device child gets a pool of ``n`` threads, one core's worth per device, for device
+counts up to the core count: the one-device child then runs on one core, so
+``throughput_ratio`` sets ``n`` devices on ``n`` cores against one device on one core,
+while ``speedup`` still sets them against one device on the same ``n`` cores (XLA's
+threads split its matrix products over all of them). The two answer different
+questions and can point different ways.
 
 Results: a table on stdout, JSON (``--out``) and a PNG of samples/s beside it.
 ``--quick`` runs 1 and 4 devices and 2 processes x 2 devices, a few steps each: for CI.
-``--cores-as-devices`` gives each simulated device one core's worth of threads
-(:func:`parallelkit.simulate_devices`), for device counts up to the core count.
 """
 
 from __future__ import annotations
@@ -47,6 +64,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 MODELS = ("small", "wide")  # digits MLP 64-64-64-10; synthetic 784-1024-1024-10
+LEARNING_RATE = 0.01  # plain SGD, for every strategy and its SingleDevice reference
 
 
 @dataclass(frozen=True)
@@ -60,11 +78,11 @@ class BenchRow:
     p10_step_ms: float
     p90_step_ms: float
     samples_per_s: float
-    speedup: float | None  # SingleDevice's median step / this median, on the same global batch (set by main)
+    speedup: float | None  # SingleDevice's median step / this median, same global batch, same cores (set by main)
     bytes_per_step: float | None  # per replica, measured (None: the strategy cannot say)
     memory_per_device: int | None  # bytes, from XLA's memory analysis (None: not one program)
-    max_param_diff: float | None  # max |param - SingleDevice param| (None: another parameter layout)
-    equals_single: bool | None  # every parameter within rtol 1e-5, atol 1e-6 of SingleDevice's (None: as above)
+    max_param_diff: float  # max |param - SingleDevice param| after the run
+    equals_single: bool  # every parameter within rtol 1e-5, atol 1e-6 of SingleDevice's
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -103,6 +121,8 @@ def _model(name: str):
 
 def _strategies(n: int, layers) -> dict[str, Callable]:
     """Every strategy that fits ``n`` devices, by name (SingleDevice first: the yardstick)."""
+    import jax
+
     import parallelkit as pk
 
     made: dict[str, Callable] = {"SingleDevice": pk.SingleDevice}
@@ -114,12 +134,14 @@ def _strategies(n: int, layers) -> dict[str, Callable]:
         "Mirrored(ring)": lambda: pk.Mirrored(n, allreduce="ring"),
         "CentralStorage": lambda: pk.CentralStorage(n),
         "PS(2 shards)": lambda: pk.ParameterServer(2, devices=n),
-        "TensorParallel": lambda: pk.TensorParallel(n),
+        "TensorParallel": lambda: pk.TensorParallel(n, devices=jax.devices()[:n]),
         "FullySharded(3)": lambda: pk.FullySharded(3, n),
     }
     if n >= 4:
-        made["Hybrid(data x 2)"] = lambda: pk.Hybrid(n // 2, 2)
-    made["Pipeline(2 stages)"] = lambda: pk.Pipeline(layers.apply, 2, microbatches=4, data=n // 2)
+        made["Hybrid(data x 2)"] = lambda: pk.Hybrid(n // 2, 2, devices=jax.devices()[: n // 2 * 2])
+    made["Pipeline(2 stages)"] = lambda: pk.Pipeline(
+        layers.apply, 2, microbatches=4, data=n // 2, devices=jax.devices()[: n // 2 * 2]
+    )
     return made
 
 
@@ -130,7 +152,7 @@ def _measure(strategy, loss, params, batches, warmup: int):
 
     from .prefetch import prefetch
 
-    state, step = strategy.init(params, optax.sgd(0.01)), strategy.step(loss)
+    state, step = strategy.init(params, optax.sgd(LEARNING_RATE)), strategy.step(loss)
     seconds, feed = [], prefetch(batches, strategy)
     for batch in feed:
         start = time.perf_counter()
@@ -140,13 +162,33 @@ def _measure(strategy, loss, params, batches, warmup: int):
     return state, seconds[0], seconds[1 + warmup :]
 
 
+def trained_params(strategy, loss, params, batches):
+    """Host parameters after training ``strategy`` from ``params`` on ``batches`` (the bench's SGD), untimed."""
+    import optax
+
+    state, step = strategy.init(params, optax.sgd(LEARNING_RATE)), strategy.step(loss)
+    for batch in batches:
+        state, _ = step(state, batch)
+    return strategy.unreplicate(state.params)
+
+
+def compare(trained, reference) -> tuple[float, bool]:
+    """(largest |difference|, whether every parameter is within rtol 1e-5, atol 1e-6 of ``reference``)."""
+    from .tour import assert_close, max_abs_diff
+
+    try:
+        return assert_close(trained, reference), True
+    except AssertionError:
+        return max_abs_diff(trained, reference), False
+
+
 def _extras(strategy, loss, params, batch) -> tuple[float | None, int | None]:
     """(bytes per replica per step, memory per device) where the strategy can say."""
     import optax
 
     from .inspect import memory_per_device
 
-    state = strategy.init(params, optax.sgd(0.01))
+    state = strategy.init(params, optax.sgd(LEARNING_RATE))
     try:
         traffic = strategy.traffic(loss, state, batch)
         moved = float(sum(f.measured for f in traffic.flows))
@@ -159,22 +201,15 @@ def _extras(strategy, loss, params, batch) -> tuple[float | None, int | None]:
     return moved, memory
 
 
-def _row(name, n, processes, size, compile_s, seconds, extras, trained=None, reference=None) -> BenchRow:
-    """A row; ``trained`` and ``reference`` (SingleDevice's) parameters, where comparable, give the difference."""
-    import jax
+def _row(name, n, processes, size, compile_s, seconds, extras, comparison: tuple[float, bool]) -> BenchRow:
+    """A row; ``comparison`` is :func:`compare` of its parameters with its SingleDevice reference's."""
     import numpy as np
 
-    from .tour import max_abs_diff
-
     median = float(np.median(seconds))
-    comparable = trained is not None and reference is not None
-    pairs = zip(jax.tree.leaves(trained), jax.tree.leaves(reference), strict=True) if comparable else ()
-    same = comparable and all(np.allclose(a, b, rtol=1e-5, atol=1e-6) for a, b in pairs)
     return BenchRow(
         name, n, processes, size, compile_s, median * 1e3,
         float(np.percentile(seconds, 10)) * 1e3, float(np.percentile(seconds, 90)) * 1e3,
-        size / median, None, *extras,
-        max_abs_diff(trained, reference) if comparable else None, same if comparable else None,
+        size / median, None, *extras, *comparison,
     )  # fmt: skip
 
 
@@ -183,7 +218,6 @@ def _child(args: argparse.Namespace) -> list[dict]:
 
     n = args.child
     pk.simulate_devices(n, cores_as_devices=args.cores_as_devices)
-    import jax
 
     loss, params, layers, dataset = _model(args.model)
     size = args.batch_per_device * n
@@ -195,11 +229,15 @@ def _child(args: argparse.Namespace) -> list[dict]:
         strategy = make()
         is_pipe = isinstance(strategy, pk.Pipeline)
         model_loss, model_params = (pk.models.cross_entropy, layers.params) if is_pipe else (loss, params)
-        extras = (None, None) if is_pipe else _extras(strategy, model_loss, model_params, batches[0])
+        extras = _extras(strategy, model_loss, model_params, batches[0])
         state, compile_s, seconds = _measure(strategy, model_loss, model_params, batches, args.warmup)
-        trained = jax.device_get(strategy.unreplicate(state.params)) if not is_pipe else None
+        trained = strategy.unreplicate(state.params)
         reference = trained if reference is None else reference  # SingleDevice runs first
-        rows.append(asdict(_row(name, n, 1, size, compile_s, seconds, extras, trained, reference)))
+        against = reference
+        if is_pipe:  # the same layers composed on one device
+            single_loss = pk.pipeline.sequential_loss(layers.apply, pk.models.cross_entropy)
+            against = trained_params(pk.SingleDevice(), single_loss, layers.params, batches)
+        rows.append(asdict(_row(name, n, 1, size, compile_s, seconds, extras, compare(trained, against))))
     return rows
 
 
@@ -215,8 +253,11 @@ def _worker(args: argparse.Namespace) -> None:
     size = args.batch_per_device * n
     batches = list(pk.data.batches(dataset, size, steps=1 + args.warmup + args.steps, seed=0))
     strategy = pk.MultiWorkerMirrored()
-    _, compile_s, seconds = _measure(strategy, loss, params, batches, args.warmup)
-    row = _row("MultiWorkerMirrored", n, jax.process_count(), size, compile_s, seconds, (None, None))
+    state, compile_s, seconds = _measure(strategy, loss, params, batches, args.warmup)
+    trained = strategy.unreplicate(state.params)  # this process's replica
+    single = trained_params(pk.SingleDevice(jax.local_devices()[0]), loss, params, batches)
+    row = _row("MultiWorkerMirrored", n, jax.process_count(), size, compile_s, seconds, (None, None),
+               compare(trained, single))  # fmt: skip
     if jax.process_index() == 0:
         Path(args.child_out).write_text(json.dumps([asdict(row)]))
 
@@ -262,10 +303,47 @@ def parse_layouts(text: str | None) -> list[tuple[int, int]]:
     return layouts
 
 
-def format_table(rows: list[dict]) -> str:
-    """The rows as a text table."""
+def yardsticks(cores_as_devices: bool) -> dict[str, str]:
+    """What each ratio of the table is measured against, in the given mode."""
+    if cores_as_devices:
+        same = "one device on the same n cores (the child's pool of n threads, which XLA spreads its work over)"
+        one = "one device on one core (a pool of one thread)"
+    else:
+        same = "one device on the same cores (every core, as the simulated devices share them)"
+        one = "one device on every core"
+    return {
+        "speedup": f"SingleDevice's median step / this row's, same global batch, same child: {same}",
+        "throughput_ratio": f"samples/s / SingleDevice's samples/s in the 1-device child: {one}",
+        "scaling_efficiency": "throughput_ratio / devices (1.0: perfect weak scaling)",
+    }
+
+
+def add_ratios(rows: list[dict]) -> None:
+    """Set each row's ``speedup``, ``throughput_ratio`` and ``scaling_efficiency`` (see :func:`yardsticks`)."""
+    singles = {r["devices"]: r for r in rows if r["strategy"] == "SingleDevice" and r["processes"] == 1}
+    one = singles.get(1)
+    for r in rows:
+        same = singles.get(r["devices"])  # same global batch, same cores
+        r["speedup"] = None if same is None else same["median_step_ms"] / r["median_step_ms"]
+        r["throughput_ratio"] = None if one is None else r["samples_per_s"] / one["samples_per_s"]
+        r["scaling_efficiency"] = None if one is None else r["throughput_ratio"] / r["devices"]
+
+
+def unequal_rows(rows: list[dict]) -> list[str]:
+    """The rows whose parameters did not end within rtol 1e-5, atol 1e-6 of their SingleDevice reference."""
+    return [
+        f"{r['strategy']} on {r['devices']} device(s) in {r['processes']} process(es): "
+        f"max |dp| {r['max_param_diff']:.2e}"
+        for r in rows
+        if r["equals_single"] is not True
+    ]
+
+
+def format_table(rows: list[dict], cores_as_devices: bool = False) -> str:
+    """The rows as a text table, with what each ratio is measured against below it."""
     head = (f"{'strategy':<20}{'dev':>4}{'proc':>5}{'batch':>6}{'compile s':>10}{'step ms':>9}{'samples/s':>11}"
-            f"{'speed-up':>9}{'scaling':>8}{'bytes/step':>12}{'mem/device':>12}{'max |dp|':>10}")  # fmt: skip
+            f"{'speed-up':>9}{'thru x':>7}{'scaling':>8}{'bytes/step':>12}{'mem/device':>12}{'max |dp|':>10}"
+            f"{'=1dev':>6}")  # fmt: skip
 
     def cell(value, spec: str, width: int) -> str:
         return f"{'-':>{width}}" if value is None else f"{value:>{width}{spec}}"
@@ -275,14 +353,19 @@ def format_table(rows: list[dict]) -> str:
         lines.append(
             f"{r['strategy']:<20}{r['devices']:>4}{r['processes']:>5}{r['global_batch']:>6}{r['compile_s']:>10.2f}"
             f"{r['median_step_ms']:>9.2f}{r['samples_per_s']:>11.0f}{cell(r['speedup'], '.2f', 9)}"
-            f"{cell(r.get('scaling_efficiency'), '.2f', 8)}"
+            f"{cell(r.get('throughput_ratio'), '.2f', 7)}{cell(r.get('scaling_efficiency'), '.2f', 8)}"
             f"{cell(r['bytes_per_step'], ',.0f', 12)}{cell(r['memory_per_device'], ',', 12)}"
-            f"{cell(r['max_param_diff'], '.1e', 10)}"
+            f"{cell(r['max_param_diff'], '.1e', 10)}{'yes' if r['equals_single'] else 'NO':>6}"
         )
+    ratios = yardsticks(cores_as_devices)
+    lines += ["", f"speed-up: {ratios['speedup']}", f"thru x: {ratios['throughput_ratio']}",
+              f"scaling: {ratios['scaling_efficiency']}",
+              "=1dev: every parameter within rtol 1e-5, atol 1e-6 of SingleDevice's on the same batches"]  # fmt: skip
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = _parser().parse_args(argv)
     if args.child:
         Path(args.child_out).write_text(json.dumps(_child(args)))
@@ -301,19 +384,21 @@ def main(argv: list[str] | None = None) -> int:
     for processes, per_process in layouts:
         print(f"bench: {processes} processes x {per_process} device(s) ...", flush=True)
         rows += _run_layout(args, processes, per_process)
-    singles = {r["devices"]: r for r in rows if r["strategy"] == "SingleDevice"}  # one per child
-    one = singles.get(1)
-    for r in rows:
-        reference = singles.get(r["devices"])  # same global batch
-        r["speedup"] = None if reference is None else reference["median_step_ms"] / r["median_step_ms"]
-        # weak scaling against one device: throughput_N / (N x throughput_1)
-        r["scaling_efficiency"] = None if one is None else r["samples_per_s"] / (r["devices"] * one["samples_per_s"])
-    print(format_table(rows))
-    _save(args, counts, layouts, rows)
+    add_ratios(rows)
+    print(format_table(rows, args.cores_as_devices))
+    _save(args, argv, counts, layouts, rows)
+    if bad := unequal_rows(rows):
+        print(
+            f"bench: FAILED: {len(bad)} row(s) did not end with SingleDevice's parameters (rtol 1e-5, atol 1e-6), "
+            "so their times are of another computation than one device's (marked equals_single: false in the "
+            "JSON):\n  " + "\n  ".join(bad),
+            file=sys.stderr,
+        )
+        return 1
     return 0
 
 
-def _save(args: argparse.Namespace, counts, layouts, rows: list[dict]) -> None:
+def _save(args: argparse.Namespace, argv: list[str], counts, layouts, rows: list[dict]) -> None:
     import jax
 
     from .viz.bench import bench_figure
@@ -323,12 +408,14 @@ def _save(args: argparse.Namespace, counts, layouts, rows: list[dict]) -> None:
     mode = "cores as devices" if args.cores_as_devices else "shared cores"
     result = {
         "what": "python -m parallelkit bench" + (" --quick" if args.quick else ""),
+        "command": " ".join(["python -m parallelkit bench", *argv]),
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "jax": jax.__version__, "machine": platform.machine(), "processor": platform.processor(),
         "cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
         "device": "simulated CPU devices" if jax.default_backend() == "cpu" else jax.devices()[0].device_kind,
         "mode": mode, "model": args.model, "batch_per_device": args.batch_per_device,
         "steps": args.steps, "warmup": args.warmup, "devices": counts, "processes": [list(x) for x in layouts],
+        "yardsticks": yardsticks(args.cores_as_devices), "all_equal_single": not unequal_rows(rows),
         "rows": rows,
     }  # fmt: skip
     out.write_text(json.dumps(result, indent=2))

@@ -101,8 +101,14 @@ def hierarchical_cost(inner: int, outer: int, nbytes: float) -> dict[str, Cost]:
     Inside (fast links): a reduce-scatter and an all-gather, ``2(g-1)`` rounds and
     ``2(g-1)/g x nbytes``, as a ring of ``g``. Across (slow links): a ring all-reduce of
     one slice of ``nbytes/g`` over the ``m`` groups, ``2(m-1)`` rounds and
-    ``2(m-1)/m x nbytes/g`` per device: ``g`` times fewer bytes on the slow link than
-    a flat ring over all ``g x m`` devices would send there.
+    ``2(m-1)/m x nbytes/g`` per device.
+
+    In a flat ring over all ``n = g x m`` devices only each group's last device sends to
+    another group, all of its ``2(n-1)/n x nbytes``. What the hierarchy saves on the slow
+    links depends on who shares them: with a link per device, the busiest carries
+    ``(n-1)/(m-1)`` times fewer bytes (``g`` or more); when a group's ``g`` devices share
+    one link (as :mod:`parallelkit.costmodel` assumes), it carries ``2(m-1)/m x nbytes``
+    against ``2(n-1)/n x nbytes``: ``(n-1)/(g(m-1))`` times fewer, under 2.
 
     >>> {link: cost.wire_bytes for link, cost in hierarchical_cost(4, 2, 800).items()}
     {'inner': 1200.0, 'outer': 200.0}

@@ -4,20 +4,27 @@
 in a scratch directory, as a learner's fresh kernel would, and writes one page per
 notebook plus an index. Figures are embedded in the pages. A widget has no kernel to
 talk to in a static page, so each is replaced by its final snapshot: the state the
-kernel last sent it (the HTML of a dashboard, a progress bar's value, an output area's
-contents), rendered as plain HTML. The pages load no script from the network.
+kernel last sent it (the HTML of a dashboard, a progress bar's value, a slider's or a
+menu's label and value, an output area's contents), rendered as plain HTML. The pages load
+no script from the network.
 """
 
 from __future__ import annotations
 
 import base64
+import copy
 import html
 import os
 import re
+import tempfile
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import nbformat
+
+if TYPE_CHECKING:
+    from traitlets.config import Config
 
 WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
 WIDGET_STATE = "application/vnd.jupyter.widget-state+json"
@@ -41,17 +48,30 @@ def execute(path: Path, workdir: Path, timeout: int = 600) -> nbformat.NotebookN
     nb = nbformat.read(path, as_version=4)
     saved = {key: os.environ.pop(key) for key in ("XLA_FLAGS", "PJRT_NPROC") if key in os.environ}
     try:
-        client = NotebookClient(
-            nb,
-            timeout=timeout,
-            kernel_name="python3",
-            store_widget_state=True,
-            resources={"metadata": {"path": str(workdir)}},
-        )
-        client.execute()
+        with tempfile.TemporaryDirectory() as sockets:
+            client = NotebookClient(
+                nb,
+                timeout=timeout,
+                kernel_name="python3",
+                store_widget_state=True,
+                resources={"metadata": {"path": str(workdir)}},
+                config=_kernel_transport(Path(sockets)),
+            )
+            client.execute()
     finally:
         os.environ.update(saved)
     return nb
+
+
+def _kernel_transport(sockets: Path) -> Config:
+    """The kernel manager's settings: on Linux and macOS the kernel listens on socket files in
+    ``sockets`` (a private temporary folder) instead of TCP ports on localhost, which any local
+    process can reach and about which ipykernel warns at every start; elsewhere, TCP as by default."""
+    from traitlets.config import Config
+
+    if os.name != "posix":
+        return Config()
+    return Config({"KernelManager": {"transport": "ipc", "ip": str(sockets / "kernel")}})
 
 
 def snapshot_widgets(nb: nbformat.NotebookNode) -> nbformat.NotebookNode:
@@ -77,36 +97,89 @@ def _widget_html(model_id: str, states: Mapping[str, dict]) -> str:
     name, state = model.get("model_name", ""), model.get("state", {})
     classes = html.escape(" ".join(["pk-widget", *state.get("_dom_classes", [])]), quote=True)  # the widget's CSS
     if name in ("HTMLModel", "HTMLMathModel", "LabelModel"):
-        return f"<div class='{classes}'>{state.get('value', '')}</div>"
+        return f"<div class='{classes}'>{_label(state)}{state.get('value', '')}</div>"
     if name in ("FloatProgressModel", "IntProgressModel"):
-        label, value, top = html.escape(state.get("description", "")), state.get("value", 0), state.get("max", 100)
-        return f"<div class='{classes}'>{label} <progress value='{value}' max='{top}'></progress></div>"
+        value, top = state.get("value", 0), state.get("max", 100)
+        return f"<div class='{classes}'>{_label(state)}<progress value='{value}' max='{top}'></progress></div>"
     if name == "ImageModel":  # the bytes travel as a base64 buffer beside the state
         buffers = {tuple(b["path"]): b["data"] for b in model.get("buffers", []) if b.get("encoding") == "base64"}
         data = buffers.get(("value",)) or base64.b64encode(state.get("value") or b"").decode()
         return f"<img class='{classes}' src='data:image/{state.get('format', 'png')};base64,{data}'>"
     if name == "OutputModel":
-        return f"<div class='{classes}'>{''.join(_output_html(output) for output in state.get('outputs', []))}</div>"
+        outputs = "".join(_output_html(output, states) for output in state.get("outputs", []))
+        return f"<div class='{classes}'>{outputs}</div>"
     if "children" in state:  # VBox, HBox, Box, Accordion, Tab: their children, in order
         direction = "row" if name == "HBoxModel" else "column"
         children = "".join(_widget_html(child.removeprefix("IPY_MODEL_"), states) for child in state["children"])
         return f"<div class='{classes}' style='display:flex;flex-direction:{direction};gap:4px'>{children}</div>"
-    value = state.get("value", state.get("description", ""))
-    return f"<div class='{classes}'>{html.escape(str(value))}</div>"
+    return f"<div class='{classes} pk-control'>{_label(state)}{_control_value(name, state)}</div>"
 
 
-def _output_html(output: Mapping) -> str:
+def _label(state: Mapping) -> str:
+    """A widget's description, shown before it as the live widget does ('' when it has none)."""
+    text = state.get("description") or ""
+    if not text:
+        return ""
+    shown = text if state.get("description_allow_html") else html.escape(text)
+    return f"<span class='pk-control-label' style='margin-right:6px'>{shown}</span>"
+
+
+def _control_value(name: str, state: Mapping) -> str:
+    """A control's final value as text: a slider's readout, the chosen option, a box's text, on or off.
+
+    Toggle buttons and radio buttons show every option, the chosen one in bold, as they do live.
+    """
+    if "_options_labels" in state:  # Dropdown, Select, SelectionSlider, ToggleButtons, ...: options by index
+        labels, index = state["_options_labels"], state.get("index")
+        chosen = {i for i in (index if isinstance(index, list | tuple) else [index]) if i is not None}
+        if name in ("ToggleButtonsModel", "RadioButtonsModel"):
+            return " ".join(
+                f"<b class='pk-control-value'>{html.escape(label)}</b>" if i in chosen else html.escape(label)
+                for i, label in enumerate(labels)
+            )
+        shown = [labels[i] for i in sorted(chosen)]
+    else:
+        value = state.get("value")
+        if isinstance(value, bool):  # Checkbox, ToggleButton
+            shown = ["on" if value else "off"]
+        else:
+            shown = [
+                _readout(v, state.get("readout_format"))
+                for v in (value if isinstance(value, list | tuple) else [value])
+            ]
+    separator = " – " if name.endswith("RangeSliderModel") else ", "
+    return f"<b class='pk-control-value'>{html.escape(separator.join(shown))}</b>"
+
+
+def _readout(value: object, spec: str | None) -> str:
+    """A number as the slider's readout shows it (``readout_format``, e.g. ``.2f``); anything else as text."""
+    if value is None:
+        return ""
+    try:
+        return format(value, spec) if spec and isinstance(value, int | float) else str(value)
+    except ValueError:  # a format Python does not know: the plain number
+        return str(value)
+
+
+def _output_html(output: Mapping, states: Mapping[str, dict]) -> str:
     """One output of an Output widget, as HTML (the same preference order as a notebook page)."""
     if output.get("output_type") == "stream":
-        return f"<pre>{html.escape(output.get('text', ''))}</pre>"
+        return _text_html(output.get("text", ""))
     data = output.get("data", {})
+    if WIDGET_VIEW in data:  # a widget displayed inside the output area
+        return _widget_html(data[WIDGET_VIEW]["model_id"], states)
     if "image/png" in data:
         return f"<img src='data:image/png;base64,{data['image/png']}'>"
     if "text/html" in data:
         return "".join(data["text/html"])
     if "text/plain" in data:
-        return f"<pre>{html.escape(''.join(data['text/plain']))}</pre>"
+        return _text_html("".join(data["text/plain"]))
     return ""
+
+
+def _text_html(text: str) -> str:
+    """Printed text in the page's monospace text style, so that columns stay aligned."""
+    return f"<div class='jp-RenderedText'><pre>{html.escape(text)}</pre></div>"
 
 
 def render(nb: nbformat.NotebookNode, title: str = "parallelkit") -> str:
@@ -117,7 +190,8 @@ def render(nb: nbformat.NotebookNode, title: str = "parallelkit") -> str:
     from nbconvert import HTMLExporter
 
     exporter = HTMLExporter(template_name="lab", mathjax_url="", require_js_url="", jquery_url="")
-    body, _ = exporter.from_notebook_node(snapshot_widgets(nb), resources={"metadata": {"name": title}})
+    page = snapshot_widgets(copy.deepcopy(nb))  # the caller's notebook keeps its widgets' state
+    body, _ = exporter.from_notebook_node(page, resources={"metadata": {"name": title}})
     for reference in REFERENCES:
         body = body.replace(f'href="../docs/{reference.name}"', f'href="{reference.stem}.html"')
     return re.sub(r"<script src=\"\">\s*</script>", "", body)  # the loaders of scripts no page here needs
@@ -136,8 +210,6 @@ def build(
     Returns:
       The pages written: the index, the notebooks' in order, the references'.
     """
-    import tempfile
-
     paths = sorted(NOTEBOOKS.glob("*.ipynb")) if notebooks is None else list(notebooks)
     if not paths:
         raise FileNotFoundError(f"No notebooks to render: {NOTEBOOKS} has no .ipynb files (build from a checkout).")

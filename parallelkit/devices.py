@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import os
 import re
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -36,6 +37,19 @@ _POOL_SIZE_VAR = "PJRT_NPROC"  # threads of XLA's CPU client pool; the core coun
 
 class DeviceCountError(RuntimeError):
     """JAX runs with a different number of devices than was asked for."""
+
+
+class DeviceSubsetWarning(UserWarning):
+    """A strategy that was not told which devices to use leaves some idle, or puts two of its parts on one.
+
+    Strategies whose other arguments fix how many devices they need (``TensorParallel(model=k)``,
+    ``Hybrid(d, k)``, ``Pipeline(..., stages, data=d)``) take the first ones and warn when
+    that leaves devices out; ``ParameterServer(num_shards=k)`` warns when its shards outnumber
+    its workers' devices and two shards share one. Passing ``devices=`` says the choice is
+    meant and silences it; ``warnings.simplefilter("ignore", pk.DeviceSubsetWarning)``
+    silences it everywhere. ``SingleDevice`` and a count given as ``devices=n`` are choices
+    too and never warn.
+    """
 
 
 def _backends_started() -> bool:
@@ -55,13 +69,17 @@ def simulate_devices(n: int, *, cores_as_devices: bool = False, force_cpu: bool 
     so one device alone already uses every core, and ``n`` devices show the cost of
     coordinating them, never a speed-up. With ``cores_as_devices=True`` the pool
     gets exactly ``n`` threads (``PJRT_NPROC=n``), so the process computes with ``n``
-    cores at most: one device runs on one core's worth of threads, ``n`` devices on
-    ``n`` cores, and a compute-bound data-parallel step speeds up for real. It needs
-    ``n`` no larger than the cores this process may use; compare device counts in
-    fresh processes (a SingleDevice baseline with ``simulate_devices(1, cores_as_devices=True)``).
-    The smaller pool leaves the protection against the CPU deadlock described above to
-    ``pk.Step``'s bound on steps in flight: a hand-written loop should block on its
-    results every few steps.
+    cores at most: ``n`` devices busy at once get one core's worth of threads each.
+    Two yardsticks then answer two questions. Against one device on one core (a fresh
+    process with ``simulate_devices(1, cores_as_devices=True)``), ``n`` devices show how
+    throughput grows with the cores they are given. Against one device on the same
+    ``n`` cores (the first device of this process, which XLA's ``n`` threads serve
+    alone), they show whether splitting the batch over devices beats letting XLA split
+    each matrix product over the threads; on a CPU it may not (``python -m parallelkit
+    bench --cores-as-devices`` reports both; the README quotes what it measured). It
+    needs ``n`` no larger than the cores this process may use. The smaller pool leaves
+    the protection against the CPU deadlock described above to ``pk.Step``'s bound on
+    steps in flight: a hand-written loop should block on its results every few steps.
 
     On a machine with accelerators the CPU count is set but the accelerators stay
     JAX's default devices, so the call changes nothing there: the returned list
@@ -168,6 +186,64 @@ def resolve_devices(devices: int | Sequence[jax.Device] | None = None) -> list[j
     return chosen
 
 
+def first_devices(count: int, who: str, instead: str) -> list[jax.Device]:
+    """The first ``count`` devices, for a strategy whose arguments fix its device count; warns if some stay idle.
+
+    Args:
+      count: how many devices ``who`` needs.
+      who: the strategy as its user wrote it, for the warning (``"Hybrid(data=3, model=2)"``).
+      instead: what would use every device, for the warning (``"Hybrid(data=4, model=2)"``).
+
+    Raises:
+      DeviceCountError: more devices than JAX has.
+
+    Warns:
+      DeviceSubsetWarning: fewer than all of JAX's devices, naming the idle ones.
+    """
+    chosen = resolve_devices(count)
+    idle = jax.devices()[count:]
+    if idle:
+        warnings.warn(
+            f"{who} runs on {count} of the {count + len(idle)} devices, so {device_list(idle)} stay idle. "
+            f"Pass devices=jax.devices()[:{count}] to say that this is meant (and silence this warning), "
+            f"or use every device ({instead}).",
+            DeviceSubsetWarning,
+            stacklevel=3,  # the strategy's constructor called this; point at its caller
+        )
+    return chosen
+
+
+def warn_if_shared(parts: int, devices: Sequence[jax.Device], who: str, what: str) -> None:
+    """Warn when ``parts`` placed in turn on ``devices`` (part ``j`` on device ``j % n``) put two on one device.
+
+    Warns:
+      DeviceSubsetWarning: naming the devices that hold more than one part.
+    """
+    n = len(devices)
+    if parts <= n:
+        return
+    shared = devices[: min(parts - n, n)]
+    held = ", ".join(map(str, range(0, parts, n)))
+    warnings.warn(
+        f"{who} places {parts} {what} on {n} devices in turn, so {what} share {device_list(shared)} "
+        f"(device {shared[0].id} holds {what} {held}). Pass devices= to say that this is meant "
+        f"(and silence this warning), or use at most {n} {what}.",
+        DeviceSubsetWarning,
+        stacklevel=3,
+    )
+
+
+def device_list(devices: Sequence[jax.Device], most: int = 8) -> str:
+    """Devices by platform and id, for a message: ``'cpu devices 6, 7'`` (the first ``most``, then a count).
+
+    >>> device_list(jax.devices()[:1])
+    'cpu device 0'
+    """
+    ids = ", ".join(str(d.id) for d in devices[:most])
+    more = f" and {len(devices) - most} more" if len(devices) > most else ""
+    return f"{devices[0].platform} device{'s' if len(devices) > 1 else ''} {ids}{more}"
+
+
 @dataclass(frozen=True)
 class DeviceSummary:
     """What JAX runs on, for printing at the top of a notebook."""
@@ -195,8 +271,8 @@ class DeviceSummary:
         """How the simulated devices use the cores, and what their times can show."""
         if self.cores_as_devices:
             return (
-                f"cores as devices: one core each ({self.local_device_count} of {self.cores} cores), "
-                "so data-parallel speed-ups are real"
+                f"cores as devices: one core each ({self.local_device_count} of {self.cores} cores); "
+                "a speed-up needs one device on the same cores as its yardstick"
             )
         return f"sharing {self.cores} core(s): times show overhead, not speed-up"
 

@@ -164,7 +164,7 @@ def host_memory_bytes(hlo_text: str) -> tuple[int, int]:
 
 @dataclass(frozen=True)
 class MemoryUse:
-    """Bytes one device needs for one call of a compiled program, from XLA's own memory analysis."""
+    """Bytes one device needs for one call of a compiled program: XLA's estimate, made at compile time."""
 
     argument: int  # inputs: parameters, optimizer state, the batch slice
     output: int  # results: the new state, the metrics
@@ -178,10 +178,14 @@ class MemoryUse:
 
 
 def memory_per_device(step, *args) -> MemoryUse:
-    """What one device holds while ``step(*args)`` runs, read from ``compiled.memory_analysis()``.
+    """What one device will hold while ``step(*args)`` runs, as the compiler estimates it.
 
-    XLA reports per-device sizes for a sharded program. On the CPU backend its
-    ``peak_memory_in_bytes`` is argument + output - alias and leaves out the
+    Read from ``compiled.memory_analysis()``: the sizes of the buffers XLA planned for the
+    compiled program, per device for a sharded one, before anything runs. It is an
+    estimate, not a measurement: the allocator's own counters are
+    ``jax.Device.memory_stats()`` (``bytes_in_use``, ``peak_bytes_in_use``), which GPU and
+    TPU backends report and the CPU backend does not (it returns ``None``). On the CPU
+    backend XLA's ``peak_memory_in_bytes`` is argument + output - alias and leaves out the
     temporaries, so :attr:`MemoryUse.total` adds them back.
     """
     stats = step.lower(*args).compile().memory_analysis()

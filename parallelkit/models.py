@@ -292,7 +292,16 @@ def cross_entropy(logits: jax.Array, batch: dict) -> tuple[jax.Array, dict[str, 
     >>> loss, aux = cross_entropy(jnp.array([[0.0, 9.0]]), {"y": jnp.array([1])})
     >>> round(float(loss), 4), float(aux["accuracy"])
     (0.0001, 1.0)
+
+    Raises:
+      TypeError: labels that are not integers (float or one-hot labels).
     """
+    labels = jnp.result_type(batch["y"])
+    if not jnp.issubdtype(labels, jnp.integer):
+        raise TypeError(
+            f"Labels must be integer class ids (0 to {logits.shape[-1] - 1}, one per example), but batch['y'] holds "
+            f"{labels} values. Convert them with y.astype(np.int32), or one-hot rows with y.argmax(-1)."
+        )
     loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
     return loss, {"accuracy": (logits.argmax(-1) == batch["y"]).mean()}
 

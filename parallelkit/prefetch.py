@@ -5,7 +5,7 @@ that copy sits inside the step. :func:`prefetch` moves it out: a background thre
 takes batches from your iterator, places each the way the strategy wants
 (``strategy.place_batch``) and keeps up to ``size`` of them ready; a
 :class:`~parallelkit.Step` given a :class:`Placed` batch uses it as it is.
-:func:`parallelkit.fit` does this by default.
+:func:`parallelkit.fit` does this with ``prefetch=2`` (off by default: see its docstring).
 
 Conceptually, for one device::
 

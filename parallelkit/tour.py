@@ -38,7 +38,7 @@ STRATEGIES: dict[str, Callable[[int], Strategy]] = {
     "Mirrored(pmap)": lambda n: Mirrored(n, backend="pmap"),
     "CentralStorage": lambda n: CentralStorage(n),
     "PS(2 shards)": lambda n: ParameterServer(2, devices=n),
-    "TensorParallel": lambda n: TensorParallel(n),
+    "TensorParallel": lambda n: TensorParallel(n, devices=jax.devices()[:n]),
     "FullySharded(3)": lambda n: FullySharded(3, n),
     "MultiWorkerMirrored": lambda n: MultiWorkerMirrored(jax.devices()[:n]),
     "PS(2, async)": lambda n: ParameterServer(2, mode="async", devices=n),

@@ -8,9 +8,9 @@ Conceptually, ``fit`` is::
         state, metrics = step(state, batch)
 
 plus per-step timing (read after the work is done, the compiling first step kept
-apart), callbacks that dashboards hang on, optional checkpoints, and the next
-batches placed on the devices by a background thread while a step runs
-(:func:`parallelkit.prefetch`).
+apart), callbacks that dashboards hang on, optional checkpoints, and, when asked
+(``prefetch=2``), the next batches placed on the devices by a background thread
+while a step runs (:func:`parallelkit.prefetch`).
 
 Resuming after a crash. With ``checkpoint_dir``, ``fit`` saves the state every
 ``checkpoint_every`` steps and at the end. ``fit(..., resume=True)`` restores the
@@ -147,7 +147,7 @@ def fit(
     check_finite: bool = True,
     model_state: PyTree = None,
     rng: int | jax.Array | None = None,
-    prefetch: int = 2,
+    prefetch: int = 0,
 ) -> FitResult:
     """Train ``params`` with ``strategy`` on global ``batches``; record loss, metrics and timing.
 
@@ -173,8 +173,13 @@ def fit(
         (see :class:`parallelkit.TrainState`).
       prefetch: how many batches a background thread places on the devices ahead of
         the step that needs them (:func:`parallelkit.prefetch`), so that copying a batch
-        overlaps the step before it and is not in the step's time; 0 places each batch
-        inside its step.
+        overlaps the step before it and is not in the step's time; 0 (the default)
+        places each batch inside its step. Off by default because the one measurement
+        here, on a 2-core CPU, found it slower (``benchmarks/prefetch.py``: the copy is a
+        fraction of a millisecond and the thread competes with the step for the cores).
+        On a GPU try 2: Flax's ``flax.jax_utils.prefetch_to_device`` documentation
+        recommends 2 there, to overlap a step on the GPU with the next batch's copy; this
+        project has not measured it.
 
     Returns:
       A :class:`FitResult`. Interrupting the kernel (KeyboardInterrupt) ends the run

@@ -113,7 +113,10 @@ def train_pipelines(dataset) -> dict[str, np.ndarray]:
         for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
             saved[f"pipe_{model}|-|init|{jax.tree_util.keystr(path)}"] = np.asarray(leaf)
         runs = [("single", pk.SingleDevice(), pk.pipeline.sequential_loss(layers, head))]
-        runs += [(name, pk.Pipeline(layers, st, mb, sc, data=d), head) for name, st, mb, sc, d in PIPELINE_RUNS]
+        runs += [
+            (name, pk.Pipeline(layers, st, mb, sc, data=d, devices=jax.devices()[: st * d]), head)
+            for name, st, mb, sc, d in PIPELINE_RUNS
+        ]
         for opt_name, (factory, lr) in optimizers(model).items():
             tx = getattr(optax, factory)(lr)
             for name, strategy, loss_fn in runs:

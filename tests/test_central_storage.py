@@ -118,7 +118,8 @@ def test_push_copies_each_row_to_the_owner_and_leaves_the_owners_own_row_in_plac
     owner = fn.push_update.compute
     pushed = push_rows(rows, owner)
     assert len(pushed) == 4
-    for sent, row in zip(jax.tree.leaves(rows.grads), zip(*(jax.tree.leaves(p.grads) for p in pushed)), strict=True):
+    by_replica = [jax.tree.leaves(p.grads) for p in pushed]
+    for sent, row in zip(jax.tree.leaves(rows.grads), zip(*by_replica, strict=True), strict=True):
         assert all(r.sharding == owner and r.shape == (1, *sent.shape[1:]) for r in row)
         shards = sorted(sent.addressable_shards, key=lambda s: s.index[0].start)
         np.testing.assert_array_equal(np.concatenate([np.asarray(r) for r in row]), np.asarray(sent))

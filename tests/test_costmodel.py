@@ -57,6 +57,35 @@ def test_flat_ring_over_machines_runs_at_the_network_hop():
     assert allreduce_seconds(Cluster(2, 4, FAST, SLOW), P, "ring") == pytest.approx(expected)
 
 
+def _bytes_across(rounds, g: int) -> tuple[float, float]:
+    """(bytes leaving machine 0, bytes the busiest device sends to other machines) over all the rounds."""
+    machine, device = 0.0, {}
+    for messages in rounds:
+        for source, target, nbytes in messages:
+            if source // g != target // g:
+                device[source] = device.get(source, 0.0) + nbytes
+                machine += nbytes if source // g == 0 else 0.0
+    return machine, max(device.values())
+
+
+@pytest.mark.parametrize("m, g", [(2, 2), (2, 4), (2, 8), (4, 4), (8, 2), (16, 8)])
+def test_hierarchical_saves_under_2x_on_a_shared_machine_link_and_about_g_on_a_link_per_device(m, g):
+    n = m * g
+    flat_machine, flat_device = _bytes_across(allreduce_rounds("ring", n, P), g)
+    hier_machine, hier_device = _bytes_across(allreduce_rounds("hierarchical", n, P, group=g), g)
+    # a machine's g devices share its link: 2(n-1)/n P against 2(m-1)/m P, under 2x, towards 1x as m grows
+    assert flat_machine == pytest.approx(2 * (n - 1) / n * P)
+    assert hier_machine == pytest.approx(2 * (m - 1) / m * P)
+    shared = (n - 1) / (g * (m - 1))
+    assert flat_machine / hier_machine == pytest.approx(shared) and 1 < shared < 2
+    # a link per device: the flat ring's edge device sends 2(n-1)/n P, each device here 2(m-1)/m P/g
+    assert flat_device / hier_device == pytest.approx((n - 1) / (m - 1)) and (n - 1) / (m - 1) >= g
+    # the model's times, network-bound (no latency, a nearly free inside link): the shared-link ratio
+    cluster = Cluster(m, g, Link("free", 1e9, 0, "by hand"), Link("network", 1, 0, "by hand"))
+    ratio = allreduce_seconds(cluster, P, "ring") / allreduce_seconds(cluster, P, "hierarchical")
+    assert ratio == pytest.approx(shared, rel=1e-6)
+
+
 def test_hierarchical_beats_the_flat_ring_when_the_network_is_slow():
     cluster = Cluster(2, 8, PRESETS["nvlink2"], PRESETS["10gbe"])
     assert allreduce_seconds(cluster, P, "hierarchical") < allreduce_seconds(cluster, P, "ring")

@@ -122,7 +122,9 @@ def test_batchnorm_with_global_statistics_equals_single_device(n, digits):
     tree_allclose(train_bn(pk.Mirrored(n), bn_model(), digits), reference)  # jit: the batch is the global batch
     tree_allclose(train_bn(pk.MultiWorkerMirrored(jax.devices()[:n]), bn_model(), digits), reference)
     first_conv_split = [("convs/0/kernel", P(None, None, None, "model")), ("convs/0/bias", P("model")), (".*", P())]
-    tree_allclose(train_bn(pk.TensorParallel(2, rules=first_conv_split), bn_model(), digits), reference)
+    tree_allclose(
+        train_bn(pk.TensorParallel(2, rules=first_conv_split, devices=jax.devices()[:2]), bn_model(), digits), reference
+    )
     # BatchNorm(axis_name="data"): statistics averaged over the replicas (SyncBatchNorm)
     for name, make in PER_REPLICA.items():
         tree_allclose(train_bn(make(n), bn_model("data"), digits), reference, err_msg=name)
@@ -159,7 +161,9 @@ class TestErrors:
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize(
-    "make", [pk.SingleDevice, lambda: pk.Mirrored(2), lambda: pk.TensorParallel(2)], ids=["single", "jit", "tensor"]
+    "make",
+    [pk.SingleDevice, lambda: pk.Mirrored(2), lambda: pk.TensorParallel(2, devices=jax.devices()[:2])],
+    ids=["single", "jit", "tensor"],
 )
 def test_resuming_continues_the_dropout_key_exactly(make, digits, tmp_path):
     loss_fn, params = transformer(digits)

@@ -106,15 +106,54 @@ def test_the_first_notebook_runs_with_another_model_on_forced_cpu(tmp_path: Path
     assert "cnn parameters:" in printed and "8 simulated CPU devices" in printed
 
 
+# Per cell of a page, each output's text and figures that an earlier output of the same cell already showed.
+REPEATED_OUTPUTS = """() => [...document.querySelectorAll('.jp-Cell')].flatMap(cell => {
+    const shown = [...cell.querySelectorAll('.jp-OutputArea-output')].map(
+        o => (o.innerText.trim() + ' ' + [...o.querySelectorAll('img')].map(i => i.src).join(' ')).trim());
+    return shown.filter((text, i) => text && shown.indexOf(text) !== i);
+})"""
+
+
+def _widget_labels(nb: nbformat.NotebookNode) -> list[str]:
+    """The description of every widget the executed ``nb`` shows, inside boxes and output areas too."""
+    states = nb.metadata.get("widgets", {}).get(course.WIDGET_STATE, {}).get("state", {})
+    labels = []
+
+    def visit(output: dict) -> None:
+        view = output.get("data", {}).get(course.WIDGET_VIEW)
+        if view is not None:
+            visit_model(view["model_id"])
+
+    def visit_model(model_id: str) -> None:
+        state = states.get(model_id, {}).get("state", {})
+        labels.extend([state["description"]] if state.get("description") else [])
+        for child in state.get("children", []):
+            visit_model(child.removeprefix("IPY_MODEL_"))
+        for output in state.get("outputs", []):
+            visit(output)
+
+    for cell in nb.cells:
+        for output in cell.get("outputs", []):
+            visit(output)
+    return labels
+
+
 @pytest.mark.notebook
 @pytest.mark.browser
 def test_static_course_builds_and_its_pages_load_in_chromium(tmp_path: Path, browser_ready):
-    """`make course`: every page opens from disk with every figure loaded, the widgets as their final snapshot,
-    and nothing fetched from the network."""
+    """`make course`: every page opens from disk with every figure loaded, the widgets as their final snapshot
+    (each control with its label and value), no output shown twice in a cell, and nothing fetched from the
+    network."""
     from helpers import CHROMIUM, CHROMIUM_ARGS
     from playwright.sync_api import sync_playwright
 
-    index, *pages = course.build(tmp_path / "course", executed=EXECUTED)  # runs any notebook not run above
+    for path in NOTEBOOKS:  # the notebooks the runs above did not execute (when run alone)
+        if path.name not in EXECUTED:
+            (tmp_path / path.stem).mkdir()
+            EXECUTED[path.name] = _execute(path, tmp_path / path.stem)
+    labels = {name: sorted(_widget_labels(nb)) for name, nb in EXECUTED.items()}
+    assert any(labels.values()), "no widget with a label in the whole course"
+    index, *pages = course.build(tmp_path / "course", executed=EXECUTED)
     assert [p.stem for p in pages] == [p.stem for p in (*NOTEBOOKS, *course.REFERENCES)]
     with sync_playwright() as p:
         browser = p.chromium.launch(executable_path=str(CHROMIUM), headless=True, args=CHROMIUM_ARGS)
@@ -134,6 +173,12 @@ def test_static_course_builds_and_its_pages_load_in_chromium(tmp_path: Path, bro
                 assert len(sizes) == html_page.read_text().count("<img"), f"{notebook.name}: figures missing"
                 figures += len(sizes)
                 assert page.locator(".pk-widget-missing").count() == 0, f"{notebook.name}: a widget lost its state"
+                shown = sorted(page.locator(".pk-control-label").all_text_contents())
+                assert shown == labels.get(notebook.name, []), f"{notebook.name}: widget labels {shown}"
+                valueless = page.locator(".pk-control:not(:has(.pk-control-value))").count()
+                assert valueless == 0, f"{notebook.name}: {valueless} controls show no value"
+                repeated = page.evaluate(REPEATED_OUTPUTS)
+                assert not repeated, f"{notebook.name}: a cell shows this output twice: {repeated[0][:300]!r}"
                 assert page.get_by_text("Traceback").count() == 0, f"{notebook.name}: a cell shows an error"
             assert figures >= len(NOTEBOOKS), f"only {figures} figures in the whole course"
             page.goto(pages[-1].as_uri())  # the Rosetta reference: its tables rendered
@@ -145,3 +190,15 @@ def test_static_course_builds_and_its_pages_load_in_chromium(tmp_path: Path, bro
         finally:
             browser.close()
     assert not remote, f"the pages fetched from the network: {remote[:5]}"
+
+
+def _table_rows(markdown: str) -> list[str]:
+    return [line.strip() for line in markdown.splitlines() if line.strip().startswith("|")]
+
+
+def test_the_first_notebooks_rosetta_table_is_the_references_first_table():
+    """Notebook 00's table of moves is docs/rosetta.md's first (devices and placement), row for row."""
+    nb = nbformat.read(ROOT / "notebooks" / "00_devices_and_placement.ipynb", as_version=4)
+    shown = _table_rows(nb.cells[0].source)
+    section = (ROOT / "docs" / "rosetta.md").read_text().split("\n## ")[1]  # the first topic's section
+    assert shown == _table_rows(section), "notebook 00's Rosetta table differs from docs/rosetta.md's first table"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -11,6 +12,9 @@ import threading
 import time
 import tomllib
 import urllib.request
+import venv
+import zipfile
+from pathlib import Path
 
 import pytest
 from helpers import ROOT
@@ -109,3 +113,53 @@ def _wait_for(check, proc: subprocess.Popen, seconds: float):
             return found
         time.sleep(0.3)
     return None
+
+
+def _package_source(tmp_path: Path) -> Path:
+    """A copy of what the package is built from (the configuration, the README it cites, the package)."""
+    source = tmp_path / "source"
+    source.mkdir()
+    shutil.copy(ROOT / "pyproject.toml", source)
+    shutil.copy(ROOT / "README.md", source)
+    shutil.copytree(ROOT / "parallelkit", source / "parallelkit", ignore=shutil.ignore_patterns("__pycache__"))
+    return source
+
+
+def _pip(*args: str) -> subprocess.CompletedProcess:
+    """pip, as `make setup` runs it (build isolation: the build backend pyproject.toml asks for)."""
+    return subprocess.run(
+        [sys.executable, "-m", "pip", "--disable-pip-version-check", *args],
+        capture_output=True, text=True, timeout=240, check=False,
+    )  # fmt: skip
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_the_wheel_holds_every_subpackage(tmp_path):
+    source = _package_source(tmp_path)
+    built = _pip("wheel", "--no-deps", "--wheel-dir", str(tmp_path / "wheels"), str(source))
+    assert built.returncode == 0, built.stdout[-3000:] + built.stderr[-3000:]
+    (wheel,) = (tmp_path / "wheels").glob("parallelkit-*.whl")
+    packed = set(zipfile.ZipFile(wheel).namelist())
+    modules = {p.relative_to(source).as_posix() for p in (source / "parallelkit").rglob("*.py")}
+    assert modules <= packed, f"left out of the wheel: {sorted(modules - packed)}"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_an_editable_install_is_quiet_and_imports_from_the_checkout(tmp_path):
+    """`make setup` installs the checkout editable; setuptools warns about folders named like the package
+    unless the configuration lets it add the checkout to sys.path (pyproject.toml's package-dir)."""
+    source = _package_source(tmp_path)
+    env = tmp_path / "venv"
+    venv.create(env, with_pip=False)
+    python = env / "bin" / "python"
+    installed = _pip("--python", str(python), "install", "--no-deps", "-e", str(source))
+    printed = installed.stdout + installed.stderr
+    assert installed.returncode == 0, printed[-3000:]
+    assert "Editable installation" not in printed and "BuildBackendWarning" not in printed, printed[-3000:]
+    found = subprocess.run(  # where the package is found (importing it would need its dependencies)
+        [str(python), "-c", "import importlib.util as u; print(u.find_spec('parallelkit').origin)"],
+        capture_output=True, text=True, timeout=60, cwd=tmp_path, check=True,
+    )  # fmt: skip
+    assert Path(found.stdout.strip()) == source / "parallelkit" / "__init__.py"

@@ -93,6 +93,66 @@ def test_partition_table_text(mlp):
     assert pk.ParameterServer(3).partition(params).table().splitlines()[2].split()[1] == "-"  # no devices given
 
 
+def test_the_partition_figure_marks_each_cut_in_the_flat_vector(mlp):
+    from parallelkit import viz
+
+    _, params = mlp
+    partition = pk.ParameterServer(3, devices=3).partition(params)
+    flat = viz.partition_figure(partition).axes[1]
+    assert [line.get_xdata()[0] for line in flat.lines] == [1603, 3207]  # the cuts, not the variables' edges
+    offsets = np.cumsum([0] + [int(np.prod(shape)) for shape in partition.shapes])[:-1]
+    assert [p.get_x() for p in flat.patches] == offsets.tolist()  # one segment per variable, in tree order
+
+
+NOT_ELEMENT_WISE = {  # name: (optimizer, why, whether one shard, holding every parameter as one flat vector, suits it)
+    "global-norm clipping": (
+        optax.chain(optax.clip_by_global_norm(1.0), optax.sgd(0.1)),
+        "clip by the global norm",
+        True,  # the flat vector's norm is the global norm
+    ),
+    "LAMB": (optax.lamb(1e-3), "LAMB and LARS trust ratios", False),  # one norm over the vector, not one per leaf
+    "LARS": (optax.lars(1e-3), "LAMB and LARS trust ratios", False),
+    "a weight-decay mask by rank": (
+        optax.adamw(1e-3, mask=lambda p: jax.tree.map(lambda x: x.ndim > 1, p)),
+        "chosen by the parameter's path",
+        False,  # the flat vector has rank 1
+    ),
+    "a weight-decay mask by name": (
+        optax.adamw(
+            1e-3,
+            mask=lambda p: {
+                "head": jax.tree.map(lambda _: False, p["head"]),
+                "hidden": jax.tree.map(lambda _: True, p["hidden"]),
+            },
+        ),
+        "fails on a piece",
+        False,
+    ),
+}
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+@pytest.mark.parametrize("name", NOT_ELEMENT_WISE)
+def test_optimizers_that_need_more_than_one_element_are_refused(mlp, name, mode):
+    """Each shard updates its flat slice alone: what needs a norm or a path across slices cannot be run that way."""
+    tx, why, one_shard_suits = NOT_ELEMENT_WISE[name]
+    with pytest.raises(ValueError, match=rf"each of its 3 shards' .*{why}.*element-wise optimizer.*FullySharded"):
+        pk.ParameterServer(3, mode=mode, devices=2).init(mlp[1], tx)
+    one_shard = pk.ParameterServer(1, mode=mode, devices=2)
+    if one_shard_suits:
+        one_shard.init(mlp[1], tx)
+    else:
+        with pytest.raises(ValueError, match=rf"flattened into one vector.*{why}"):
+            one_shard.init(mlp[1], tx)
+
+
+def test_element_wise_optimizers_pass_the_probe_and_train_like_one_device(mlp, digits):
+    for tx in (optax.sgd(0.5), optax.sgd(0.1, momentum=0.9), optax.adam(1e-3, eps=1e-3), optax.adamw(1e-3, eps=1e-3)):
+        trained, _ = _train(pk.ParameterServer(3, devices=2), mlp, digits, steps=3, tx=tx)
+        reference, _ = _train(pk.SingleDevice(), mlp, digits, steps=3, tx=tx)
+        tree_allclose(trained, reference)
+
+
 def test_async_applies_each_gradient_on_the_version_it_claims(mlp, digits):
     """Replayed in plain JAX from the log: push k's gradient at the parameters of version ``push.version``.
 
@@ -196,7 +256,8 @@ def test_bad_arguments_are_clear_errors(kwargs, message):
 
 def test_more_shards_than_elements_is_a_clear_error(mlp):
     _, params = mlp
-    strategy = pk.ParameterServer(4811)  # the check needs the parameters, so it comes at init
+    with pytest.warns(pk.DeviceSubsetWarning, match="4811 shards on 8 devices"):  # more shards than devices
+        strategy = pk.ParameterServer(4811)  # the check needs the parameters, so it comes at init
     with pytest.raises(ValueError, match=r"num_shards=4811: the parameters hold 4810 elements.*1 to 4810 shards"):
         strategy.init(params, optax.sgd(0.1))
 

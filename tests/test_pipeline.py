@@ -1,4 +1,4 @@
-"""Pipeline: placement, the executed order and timeline, activations held, the layer form, errors.
+"""Pipeline: placement, the executed order and timeline, activations stashed, traffic, the optimizer probe, errors.
 
 Equivalence with SingleDevice (2 and 4 stages, 1, 4 and 8 microbatches, both schedules,
 MLP and transformer, SGD and Adam, stages x data 2 x 2) is in test_equivalence.py.
@@ -17,6 +17,9 @@ from helpers import assert_steps_compile_once, tree_allclose
 
 import parallelkit as pk
 from parallelkit.schedules import check_schedule, peak_in_flight, stage_orders
+
+# Pipelines of 2 or 4 stages leave some of the suite's 8 devices idle on purpose here.
+pytestmark = pytest.mark.filterwarnings("ignore::parallelkit.DeviceSubsetWarning")
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +66,7 @@ def test_the_executed_order_is_the_schedules_and_every_interval_is_well_formed(
 
 
 @pytest.mark.parametrize(("stages", "microbatches"), [(2, 8), (4, 8), (4, 2)])
-def test_microbatches_in_flight_and_activation_bytes_measured_per_stage(stages, microbatches, deep_mlp, batch):
+def test_microbatches_in_flight_and_activation_bytes_stashed_per_stage(stages, microbatches, deep_mlp, batch):
     """GPipe holds every microbatch's input on every stage; 1F1B at most `stages - stage` (so <= stages)."""
     layers, params = deep_mlp
     held = {}
@@ -71,7 +74,7 @@ def test_microbatches_in_flight_and_activation_bytes_measured_per_stage(stages, 
         pipe = pk.Pipeline(layers, stages, microbatches, schedule)
         step = pipe.step(pk.models.cross_entropy)
         step(pipe.init(params, optax.sgd(0.1)), batch)
-        peaks, held[schedule] = step.timeline.peak_in_flight(), step.timeline.peak_held_bytes()
+        peaks, held[schedule] = step.timeline.peak_in_flight(), step.timeline.peak_stashed_bytes()
         if schedule == "gpipe":
             assert peaks == dict.fromkeys(range(stages), microbatches)
         else:
@@ -150,8 +153,67 @@ def test_a_consumed_state_is_refused_and_the_single_program_tools_say_why(deep_m
         step(state, batch)
     with pytest.raises(NotImplementedError, match="timeline"):
         step.lower(state, batch)
-    with pytest.raises(NotImplementedError, match="timeline"):
-        pipe.traffic(pk.models.cross_entropy, state, batch)
+
+
+@pytest.mark.parametrize(("stages", "microbatches", "data"), [(2, 4, 1), (4, 2, 2)])
+def test_traffic_measures_what_the_stages_hand_over_beside_the_formulas(stages, microbatches, data, deep_mlp, batch):
+    """Measured: the arrays handed between stages, and the stages' compiled all-reduces; formulas: shapes and sizes."""
+    layers, params = deep_mlp
+    pipe = pk.Pipeline(layers, stages, microbatches, data=data, devices=jax.devices()[: stages * data])
+    state = pipe.init(params, optax.adam(1e-3))
+    traffic = pipe.traffic(pk.models.cross_entropy, state, batch)
+    assert all(f.measured == f.expected for f in traffic.flows), traffic.table()
+    widths = [64, 64, 32, 16]  # each layer's input width: stage s sends a (rows, width) float32 array per microbatch
+    rows, handed = len(batch["y"]) // microbatches // data, 0
+    for s in range(stages - 1):
+        boundary = microbatches * rows * widths[pipe.stage_layers[s + 1][0]] * 4
+        assert traffic.flow(f"activations, stage {s} -> {s + 1}").measured == boundary
+        assert traffic.flow(f"gradients, stage {s + 1} -> {s}").measured == boundary
+        handed += 2 * boundary
+    batch_bytes = sum(x.nbytes for x in batch.values()) // data
+    assert traffic.flow("batch, to stage 0").measured == batch_bytes
+    assert traffic.flow(f"batch, to stage {stages - 1}").measured == batch_bytes
+    all_reduces = [f for f in traffic.flows if f.what.startswith("gradients of stage")]
+    if data == 1:
+        assert traffic.between_devices == handed and not all_reduces and traffic.bus_bytes == 0
+    else:  # each backward pass all-reduces its microbatch's gradients over the stage's devices
+        assert traffic.between_devices > handed
+        assert sum(f.measured for f in all_reduces) == microbatches * pk.models.param_bytes(params)
+        assert traffic.bus_bytes > 0
+    assert "Pipeline" in pk.traffic.compare_table([traffic])
+    state, _ = pipe.step(pk.models.cross_entropy)(state, batch)  # the report left the state as it was
+
+
+def test_the_optimizer_probe_refuses_global_norm_clipping_and_accepts_per_parameter_norms(deep_mlp, digits):
+    layers, params = deep_mlp
+    pipe = pk.Pipeline(layers, 2, microbatches=2, devices=jax.devices()[:2])
+    clipped = optax.chain(optax.clip_by_global_norm(1.0), optax.sgd(0.1))
+    with pytest.raises(ValueError, match=r"each of its 2 stages separately.*clip by the global norm.*SingleDevice"):
+        pipe.init(params, clipped)
+    one_stage = pk.Pipeline(layers, 1, microbatches=2, devices=jax.devices()[:1])
+    one_stage.init(params, clipped)  # one stage is the whole model: nothing to refuse
+    pipe.init(params, optax.lars(1e-2))  # LARS's trust ratio, too, is a norm per parameter
+    # LAMB's trust ratio is a norm per parameter, and every stage holds whole parameters: it trains like one device.
+    lamb = optax.lamb(1e-2)
+    batches = lambda: pk.data.batches(digits, 32, steps=3)  # noqa: E731
+    run = pk.fit(pipe, pk.models.cross_entropy, params, lamb, batches())
+    single = pk.fit(pk.SingleDevice(), pk.pipeline.sequential_loss(layers, pk.models.cross_entropy), params, lamb,
+                    batches())  # fmt: skip
+    tree_allclose(run.params, single.params)
+
+
+def test_the_timeline_keeps_the_devices_own_memory_reading_apart_from_the_stash(deep_mlp, batch, monkeypatch):
+    layers, params = deep_mlp
+    pipe = pk.Pipeline(layers, 2, microbatches=4, devices=jax.devices()[:2])
+    step = pipe.step(pk.models.cross_entropy)
+    state, _ = step(pipe.init(params, optax.sgd(0.1)), batch)
+    assert jax.devices()[0].memory_stats() is None  # the CPU backend reports no memory statistics
+    assert step.timeline.in_use == [] and step.timeline.peak_in_use_bytes() is None
+    readings = {d.id: 1000 * (d.id + 1) for d in pipe.devices}  # a backend that reports them (GPUs do)
+    monkeypatch.setattr(pk.pipeline.executor, "device_bytes_in_use", lambda device: readings[device.id])
+    step(state, batch)
+    assert len(step.timeline.in_use) == 2 * 2 * 4  # after every pass
+    assert step.timeline.peak_in_use_bytes() == {s: readings[pipe.stage_devices(s)[0].id] for s in range(2)}
 
 
 def test_the_explorer_redraws_from_a_real_run_for_every_choice(deep_mlp, batch, capsys):
@@ -207,5 +269,6 @@ class TestBadInput:
         pipe = pk.Pipeline(deep_mlp[0], 2)
         with pytest.raises(ValueError, match="one for each of the 4 layers, got dict"):
             pipe.init(mlp[1], optax.sgd(0.1))
-        with pytest.raises(ValueError, match="no model_state or rng"):
-            pipe.init(deep_mlp[1], optax.sgd(0.1), rng=0)
+        for extra in ({"rng": 0}, {"model_state": {"mean": np.zeros(3)}}):
+            with pytest.raises(ValueError, match="no model_state or rng.*another strategy"):
+                pipe.init(deep_mlp[1], optax.sgd(0.1), **extra)

@@ -22,7 +22,7 @@ STRATEGIES = {
     "CentralStorage": lambda n: pk.CentralStorage(n),
     "PS(1 shard)": lambda n: pk.ParameterServer(1, devices=n),
     "PS(3 shards)": lambda n: pk.ParameterServer(3, devices=n),
-    "TensorParallel": lambda n: pk.TensorParallel(n),
+    "TensorParallel": lambda n: pk.TensorParallel(n, devices=jax.devices()[:n]),
 }
 P = 19_240  # the MLP fixture: 64x64 + 64 + 64x10 + 10 float32
 M = 8  # its metrics: the loss and the accuracy, two float32 scalars
@@ -96,7 +96,7 @@ def test_a_collective_the_formula_does_not_expect_is_reported(digits, batch):
 
 def test_without_a_formula_the_payload_is_still_reported(batch, digits):
     apply, params = pk.models.build("transformer", digits.input_shape, digits.num_classes)
-    strategy = pk.TensorParallel(2)
+    strategy = pk.TensorParallel(2, devices=jax.devices()[:2])
     t = strategy.traffic(pk.models.classifier_loss(apply), strategy.init(params, optax.sgd(0.1)), batch)
     (flow,) = [f for f in t.flows if f.link == D2D]
     assert flow.expected is None and flow.measured > 0 and "n/a" in t.table()

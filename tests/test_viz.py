@@ -161,7 +161,7 @@ STRATEGIES = {
     "CentralStorage": lambda: pk.CentralStorage(4),
     "ParameterServer": lambda: pk.ParameterServer(3, devices=2),
     "FullySharded(3)": lambda: pk.FullySharded(3, 4, min_size=4),
-    "Hybrid(2x2)": lambda: pk.Hybrid(2, 2, rules=[("w", P("model", None)), (".*", P())]),
+    "Hybrid(2x2)": lambda: pk.Hybrid(2, 2, rules=[("w", P("model", None)), (".*", P())], devices=jax.devices()[:4]),
 }
 
 
@@ -262,7 +262,7 @@ def test_pipeline_gantt_bars_equal_the_schedule():
 
 def test_mesh_figure_draws_a_2d_mesh_with_each_devices_slice(mlp):
     _, params = mlp
-    strategy = pk.TensorParallel(4)
+    strategy = pk.TensorParallel(4, devices=jax.devices()[:4])
     state = strategy.init(params, optax.sgd(0.1))
     column = state.params["hidden"][0]["kernel"]  # (64, 64) split by columns over 4 devices
     fig = viz.mesh_figure({"hidden/0/kernel": column, "head/bias": state.params["head"]["bias"]})

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 
+import jax
 import numpy as np
 import optax
 import pytest
@@ -159,9 +160,9 @@ def test_race_and_dashboard_take_any_strategy(mlp, digits):
     loss_fn, params = mlp
     strategies = {
         "SingleDevice": pk.SingleDevice(),
-        "TensorParallel": pk.TensorParallel(2),  # one replica on two devices
+        "TensorParallel": pk.TensorParallel(2, devices=jax.devices()[:2]),  # one replica on two devices
         "FullySharded": pk.FullySharded(3, 4),
-        "Hybrid": pk.Hybrid(2, 2, shard_data=True),
+        "Hybrid": pk.Hybrid(2, 2, shard_data=True, devices=jax.devices()[:4]),
     }
     race = StrategyRace(strategies, loss_fn, params, optax.sgd(0.1), lambda: pk.data.batches(digits, 64, steps=3),
                         steps=3, batch_size=64, mode="text", stream=io.StringIO())  # fmt: skip
@@ -171,7 +172,7 @@ def test_race_and_dashboard_take_any_strategy(mlp, digits):
     for name in list(strategies)[1:]:
         assert pk.tour.max_abs_diff(race.results[name].params, race.results["SingleDevice"].params) < 1e-6, name
     dash = TimingDashboard(batch_size=64, mode="text", stream=io.StringIO())
-    _fit(mlp, digits, pk.TensorParallel(2), [dash])
+    _fit(mlp, digits, pk.TensorParallel(2, devices=jax.devices()[:2]), [dash])
     assert dash.summary().devices == 2 and dash.summary().strategy == "TensorParallel(model=2)"
 
 

@@ -3,20 +3,33 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from functools import cached_property
+from functools import cached_property, lru_cache, partial
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from .. import schedules
 from ..axes import DATA
-from ..devices import DeviceCountError
+from ..devices import DeviceCountError, first_devices
+from ..inspect import Collective, parse_collectives
 from ..mesh import is_count, make_mesh
-from ..strategies.base import Batch, PyTree, Step, Strategy, TrainState, batch_size, check_same_tree
+from ..strategies.base import (
+    Batch,
+    PyTree,
+    Step,
+    Strategy,
+    TrainState,
+    batch_size,
+    check_same_tree,
+    guard_inputs,
+)
+from ..strategies.split_update import check_update_splits
+from ..traffic import D2D, H2D, Flow, StepTraffic, bus_bytes, per_replica_bytes
 from . import stages as programs
 from .executor import Timeline, execute
 from .stages import HeadLoss, Layer, split_layers
@@ -46,10 +59,20 @@ class Pipeline(Strategy):
     of all ``m``. With ``data > 1`` each stage is a group of ``data`` devices that split
     every microbatch, their gradients all-reduced inside the stage's backward program.
 
-    The optimizer runs stage by stage on that stage's parameters, which equals one update
-    of all of them for element-wise optimizers (SGD, momentum, Adam, AdamW, ...) but not
-    for transforms that look at every parameter at once, such as ``optax.clip_by_global_norm``.
-    Pipelines here take no dropout key and no mutable model state.
+    What a pipeline here does not do, each refused with an error that says so:
+
+    - the optimizer runs stage by stage on that stage's parameters, which equals one update
+      of all of them for optimizers whose update of a parameter needs nothing from another
+      stage (SGD, momentum, Adam, AdamW; LAMB and LARS too, their norms being per parameter),
+      but not for ``optax.clip_by_global_norm``, which would clip each stage by its own norm:
+      :meth:`init` probes the optimizer and refuses it
+      (:func:`~parallelkit.strategies.split_update.check_update_splits`);
+    - no dropout key and no mutable model state (BatchNorm statistics): a layer is
+      ``apply(params, x) -> y``, so :meth:`init` refuses ``rng`` and ``model_state``, and
+      :func:`~parallelkit.models.as_layers` gives the kit's transformer without dropout;
+    - no single compiled program: :meth:`PipelineStep.lower` and the compiler's memory
+      analysis have nothing to read, while :meth:`traffic` measures the arrays one step
+      hands between stages.
 
     Args:
       layers: ``[apply_0, ..., apply_{L-1}]``, each ``apply_i(params_i, x) -> y``; the first
@@ -66,6 +89,9 @@ class Pipeline(Strategy):
     Raises:
       ValueError: counts below 1, an unknown schedule, more stages than layers.
       DeviceCountError: devices that are not ``stages x data`` in number.
+
+    Warns:
+      DeviceSubsetWarning: without ``devices``, when ``stages x data`` is fewer than all the devices.
     """
 
     def __init__(
@@ -86,6 +112,8 @@ class Pipeline(Strategy):
             raise ValueError(f"Unknown schedule {schedule!r}: use one of {sorted(SCHEDULES)} or a schedule function.")
         self.layers = tuple(layers)
         self.stage_layers = split_layers(len(self.layers), stages, layers_per_stage)
+        # The first layer reads the batch: a batch it cannot read or fit raises a clear error.
+        self.layers = (_guarded(self.layers[0]), *self.layers[1:])
         wanted = stages * data
         if devices is not None and len(devices) != wanted:
             raise DeviceCountError(
@@ -93,7 +121,11 @@ class Pipeline(Strategy):
                 f"but {len(devices)} were given. Pass {wanted} devices (e.g. jax.devices()[:{wanted}]), "
                 "or change stages or data so that they multiply to the device count."
             )
-        super().__init__(wanted if devices is None else devices)
+        if devices is None:  # the first stages x data devices, with a warning if that leaves some idle
+            total = len(jax.devices())
+            every = f"data={total // stages}" if total % stages == 0 else f"stages x data = {total}"
+            devices = first_devices(wanted, f"Pipeline(stages={stages}, data={data})", every)
+        super().__init__(devices)
         self.mesh = make_mesh(self.devices, data=data, stage=stages)
         self.microbatches, self.data = microbatches, data
         self.schedule_name = schedule if isinstance(schedule, str) else getattr(schedule, "__name__", "custom")
@@ -111,6 +143,10 @@ class Pipeline(Strategy):
     def stage_meshes(self) -> list[Mesh]:
         """Stage ``s``'s devices as a one-axis (``data``) mesh."""
         return [Mesh(self.mesh.devices[:, s], (DATA,)) for s in range(self.stages)]
+
+    def stage_devices(self, stage: int) -> list[jax.Device]:
+        """Stage ``stage``'s devices (the ``stage`` column of the ``data x stage`` mesh)."""
+        return list(self.mesh.devices[:, stage])
 
     def replicated(self, stage: int) -> NamedSharding:
         """Where stage ``stage``'s parameters and optimizer state live: a full copy on each of its devices."""
@@ -154,12 +190,14 @@ class Pipeline(Strategy):
 
         Raises:
           ValueError: ``params`` that is not one entry per layer, an ``opt_state`` that does not
-            fit, or ``model_state`` / ``rng`` (which pipelines do not take).
+            fit, ``model_state`` / ``rng`` (which pipelines do not take), or an optimizer whose
+            update differs when run stage by stage (such as ``optax.clip_by_global_norm``).
         """
         if model_state is not None or rng is not None:
             raise ValueError(
                 "Pipeline takes no model_state or rng: its layers are apply(params, x) -> y, without "
-                "BatchNorm statistics or dropout keys. Leave them out (the kit's as_layers models have neither)."
+                "BatchNorm statistics or dropout keys. Leave them out (pk.models.as_layers gives the kit's MLP, and "
+                "its transformer without dropout), or train a model that needs them with another strategy."
             )
         if not isinstance(params, Sequence) or len(params) != len(self.layers):
             got = f"{len(params)} entries" if isinstance(params, Sequence) else type(params).__name__
@@ -167,6 +205,14 @@ class Pipeline(Strategy):
                 f"Pipeline.init needs a list of per-layer parameters, one for each of the {len(self.layers)} "
                 f"layers, got {got}. pk.models.as_layers returns the layers and this list together."
             )
+        check_update_splits(
+            tx, params, self.stage_params, self.layer_params, strategy=repr(self),
+            how=f"runs the optimizer on each of its {self.stages} stages separately",
+            layout=("pipeline", tuple((r.start, r.stop) for r in self.stage_layers)),
+            what_to_do="Use an optimizer that updates each parameter from its own gradient (optax.sgd, momentum, "
+            "adam, adamw), or train pk.pipeline.sequential_loss(layers, head_loss) with SingleDevice, Mirrored "
+            "or FullySharded, which update every parameter at once.",
+        )  # fmt: skip
         per_stage = self.stage_params(params)
         if opt_state is not None:
             expected = [jax.eval_shape(tx.init, p) for p in per_stage]
@@ -203,11 +249,52 @@ class Pipeline(Strategy):
         """The training step for ``head_loss(output, batch) -> loss or (loss, aux)`` on the last layer's output."""
         return PipelineStep(self, head_loss)
 
-    def traffic(self, loss_fn, state, batch):
-        raise NotImplementedError(
-            "Pipeline moves activations between stages from the host, outside any one compiled program, "
-            "so there is no compiled traffic to read; its step's timeline records every pass instead."
-        )
+    def traffic(self, loss_fn: HeadLoss, state: TrainState, batch: Batch) -> StepTraffic:
+        """The bytes one step moves, per replica: one device of each stage (a row of the ``data x stage`` mesh).
+
+        ``loss_fn`` is the ``head_loss`` the step takes. This runs every forward and backward
+        pass of one step, as :meth:`step` does, and measures the arrays handed to each stage's
+        devices; it neither updates nor changes ``state``. The formulas, for ``m``
+        microbatches, ``d`` devices per stage, a global batch of ``B`` bytes and ``A_s`` the
+        bytes of one microbatch's output of stage ``s`` (from :func:`jax.eval_shape` of its
+        layers, not from the run):
+
+        - host->device: the microbatches to the first stage (``B/d``) and again to the last,
+          which reads the labels (``B/d``);
+        - device<->device, at each boundary between stages ``s`` and ``s + 1``: the activations
+          down and their gradients up, ``m x A_s / d`` each, so ``2 x m x A_s / d`` in all;
+        - with ``d > 1``, the collectives each stage's programs run, read from their compiled
+          HLO and counted once per call (``m`` calls a step): the backward program all-reduces
+          each microbatch's parameter gradients (``m x P_s``, ``P_s`` the stage's parameter
+          bytes), and the last stage's forward program its loss and metrics (``m x M``).
+
+        Returns:
+          A :class:`~parallelkit.traffic.StepTraffic`; ``print(traffic.table())`` shows it.
+        """
+        step = PipelineStep(self, loss_fn)
+        microbatches = self.place_batch(batch)
+        moved: dict[tuple[str, int], int] = {}
+        for what, stage, _, nbytes in step.passes(self.stage_params(state.params), microbatches)[2].moved:
+            moved[what, stage] = moved.get((what, stage), 0) + nbytes
+        m, d, last = self.microbatches, self.data, self.stages - 1
+        outputs = step.output_shapes(self.stage_params(state.params), microbatches[0])
+        metric_bytes = _nbytes(outputs[last])
+        total = sum(np.asarray(x).nbytes for x in jax.tree.leaves(batch))
+        flows = [Flow(H2D, "batch, to stage 0", moved["batch", 0], total / d, "B/d", "placed microbatches")]
+        if last > 0:
+            flows.append(Flow(H2D, f"batch, to stage {last} (labels)", moved["batch", last], total / d, "B/d",
+                              "placed microbatches"))  # fmt: skip
+        for s in range(last):
+            boundary = _nbytes(outputs[s]) / d
+            for what, to in (("activations", s + 1), ("gradients", s)):
+                arrow = f"{s} -> {s + 1}" if what == "activations" else f"{s + 1} -> {s}"
+                flows.append(Flow(D2D, f"{what}, stage {arrow}", moved[what, to], m * boundary, f"m x A_{s}/d",
+                                  "arrays handed over"))  # fmt: skip
+        found = step.stage_collectives(state, microbatches[0]) if d > 1 else []
+        flows += _collective_flows(found, m, metric_bytes, state, self)
+        every_call = [c for _, _, c in found for _ in range(m)]
+        return StepTraffic(repr(self), self.traffic_pattern, d, _nbytes(state.params), metric_bytes, tuple(flows),
+                           bus_bytes=bus_bytes(every_call))  # fmt: skip
 
     traffic_pattern = "pipeline"
 
@@ -218,6 +305,37 @@ class Pipeline(Strategy):
         data = f", data={self.data}" if self.data > 1 else ""
         schedule = f"schedule={self.schedule_name!r}"
         return f"Pipeline(stages={self.stages}, microbatches={self.microbatches}, {schedule}{data})"
+
+
+# One guarded function per layer function, so that pipelines of the same layers share compiled programs.
+_guarded = lru_cache(maxsize=256)(guard_inputs)
+
+
+def _nbytes(tree: Any) -> int:
+    """Bytes of every array (or shape) in ``tree``."""
+    return sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
+
+
+def _collective_flows(
+    found: Sequence[tuple[int, str, Collective]], m: int, metric_bytes: int, state: TrainState, pipe: Pipeline
+) -> list[Flow]:
+    """The stages' collectives as flows, ``m`` calls each: gradient all-reduces, the metrics', and any other."""
+    stage_params, last = pipe.stage_params(state.params), pipe.stages - 1
+    totals: dict[tuple[int, str, str], int] = {}
+    for s, kind, c in found:
+        totals[s, kind, c.op] = totals.get((s, kind, c.op), 0) + m * c.bytes
+    flows = []
+    for s in range(pipe.stages if found else 0):
+        measured = totals.pop((s, "backward", "all-reduce"), 0)
+        flows.append(Flow(D2D, f"gradients of stage {s} (all-reduce)", measured, m * _nbytes(stage_params[s]),
+                          f"m x P_{s}", "compiled HLO, x m calls"))  # fmt: skip
+    if found:
+        measured = totals.pop((last, "forward", "all-reduce"), 0)
+        flows.append(Flow(D2D, f"loss and metrics, stage {last} (all-reduce)", measured, m * metric_bytes, "m x M",
+                          "compiled HLO, x m calls"))  # fmt: skip
+    for (s, kind, op), measured in totals.items():
+        flows.append(Flow(D2D, f"other collectives, stage {s} {kind} ({op})", measured, 0, "0", "compiled HLO"))
+    return flows
 
 
 def _placed_copy(tree: PyTree, sharding: NamedSharding) -> PyTree:
@@ -234,7 +352,7 @@ class PipelineStep(Step):
 
     Each call runs the pipeline's schedule on the global batch (see :class:`Pipeline`),
     one host thread per stage, and returns when every stage has updated its parameters;
-    ``timeline`` then holds what that call measured (:class:`~parallelkit.pipeline.Timeline`).
+    ``timeline`` then holds what that call recorded (:class:`~parallelkit.pipeline.Timeline`).
     The first call's timeline includes compiling the stages' programs.
     """
 
@@ -251,24 +369,55 @@ class PipelineStep(Step):
         self.timeline: Timeline | None = None
 
     def _run(self, state: TrainState, microbatches: list[Batch]) -> tuple[TrainState, dict[str, jax.Array]]:
+        pipe = self.pipeline
+        params = pipe.stage_params(state.params)
+        grads, outputs, self.timeline = self.passes(params, microbatches)
+        new_params, opt_states = zip(
+            *(programs.update(params[s], state.opt_state[s], grads[s], tx=state.tx) for s in range(pipe.stages)),
+            strict=True,
+        )
+        losses, auxes = zip(*outputs, strict=True)
+        metrics = {"loss": jnp.mean(jnp.stack(losses)), **jax.tree.map(lambda *v: jnp.mean(jnp.stack(v)), *auxes)}
+        # Donating the old step counter marks the old state as consumed, which Step checks on every call.
+        step = programs.next_step(state.step)
+        return state.replace(step=step, params=pipe.layer_params(new_params), opt_state=list(opt_states)), metrics
+
+    def passes(self, params: list[list[PyTree]], microbatches: list[Batch]) -> tuple[list, list[tuple], Timeline]:
+        """Every forward and backward pass of one step, in the schedule's order, without the update.
+
+        Args:
+          params: per stage, its parameters as placed (``pipeline.stage_params(state.params)``);
+            read, never donated.
+          microbatches: the host slices of :meth:`Pipeline.place_batch`.
+
+        Returns:
+          ``(grads, outputs, timeline)``: per stage, its gradients summed over the microbatches;
+          per microbatch, ``(loss, aux)`` from the last stage; and what the passes recorded.
+        """
         pipe, statics = self.pipeline, self.statics
         last = pipe.stages - 1
-        params = pipe.stage_params(state.params)
         grads = [jax.tree.map(jnp.zeros_like, p) for p in params]
         stash: list[dict[int, Any]] = [{} for _ in range(pipe.stages)]  # each stage's inputs kept for its backward
         outputs: dict[int, tuple] = {}  # microbatch -> (loss, aux) on the last stage
+        moved: list[tuple[str, int, int, int]] = []
         seed = jax.device_put(jnp.float32(1 / pipe.microbatches), pipe.replicated(last))
+
+        def send(what: str, tree: Any, stage: int, m: int) -> Any:
+            """``tree`` placed on ``stage``'s devices, split along the batch, and its bytes there recorded."""
+            placed = jax.device_put(tree, pipe.split(stage))
+            moved.append((what, stage, m, per_replica_bytes(placed, pipe.stage_devices(stage))))
+            return placed
 
         def task(kind: str, stage: int, m: int, received: Any) -> Any:
             ends = stage in (0, last)  # the first stage reads the batch, the last its labels
             if kind == "forward":
-                batch = jax.device_put(microbatches[m], pipe.split(stage)) if ends else None
+                batch = send("batch", microbatches[m], stage, m) if ends else None
                 stash[stage][m] = (received, batch)
                 out = programs.forward(params[stage], received, batch, **statics[stage])
                 if stage == last:
                     outputs[m] = out
                 else:
-                    out = jax.device_put(out, pipe.split(stage + 1))  # activations move to the next stage
+                    out = send("activations", out, stage + 1, m)  # activations move to the next stage
             else:
                 x, batch = stash[stage].pop(m)
                 cotangent = seed if stage == last else received
@@ -276,24 +425,55 @@ class PipelineStep(Step):
                     params[stage], x, batch, cotangent, grads[stage], **statics[stage]
                 )
                 if stage > 0:
-                    out = jax.device_put(out, pipe.split(stage - 1))  # gradients move back up
+                    out = send("gradients", out, stage - 1, m)  # gradients move back up
             jax.block_until_ready((out, grads[stage]))
             return out
 
-        def held_bytes(stage: int) -> int:
-            arrays = jax.tree.leaves(list(stash[stage].values()))
-            return sum(max(shard.data.nbytes for shard in x.addressable_shards) for x in arrays)
+        def stashed_bytes(stage: int) -> int:
+            return per_replica_bytes(list(stash[stage].values()), pipe.stage_devices(stage))
 
-        self.timeline = execute(self.orders, task, held_bytes)
-        new_params, opt_states = zip(
-            *(programs.update(params[s], state.opt_state[s], grads[s], tx=state.tx) for s in range(pipe.stages)),
-            strict=True,
-        )
-        losses, auxes = zip(*(outputs[m] for m in range(pipe.microbatches)), strict=True)
-        metrics = {"loss": jnp.mean(jnp.stack(losses)), **jax.tree.map(lambda *v: jnp.mean(jnp.stack(v)), *auxes)}
-        # Donating the old step counter marks the old state as consumed, which Step checks on every call.
-        step = programs.next_step(state.step)
-        return state.replace(step=step, params=pipe.layer_params(new_params), opt_state=list(opt_states)), metrics
+        watched = [pipe.stage_devices(s)[0] for s in range(pipe.stages)]  # whose own memory reading is kept
+        timeline = execute(self.orders, task, stashed_bytes, watched)
+        timeline.moved = sorted(moved)
+        return grads, [outputs[m] for m in range(pipe.microbatches)], timeline
+
+    def output_shapes(self, params: list[list[PyTree]], microbatch: Batch) -> list[Any]:
+        """Per stage, the shapes of its forward pass's output for one microbatch (``(loss, aux)`` on the last).
+
+        From :func:`jax.eval_shape`: nothing runs.
+        """
+        shapes, x = [], None
+        for s, statics in enumerate(self.statics):
+            batch = microbatch if s in (0, self.pipeline.stages - 1) else None
+            x = jax.eval_shape(partial(programs.forward, **statics), params[s], x, batch)
+            shapes.append(x)
+        return shapes
+
+    def stage_collectives(self, state: TrainState, microbatch: Batch) -> list[tuple[int, str, Collective]]:
+        """``(stage, "forward" or "backward", collective)`` for each collective in each stage's compiled programs.
+
+        Each program is lowered for one microbatch as the step places it, and compiled; each
+        collective runs once per call, so ``microbatches`` times a step.
+        """
+        pipe = self.pipeline
+        params, last = pipe.stage_params(state.params), pipe.stages - 1
+        shapes = self.output_shapes(params, microbatch)
+
+        def on(tree: Any, sharding: NamedSharding) -> Any:
+            return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=sharding), tree)
+
+        found = []
+        for s, statics in enumerate(self.statics):
+            x = None if s == 0 else on(shapes[s - 1], pipe.split(s))
+            batch = on(jax.eval_shape(lambda b: b, microbatch), pipe.split(s)) if s in (0, last) else None
+            cotangent = on(jnp.float32(0), pipe.replicated(s)) if s == last else on(shapes[s], pipe.split(s))
+            lowered = {
+                "forward": programs.forward.lower(params[s], x, batch, **statics),
+                "backward": programs.backward.lower(params[s], x, batch, cotangent, params[s], **statics),
+            }
+            for kind, program in lowered.items():
+                found += [(s, kind, c) for c in parse_collectives(program.compile().as_text())]
+        return found
 
     def lower(self, state: TrainState, batch: Batch):
         raise NotImplementedError(

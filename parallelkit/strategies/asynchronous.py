@@ -196,7 +196,7 @@ class AsyncStep:
     def __call__(self, state: TrainState, batch: Batch):
         self._check_continues(state)
         slices = _slices(batch, self.devices)
-        if not self.copies:  # every worker pulls the starting parameters and compiles its program
+        if not self.programs:  # every worker pulls the starting parameters and compiles (again, if that failed)
             self.copies = [self.pull(state, w) for w in range(len(self.devices))]
             self.programs = [
                 self._lower(state, w, self.copies[w], slices[w]).compile() for w in range(len(self.devices))

@@ -17,6 +17,8 @@ all of them; see :mod:`parallelkit.strategies.sharded`.
 from __future__ import annotations
 
 import abc
+import functools
+import math
 import re
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
@@ -163,12 +165,123 @@ def put_batch(batch: Batch, sharding: jax.sharding.Sharding, replicas: int) -> B
         raise
 
 
+class LossInputError(ValueError):
+    """The loss could not run on the batch it was given: a key it reads is missing, or an array does not fit.
+
+    Raised at the first call of a step, while it is traced, so the check costs the steps
+    that run nothing; what the loss (or JAX) raised is its ``__cause__``. A step names its
+    strategy, the batch's arrays and the parameters' weights in the message.
+    """
+
+    def __init__(self, message: str, *, missing_key: bool = False):
+        super().__init__(message)
+        self.missing_key = missing_key
+
+
+def guard_inputs(fn: Callable) -> Callable:
+    """``fn(params, batch, ...)``, raising a :class:`LossInputError` when it cannot read or fit the batch.
+
+    Turns a ``KeyError`` for a key the batch lacks, and a ``TypeError`` or ``ValueError``
+    (JAX's for shapes or dtypes that do not fit, or the loss's own), into one; JAX's
+    tracer errors (a Python ``if`` on a traced value, ...) pass through unchanged. Under
+    ``jit`` it acts only while the step is traced.
+
+    >>> try:
+    ...     guard_inputs(lambda params, batch: batch["x"])(None, {"image": 0})
+    ... except LossInputError as err:
+    ...     print(err)
+    The loss reads batch['x'], but the batch has no key 'x' (its keys: 'image').
+    """
+
+    @functools.wraps(fn)
+    def guarded(params, batch, *args, **kwargs):
+        try:
+            return fn(params, batch, *args, **kwargs)
+        except LossInputError:
+            raise
+        except KeyError as err:
+            key = err.args[0] if len(err.args) == 1 else None
+            if not _lacks(batch, key):
+                raise
+            raise LossInputError(
+                f"The loss reads batch[{key!r}], but the batch has no key {key!r} (its keys: {_keys(batch)}).",
+                missing_key=True,
+            ) from err
+        except (TypeError, ValueError) as err:
+            if isinstance(err, jax.errors.JAXTypeError):
+                raise
+            raise LossInputError(f"The loss failed on this batch: {type(err).__name__}: {str(err).strip()}") from err
+
+    return guarded
+
+
+def _lacks(batch: Any, key: Any) -> bool:
+    """Whether ``batch`` is a mapping without ``key``."""
+    try:
+        return isinstance(batch, Mapping) and key not in batch
+    except TypeError:  # an unhashable key
+        return False
+
+
+def _keys(batch: Mapping) -> str:
+    return ", ".join(map(repr, batch)) or "none"
+
+
+def explain_input_error(err: LossInputError, strategy: Strategy, params: PyTree, batch: Batch) -> str:
+    """``err``'s message with the strategy, the batch's arrays and the weights, and what to check.
+
+    ``params`` and ``batch`` are host (logical) trees: ``strategy.unreplicate(state.params)``
+    and the global batch. The weights (parameters of two or more axes) whose input size, the
+    second-to-last axis, appears in the original error's message come first.
+    """
+    if err.missing_key:
+        return (
+            f"{strategy!r}: {err} Name the batch's arrays as the loss reads them "
+            "(pk.models.classifier_loss reads 'x' and 'y'), or change the loss."
+        )
+    arrays = [
+        (path_label(p), np.shape(x), np.result_type(x)) for p, x in jax.tree_util.tree_flatten_with_path(batch)[0]
+    ]
+    weights = [
+        (path_label(p), np.shape(x)) for p, x in jax.tree_util.tree_flatten_with_path(params)[0] if np.ndim(x) > 1
+    ]
+    named = {int(n) for n in re.findall(r"\d+", str(err.__cause__ or err))}
+    weights.sort(key=lambda weight: weight[1][-2] not in named)  # first: those whose input size the error names
+    held = ", ".join(f"{name} {shape} {dtype}" for name, shape, dtype in arrays)
+    shown = ", ".join(f"{name} {shape}" for name, shape in weights[:4]) + (
+        f" and {len(weights) - 4} more" if len(weights) > 4 else ""
+    )
+    return (
+        f"{strategy!r}: {err} The batch holds {held}; the weights are {shown or 'none of two or more axes'}. "
+        f"{_unfit(arrays, weights)}Where shapes or dtypes do not fit, give each array of the batch the shape the "
+        "model was built for (features last), and integer class ids as labels."
+    )
+
+
+def _unfit(arrays: Sequence[tuple], weights: Sequence[tuple]) -> str:
+    """A sentence naming a floating batch array whose features no weight takes (its input axis: second to last)."""
+    inputs = sorted({shape[-2] for _, shape in weights})
+    for name, shape, dtype in arrays:
+        if len(shape) < 2 or not jnp.issubdtype(dtype, jnp.floating) or not inputs:
+            continue
+        sizes = {shape[-1], math.prod(shape[1:]), *([math.prod(shape[2:])] if len(shape) > 2 else [])}
+        if not sizes & set(inputs):
+            return (
+                f"No weight takes {name}'s features: {name} has {shape[-1]} values on its last axis "
+                f"({math.prod(shape[1:])} an example), but the weights take {', '.join(map(str, inputs))} inputs "
+                "(their second-to-last axis). "
+            )
+    return ""
+
+
 def _loss_with_aux(loss_fn: LossFn) -> Callable[..., tuple[jax.Array, tuple[dict, PyTree]]]:
     """``loss_fn`` as ``(params, batch, **extras) -> (loss, (aux, new_model_state))``, whatever it returns.
 
     Without ``model_state`` among the extras, ``loss_fn`` returns ``loss`` or
-    ``(loss, aux)``; with it, ``(loss, aux, new_model_state)``.
+    ``(loss, aux)``; with it, ``(loss, aux, new_model_state)``. A batch the loss cannot
+    read or fit raises a :class:`LossInputError` (see :func:`guard_inputs`).
     """
+    loss_fn = guard_inputs(loss_fn)
 
     def wrapped(params, batch, **extras):
         out = loss_fn(params, batch, **extras)
@@ -260,6 +373,8 @@ class Step:
             raise ValueError(DONATED_STATE)
         try:
             out = self.fn(state, self._placed(batch))
+        except LossInputError as err:  # raised while tracing, at the first call: the steps that run pay nothing
+            raise self._explained(err, state, batch) from err.__cause__
         except (RuntimeError, ValueError) as err:
             if "deleted" in str(err) and any(is_deleted(x) for x in jax.tree.leaves(state)):
                 raise ValueError(DONATED_STATE) from err
@@ -282,7 +397,16 @@ class Step:
         return batch.batch
 
     def lower(self, state: TrainState, batch: Batch):
-        return self.fn.lower(state, self._placed(batch))
+        try:
+            return self.fn.lower(state, self._placed(batch))
+        except LossInputError as err:
+            raise self._explained(err, state, batch) from err.__cause__
+
+    def _explained(self, err: LossInputError, state: TrainState, batch: Batch) -> LossInputError:
+        """``err`` again, naming this step's strategy, the global batch's arrays and the parameters' weights."""
+        host = batch.batch if isinstance(batch, Placed) else batch
+        params = self.strategy.unreplicate(state.params)
+        return LossInputError(explain_input_error(err, self.strategy, params, host), missing_key=err.missing_key)
 
     def __repr__(self) -> str:
         return f"Step({self.strategy!r})"

@@ -137,9 +137,18 @@ def zero_state_bytes(stage: int, param_bytes: float, optimizer_bytes: float, n: 
 
     Stage 0 is mirrored training (everything whole on every device); each stage divides
     one more of them by ``n``: 1 the optimizer state, 2 also the gradients, 3 also the
-    parameters. (The paper counts mixed precision, ``2 + 2 + K`` bytes a parameter; here the
-    sizes are whatever they are, float32 in the kit's models.)
+    parameters. ``param_bytes`` sizes the gradients too (they have the parameters' shapes
+    and dtypes).
 
+    Per parameter, the paper counts mixed-precision Adam: float16 weights and gradients,
+    2 + 2 bytes, and K = 12 bytes of optimizer state (a float32 copy of the weights, the
+    momentum and the variance). Adam on the kit's float32 models is 4 + 4 + 8 bytes.
+    Both make 16 bytes a parameter, but the stages divide different parts of them:
+
+    >>> zero_state_bytes(1, 4, 8, n=8)  # float32 Adam, ZeRO-1 on 8 devices: 9 bytes a parameter
+    {'parameters': 4, 'gradients': 4, 'optimizer': 1.0}
+    >>> zero_state_bytes(1, 2, 12, n=8)  # mixed precision: 5.5
+    {'parameters': 2, 'gradients': 2, 'optimizer': 1.5}
     >>> zero_state_bytes(3, 400, 800, 4)
     {'parameters': 100.0, 'gradients': 100.0, 'optimizer': 200.0}
     """

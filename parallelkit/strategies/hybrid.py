@@ -21,10 +21,11 @@ import jax
 
 from .. import partition
 from ..axes import DATA
+from ..devices import first_devices
 from ..mesh import is_count, make_mesh
 from .base import PyTree
 from .sharded import ShardedStrategy
-from .tensor import model_specs
+from .tensor import every_device_hint, model_specs
 
 
 class Hybrid(ShardedStrategy):
@@ -51,6 +52,10 @@ class Hybrid(ShardedStrategy):
       DeviceCountError: devices that are not ``data x model`` in number.
       ValueError: an axis size that is not a whole number >= 1; at ``init``, the rule
         errors of TensorParallel.
+
+    Warns:
+      DeviceSubsetWarning: without ``devices``, when ``data x model`` is fewer than all the
+        devices (``Hybrid(3, 2)`` on 8 leaves 2 idle).
     """
 
     def __init__(
@@ -66,7 +71,9 @@ class Hybrid(ShardedStrategy):
         for name, size in (("data", data), ("model", model)):
             if not is_count(size):
                 raise ValueError(f"Hybrid({name}={size!r}): an axis size must be a whole number >= 1.")
-        super().__init__(data * model if devices is None else devices)
+        if devices is None:  # the first data x model devices, with a warning if that leaves some idle
+            devices = first_devices(data * model, f"Hybrid(data={data}, model={model})", every_device_hint(model))
+        super().__init__(devices)
         self.mesh = make_mesh(self.devices, data=data, model=model)
         self.rules, self.shard_data, self.min_size = rules, shard_data, min_size
 

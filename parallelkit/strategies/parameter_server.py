@@ -37,6 +37,7 @@ import optax
 from flax import struct
 from jax.sharding import SingleDeviceSharding
 
+from ..devices import warn_if_shared
 from .asynchronous import AsyncStep, AsyncWorkers, worker_time_array
 from .base import Batch, LossFn, PyTree, Step, TrainState, check_same_tree, prng_key
 from .central import (
@@ -49,6 +50,7 @@ from .central import (
     push_rows,
     replica_gradients,
 )
+from .split_update import check_update_splits
 
 if TYPE_CHECKING:
     from ..traffic import StepTraffic
@@ -213,10 +215,13 @@ class ParameterServer(OffDeviceStrategy):
         for j in range(k):                                # push: each piece goes to its owner,
             s_j = update_j(s_j, mean(grads_i[piece j] for i in range(n)))   # which updates it
 
-    In ``"sync"`` mode this equals the single-device step (for optimizers that act
-    element by element, such as SGD, momentum and Adam; each shard keeps the
-    optimizer state of its own slice, as TensorFlow's PS tasks do, so a transform
-    that needs the global gradient norm would see only its shard's part).
+    In ``"sync"`` mode this equals the single-device step for optimizers that act
+    element by element (SGD, momentum, Adam, AdamW): each shard keeps the optimizer
+    state of its own flat slice, as TensorFlow's PS tasks do, and updates it alone.
+    An optimizer that needs more than one element at a time (``optax.clip_by_global_norm``,
+    the per-parameter norms of LAMB and LARS, a weight-decay mask chosen by path) would
+    see only its shard's slice, so :meth:`init` refuses it, in both modes, after a probe
+    (:func:`~parallelkit.strategies.split_update.check_update_splits`).
 
     A PRNG key and model state (BatchNorm statistics) live with shard 0 and work as
     in :class:`~parallelkit.CentralStorage`: each worker draws its own dropout masks,
@@ -241,6 +246,10 @@ class ParameterServer(OffDeviceStrategy):
       seed: seeds the async workers' schedule.
       worker_times: in ``"async"`` mode, each worker's relative time per gradient
         (equal by default).
+
+    Warns:
+      DeviceSubsetWarning: without ``devices``, when there are more shards than devices, so
+        that some devices hold two shards (shard ``j`` lives beside device ``j % n``).
     """
 
     def __init__(
@@ -266,6 +275,8 @@ class ParameterServer(OffDeviceStrategy):
         if mode == "async":
             worker_time_array(self.num_replicas, self.worker_times)  # a clear error now, not at the first step
         self.shard_storage = tuple(host_sharding(self.devices[j % self.num_replicas]) for j in range(num_shards))
+        if devices is None:
+            warn_if_shared(num_shards, self.devices, f"ParameterServer(num_shards={num_shards})", "shards")
 
     traffic_pattern = "sharded"
     formula = "P = P_1 + ... + P_k"
@@ -319,7 +330,22 @@ class ParameterServer(OffDeviceStrategy):
         model_state: PyTree = None,
         rng: int | jax.Array | None = None,
     ) -> TrainState:
+        """Cut the parameters over the shards and give each shard ``tx.init`` of its own slice.
+
+        Raises:
+          ValueError: an optimizer whose update of the slices differs from its update of the
+            whole tree (see :func:`~parallelkit.strategies.split_update.check_update_splits`),
+            or an ``opt_state`` that is not one state per shard.
+        """
         part = self.partition(params)
+        check_update_splits(
+            tx, params, part.split, part.join, strategy=repr(self),
+            how=f"runs the optimizer on each of its {self.num_shards} shards' flat slices of the parameters "
+            "separately" if self.num_shards > 1 else "runs the optimizer on the parameters flattened into one vector",
+            layout=("parameter server", self.num_shards),
+            what_to_do="Train with an element-wise optimizer (optax.sgd, momentum, adam, adamw without a mask), "
+            "or with SingleDevice, Mirrored or FullySharded, which update every parameter at once.",
+        )  # fmt: skip
         slices = part.split(params)
         if opt_state is not None:  # a given state is per shard: tx.init of each shard's slice
             check_same_tree(jax.eval_shape(lambda: tuple(tx.init(s) for s in slices)), opt_state,

@@ -23,6 +23,7 @@ import jax
 from jax.sharding import Mesh
 
 from .. import partition
+from ..devices import first_devices
 from ..mesh import is_count, make_mesh
 from ..traffic import ExpectedCollective, Sizes
 from .base import PyTree
@@ -54,12 +55,18 @@ class TensorParallel(ShardedStrategy):
       DeviceCountError: ``devices`` that are not ``model`` in number.
       ValueError (at ``init``): unmatched parameters, a spec naming an axis the mesh
         lacks, or a dimension that does not divide by ``model``, each naming the leaf.
+
+    Warns:
+      DeviceSubsetWarning: without ``devices``, when ``model`` is fewer than all the devices
+        (the rest would stay idle; :class:`~parallelkit.Hybrid` can use them).
     """
 
     def __init__(self, model: int, rules: partition.Rules | PyTree | None = None, *, devices=None):
         if not is_count(model):
             raise ValueError(f"TensorParallel(model={model!r}) needs a whole number of devices >= 1.")
-        super().__init__(model if devices is None else devices)  # the first `model` devices by default
+        if devices is None:  # the first `model` devices, with a warning if that leaves some idle
+            devices = first_devices(model, f"TensorParallel(model={model})", every_device_hint(model))
+        super().__init__(devices)
         self.mesh = make_mesh(self.devices, data=1, model=model)
         self.model = model
         self.rules = rules
@@ -82,6 +89,14 @@ class TensorParallel(ShardedStrategy):
 
     def __repr__(self) -> str:
         return f"TensorParallel(model={self.model})"
+
+
+def every_device_hint(model: int) -> str:
+    """What would use every device with ``model`` devices per model replica, for a warning."""
+    total = len(jax.devices())
+    if total % model:
+        return f"a Hybrid(data, model) with data x model = {total}"
+    return f"Hybrid(data={total // model}, model={model})"
 
 
 def _mlp_widths(params: PyTree) -> list[int] | None:

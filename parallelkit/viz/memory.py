@@ -15,7 +15,7 @@ from .placement import format_bytes
 
 
 def memory_figure(
-    measured: Mapping[str, Mapping[str, float]],
+    parts: Mapping[str, Mapping[str, float]],
     formula: Mapping[str, float] | None = None,
     budget: float | None = None,
     title: str = "bytes per device",
@@ -23,10 +23,12 @@ def memory_figure(
     """One stacked bar per strategy: its parts (parameters, optimizer state, ...) in one colour each.
 
     Args:
-      measured: ``{strategy: {part: bytes per device}}``; the parts stack in the order of
-        the first strategy's mapping (a part a strategy lacks counts 0).
+      parts: ``{strategy: {part: bytes per device}}``, wherever they come from (bytes of the
+        placed arrays, the compiler's estimate of the temporaries, a device's memory
+        counters); the parts stack in the order of the first strategy's mapping (a part a
+        strategy lacks counts 0).
       formula: ``{strategy: bytes}``, drawn as a black tick across the bar (e.g. the ZeRO
-        paper's count of the same parts), so measured and formula meet at a glance.
+        paper's count of the same parts), so the bars and the formula meet at a glance.
       budget: a dashed line at this many bytes per device.
       title: drawn above the bars.
 
@@ -34,13 +36,13 @@ def memory_figure(
       The figure; ``fig.axes[0].patches`` are the bars' segments, part by part (all
       strategies' first part, then all strategies' second part, ...).
     """
-    names = list(measured)
-    parts = list(dict.fromkeys(part for row in measured.values() for part in row))
+    names = list(parts)
+    stacked = list(dict.fromkeys(part for row in parts.values() for part in row))
     fig = Figure(figsize=(max(5.0, 1.2 * len(names) + 2.5), 3.8), layout="constrained")
     ax = fig.add_subplot()
     bottoms = [0.0] * len(names)
-    for part in parts:
-        heights = [float(measured[name].get(part, 0)) for name in names]
+    for part in stacked:
+        heights = [float(parts[name].get(part, 0)) for name in names]
         ax.bar(range(len(names)), heights, bottom=bottoms, width=0.6, label=part)
         bottoms = [b + h for b, h in zip(bottoms, heights, strict=True)]
     for i, total in enumerate(bottoms):

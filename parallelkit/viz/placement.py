@@ -174,26 +174,33 @@ def placement_figure(rows: Sequence[LeafPlacement], devices: Sequence[int] | Non
 
 
 def partition_figure(partition: Partition, devices: Sequence[int] | None = None, title: str = "") -> Figure:
-    """What each parameter-server shard holds: one bar per shard, one segment per piece of a variable.
+    """Where the shards' cuts fall, and what each parameter-server shard holds.
 
-    The parameters, flattened in tree order, are cut into contiguous slices (see
-    :meth:`parallelkit.ParameterServer.partition`); a variable may span two shards.
+    The parameters are flattened in tree order into one vector and cut into contiguous
+    slices of near-equal size (see :meth:`parallelkit.ParameterServer.partition`): the
+    cuts fall wherever the element count says, not between variables, so a variable may
+    span two shards. The top panel draws that vector, one segment per variable, with a
+    dashed line at each cut; below, one bar per shard, one segment per piece of a variable.
 
     Args:
       partition: from ``strategy.partition(params)``.
       devices: device ids in worker order (``[d.id for d in strategy.devices]``): shard
         ``j`` lives in the host memory beside ``devices[j % len(devices)]``.
-      title: drawn above the bars.
+      title: drawn above the figure.
 
     Returns:
-      The figure; ``fig.axes[0].patches`` holds one rectangle per piece, shard by
-      shard in the order of ``partition.pieces(j)``: at height ``j``, starting at the
-      piece's offset inside the shard, as wide as its element count.
+      The figure. ``fig.axes[0].patches`` holds one rectangle per piece, shard by shard in
+      the order of ``partition.pieces(j)``: at height ``j``, starting at the piece's offset
+      inside the shard, as wide as its element count. ``fig.axes[1]`` is the flat vector:
+      ``patches`` one segment per variable, in tree order, from its first element's offset;
+      ``lines`` one dashed line per cut, at ``partition.bounds[j][0]`` for ``j >= 1``.
     """
     names = list(dict.fromkeys(partition.paths))
     colors = {name: f"C{k % 10}" for k, name in enumerate(names)}
-    fig = Figure(figsize=(9, 1.2 + 0.45 * partition.num_shards), layout="constrained")
-    ax = fig.add_subplot()
+    fig = Figure(figsize=(9, 2.0 + 0.45 * partition.num_shards), layout="constrained")
+    grid = fig.add_gridspec(2, 1, height_ratios=(1.0, max(partition.num_shards, 1.5)))
+    ax = fig.add_subplot(grid[1])  # the shards first: fig.axes[0]
+    flat = fig.add_subplot(grid[0])
     itemsize = np.dtype(partition.dtype).itemsize
     widest = max(b - a for a, b in partition.bounds)
     for j in range(partition.num_shards):
@@ -221,10 +228,30 @@ def partition_figure(partition: Partition, devices: Sequence[int] | None = None,
     ax.set_yticks(range(partition.num_shards), labels, fontsize=8)
     ax.invert_yaxis()
     ax.set_xlabel("element within the shard")
+    _draw_flat_vector(flat, partition, colors)
     handles = [Patch(color=colors[n]) for n in names]
     fig.legend(handles, [leaf_label(n) for n in names], loc="outside right upper", fontsize=7, frameon=False)
-    ax.set_title(title or f"{partition.num_shards} parameter-server shards: which slice of which variable each holds")
+    fig.suptitle(
+        title or f"{partition.num_shards} parameter-server shards: which slice of which variable each holds",
+        fontsize=10,
+    )
     return fig
+
+
+def _draw_flat_vector(ax, partition: Partition, colors: Mapping[str, str]) -> None:
+    """The parameters as one vector, a segment per variable, and a dashed line at each cut between shards."""
+    offset = 0
+    for path, shape in zip(partition.paths, partition.shapes, strict=True):
+        size = int(np.prod(shape, dtype=np.int64))
+        ax.barh(0, size, left=offset, height=0.6, color=colors[path], edgecolor="white")
+        offset += size
+    for j, (a, b) in enumerate(partition.bounds):
+        if j:
+            ax.axvline(a, color="black", linestyle="--", linewidth=1.2)
+        ax.text((a + b) / 2, 0.45, f"shard {j}", ha="center", va="bottom", fontsize=8)
+    ax.set(xlim=(0, offset), ylim=(-0.4, 0.9), yticks=[])
+    ax.set_xlabel(f"element of the flat vector (all {offset:,} parameters, in tree order); dashed: a cut", fontsize=8)
+    ax.tick_params(labelsize=7)
 
 
 def annotate_bar(ax, bar, text: str) -> None:

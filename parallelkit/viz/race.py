@@ -41,7 +41,8 @@ def race_figure(standings: RaceStandings, title: str = "") -> Figure:
     Strategies that have not run yet have no bar (``nan``). On simulated devices the
     title says how they use the cores (:attr:`DeviceSummary.simulation
     <parallelkit.devices.DeviceSummary.simulation>`): sharing them, the times show
-    overhead, not speed-up; one core each, speed-ups are real.
+    overhead, not speed-up; one core each, the devices compute in parallel (whether that
+    beats one device depends on how many cores the one device is given).
 
     Returns:
       The figure; bar ``k`` of ``axes[0].patches`` has height ``rows[k].median_seconds * 1e3``,

@@ -1,0 +1,68 @@
+"""How long each notebook of the course takes to run top to bottom, on this machine.
+
+Each notebook runs once, in order, in a fresh kernel in a scratch directory, exactly
+as ``make course`` and the test suite run them (``pk.course.execute``: the kernel
+starts without this process's ``XLA_FLAGS`` and ``PJRT_NPROC``). The wall time of each
+run, kernel start included, is recorded with the machine's core count: the figure the
+README's notebook paragraph quotes.
+
+Run it when nothing else uses the cores (other work slows the notebooks with it):
+
+    .venv/bin/python benchmarks/notebooks.py        # about ten minutes on 2 cores
+
+It prints one line per notebook and writes ``benchmarks/results/notebooks.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--only", nargs="+", help="these notebooks (file names), not all")
+    parser.add_argument("--timeout", type=int, default=600, help="seconds for each cell")
+    parser.add_argument("--out", default="benchmarks/results/notebooks.json")
+    args = parser.parse_args(argv)
+
+    from parallelkit.course import NOTEBOOKS, execute
+
+    paths = sorted(NOTEBOOKS.glob("*.ipynb"))
+    if args.only:
+        unknown = set(args.only) - {p.name for p in paths}
+        if unknown:
+            raise SystemExit(f"--only {sorted(unknown)}: not in {NOTEBOOKS}; choose from {[p.name for p in paths]}.")
+        paths = [p for p in paths if p.name in args.only]
+    seconds: dict[str, float] = {}
+    for path in paths:
+        with tempfile.TemporaryDirectory() as workdir:
+            start = time.perf_counter()
+            execute(path, Path(workdir), timeout=args.timeout)
+            seconds[path.name] = time.perf_counter() - start
+        print(f"{path.name:<40}{seconds[path.name]:>8.1f} s", flush=True)
+    slowest = max(seconds, key=seconds.get)
+    print(f"slowest: {slowest}, {seconds[slowest]:.1f} s; all: {sum(seconds.values()):.0f} s")
+    record = {
+        "what": "each notebook run top to bottom in a fresh kernel (pk.course.execute), kernel start included",
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "platform": platform.platform(), "processor": platform.processor(),
+        "cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+        "args": vars(args), "seconds": seconds, "slowest": slowest, "max_s": seconds[slowest],
+        "total_s": sum(seconds.values()),
+    }  # fmt: skip
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(record, indent=1))
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
