@@ -233,8 +233,8 @@ def main() -> None:
         "what": "central storage and parameter servers against a hand-written central storage",
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"), "jax": jax.__version__,
         "machine": platform.platform(), "device": f"{len(devices)} simulated CPU devices",
-        "model": "MLP 784-1024-1024-10, SGD", "args": vars(args), "rows": rows, "stages_ms": stages,
-        "trace_ms_per_step": trace,
+        "model": "MLP 784-1024-1024-10, SGD", "args": {**vars(args), "trace": bool(args.trace)},
+        "rows": rows, "stages_ms": stages, "trace_ms_per_step": trace,
         "seconds": {name: t for name, t in per_step.items()},
     }  # fmt: skip
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

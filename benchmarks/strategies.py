@@ -3,7 +3,8 @@
 For each device count a fresh child process (the simulated device count is fixed
 per process) trains the same model on the same NumPy batches from the same initial
 parameters with every strategy of ``pk.tour.STRATEGIES`` (SingleDevice, Mirrored
-jit and pmap, CentralStorage, ParameterServer). The first call of each (trace +
+jit and pmap, CentralStorage, ParameterServer sync and async, TensorParallel,
+FullySharded, MultiWorkerMirrored in this process). The first call of each (trace +
 compile + one step) is reported apart; after a few untimed warm-up steps, ``--steps``
 timed steps run with the strategies interleaved round by round (a fresh random order
 each round, seeded), so that machine noise hits all of them alike. Each step is
@@ -11,7 +12,8 @@ timed up to ``jax.block_until_ready`` on its output state, with the garbage
 collector off. Reported: median, p10, p90 step time, the ratio of medians to
 SingleDevice and to Mirrored(jit), and max |param - SingleDevice param| at the end
 (the run stops with an error above rtol 1e-5 / atol 1e-6: comparing different
-computations would be worthless).
+computations would be worthless; the asynchronous parameter server, which differs by
+design, is reported but not checked).
 
 On simulated CPU devices (one processor split into N "devices") these times show
 what each strategy's extra work costs (copies between memories, more programs per
@@ -100,6 +102,8 @@ def _child(args: argparse.Namespace) -> dict:
     trained = {name: run["strategy"].unreplicate(run["state"].params) for name, run in runs.items()}
     reference = trained["SingleDevice"]
     for name, tree in trained.items():
+        if name in pk.tour.MEANT_TO_DIFFER:  # the asynchronous parameter server differs by design
+            continue
         for got, want in zip(jax.tree.leaves(tree), jax.tree.leaves(reference), strict=True):
             np.testing.assert_allclose(got, want, rtol=RTOL, atol=ATOL, err_msg=f"{name} left SingleDevice")
     summary = pk.device_summary()

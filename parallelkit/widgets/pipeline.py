@@ -68,7 +68,7 @@ class PipelineExplorer:
             stages = w.IntSlider(min(2, self.max_stages), 1, self.max_stages, description="stages")
             micro = w.SelectionSlider(options=self.microbatch_choices, value=self.microbatch_choices[-1])
             micro.description = "microbatches"
-            schedule = w.ToggleButtons(options=["gpipe", "1f1b"], value="gpipe")
+            schedule = w.ToggleButtons(options=["gpipe", "1f1b"], value="gpipe", description="schedule")
             label = w.HTML().add_class("pk-pipeline-label")
             image = w.Image(format="png").add_class("pk-pipeline-image")
 
