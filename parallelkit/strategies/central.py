@@ -62,7 +62,7 @@ def host_sharding(device: jax.Device) -> SingleDeviceSharding:
     kinds = {m.kind for m in device.addressable_memories()}
     if HOST_MEMORY in kinds:
         return SingleDeviceSharding(device, memory_kind=HOST_MEMORY)
-    return SingleDeviceSharding(jax.devices("cpu")[0])
+    return SingleDeviceSharding(jax.local_devices(backend="cpu")[0])
 
 
 def compute_sharding(sharding: SingleDeviceSharding) -> SingleDeviceSharding:

@@ -124,7 +124,7 @@ def check_update_splits(
 
     head = f"{strategy} {how}, "
     try:
-        with jax.default_device(jax.devices("cpu")[0]):
+        with jax.default_device(jax.local_devices(backend="cpu")[0]):
             grads = [probe_gradients(params, scale) for scale in SCALES]
             updates = jax.device_get(jax.jit(probe)(params, grads))
     except _PieceFailed as failed:
