@@ -5,6 +5,7 @@
 1
 """
 
+from . import axes as axes
 from . import checkpoint as checkpoint
 from . import collectives as collectives
 from . import costmodel as costmodel
@@ -20,8 +21,13 @@ from . import pipeline as pipeline
 from . import schedules as schedules
 from . import traffic as traffic
 from .axes import DATA as DATA
+from .axes import EXPERT as EXPERT
+from .axes import FSDP as FSDP
 from .axes import MODEL as MODEL
+from .axes import SEQ as SEQ
 from .axes import STAGE as STAGE
+from .axes import AxisRules as AxisRules
+from .axes import constrain as constrain
 from .devices import DeviceCountError as DeviceCountError
 from .devices import DeviceSubsetWarning as DeviceSubsetWarning
 from .devices import device_summary as device_summary
@@ -29,6 +35,7 @@ from .devices import simulate_devices as simulate_devices
 from .pipeline import Pipeline as Pipeline
 from .prefetch import Placed as Placed
 from .prefetch import prefetch as prefetch
+from .strategies import SPMD as SPMD
 from .strategies import CentralStorage as CentralStorage
 from .strategies import FullySharded as FullySharded
 from .strategies import Hybrid as Hybrid

@@ -1,5 +1,139 @@
-"""Mesh axis names, in one place (as haliax's ``ResourceAxis``)."""
+"""Mesh axis names, and logical axis rules that map a model's axis names onto them.
+
+The mesh axes live in one place (as haliax's ``ResourceAxis``). A model names the
+axes of its arrays by what they mean (``batch``, ``length``, ``embed``, ``heads``,
+``mlp``, ``vocab``, ``expert``); :class:`AxisRules` says which mesh axis, if any,
+splits each of them, as MaxText's ``logical_axis_rules`` do. Model code calls
+:func:`constrain` on its activations: under a strategy whose rules are active it
+becomes ``jax.lax.with_sharding_constraint``, anywhere else it returns its input.
+
+>>> rules = AxisRules((("batch", "data"), ("length", "seq")))
+>>> rules.spec(("batch", "length", "embed"))
+P('data', 'seq', None)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import jax
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 DATA = "data"  # replicas: each holds a slice of the batch
-MODEL = "model"  # tensor parallelism: each holds a slice of the weights
+FSDP = "fsdp"  # fully sharded data parallelism: a slice of the batch and of every large weight
 STAGE = "stage"  # pipeline parallelism: each holds some of the layers
+SEQ = "seq"  # sequence parallelism: each holds a slice of the tokens
+EXPERT = "expert"  # expert parallelism: each holds some of the experts
+MODEL = "model"  # tensor parallelism: each holds a slice of the weights
+
+MeshAxes = str | tuple[str, ...] | None  # what one logical axis maps to: a mesh axis, several, or none
+
+
+@dataclass(frozen=True)
+class AxisRules:
+    """Logical axis name -> mesh axis (or axes, or ``None`` for replicated), first rule wins.
+
+    A logical name no rule mentions is replicated in a parameter's or a batch's spec, and
+    left to the compiler in :func:`constrain`. Within one array a mesh axis splits
+    at most one dimension: a later name whose mesh axis is already used is replicated
+    (MaxText's rule), so ``("batch", "length")`` with both on ``data`` splits only the batch.
+
+    Args:
+      rules: ``(logical name, mesh axis or axes or None)`` pairs.
+    """
+
+    rules: tuple[tuple[str, MeshAxes], ...] = ()
+
+    def __post_init__(self) -> None:
+        pairs = tuple(tuple(pair) for pair in self.rules)
+        for pair in pairs:
+            if len(pair) != 2 or not isinstance(pair[0], str) or not _is_mesh_axes(pair[1]):
+                raise ValueError(
+                    f"An axis rule is a pair (logical name, mesh axis or tuple of axes or None), got {pair!r}."
+                )
+        object.__setattr__(self, "rules", pairs)
+
+    def mesh_axes(self, name: str | None) -> MeshAxes:
+        """The mesh axes of one logical name (``None``: replicated, also for a name no rule mentions)."""
+        for logical, axes in self.rules:
+            if logical == name:
+                return axes
+        return None
+
+    def spec(self, names: Sequence[str | None], unknown: object = None) -> P:
+        """The ``PartitionSpec`` of an array whose dimensions are called ``names``.
+
+        Args:
+          names: one logical name (or None) per dimension.
+          unknown: the entry of a name no rule mentions: ``None`` (replicated) or ``P.UNCONSTRAINED``.
+        """
+        used: set[str] = set()
+        entries = []
+        for name in names:
+            if name is not None and all(logical != name for logical, _ in self.rules):
+                entries.append(unknown)
+                continue
+            axes = self.mesh_axes(name)
+            group = () if axes is None else (axes,) if isinstance(axes, str) else axes
+            if any(axis in used for axis in group):
+                group = ()
+            used.update(group)
+            entries.append(None if not group else group[0] if len(group) == 1 else tuple(group))
+        return P(*entries)
+
+    def check(self, mesh: Mesh) -> None:
+        """Raise a ValueError when a rule names a mesh axis that ``mesh`` lacks."""
+        for logical, axes in self.rules:
+            for axis in () if axes is None else (axes,) if isinstance(axes, str) else axes:
+                if axis not in mesh.shape:
+                    raise ValueError(
+                        f"The axis rule {logical!r} -> {axes!r} names mesh axis {axis!r}, but the mesh has only "
+                        f"{tuple(mesh.shape)}. Build the mesh with that axis (pk.mesh.make_mesh({axis}=...)) "
+                        f"or map {logical!r} to one of its axes (or None)."
+                    )
+
+
+def _is_mesh_axes(axes: object) -> bool:
+    return axes is None or isinstance(axes, str) or (isinstance(axes, tuple) and all(isinstance(a, str) for a in axes))
+
+
+_ACTIVE: contextvars.ContextVar[tuple[Mesh, AxisRules] | None] = contextvars.ContextVar("axis_rules", default=None)
+
+
+@contextlib.contextmanager
+def active_rules(mesh: Mesh, rules: AxisRules) -> Iterator[None]:
+    """Make :func:`constrain` use ``rules`` on ``mesh`` inside the block (a strategy wraps its tracing in it)."""
+    token = _ACTIVE.set((mesh, rules))
+    try:
+        yield
+    finally:
+        _ACTIVE.reset(token)
+
+
+def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
+    """``x`` laid out as the active rules say for dimensions called ``names``; ``x`` itself when none are active.
+
+    Rules are active while a strategy built with them traces its step
+    (:class:`parallelkit.strategies.spmd.SPMD`); on one device, under ``pmap`` or in
+    plain code this returns ``x`` unchanged. A name no rule mentions leaves its dimension
+    to the compiler (``P.UNCONSTRAINED``), so a preset whose rules name only ``batch``
+    keeps the layout its parameter specs imply (tensor-parallel heads stay split).
+
+    >>> import jax.numpy as jnp
+    >>> constrain(jnp.ones((2, 3)), ("batch", "embed")).shape
+    (2, 3)
+
+    Raises:
+      ValueError: ``names`` with a different count from ``x``'s dimensions.
+    """
+    if len(names) != x.ndim:
+        raise ValueError(f"constrain got {len(names)} axis names {tuple(names)} for an array of shape {x.shape}.")
+    active = _ACTIVE.get()
+    if active is None:
+        return x
+    mesh, rules = active
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, rules.spec(names, unknown=P.UNCONSTRAINED)))

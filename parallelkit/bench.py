@@ -59,7 +59,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -119,30 +119,16 @@ def _model(name: str):
     return models.classifier_loss(apply), params, layers, dataset
 
 
-def _strategies(n: int, layers) -> dict[str, Callable]:
-    """Every strategy that fits ``n`` devices, by name (SingleDevice first: the yardstick)."""
-    import jax
+def _strategies(n: int, only: Sequence[str] | None = None) -> list:
+    """The catalog's bench entries that fit ``n`` devices (``only`` those named), the yardstick first and always.
 
-    import parallelkit as pk
+    On one device the yardstick (:func:`parallelkit.strategies.catalog.reference`) runs alone.
+    """
+    from .strategies import catalog
 
-    made: dict[str, Callable] = {"SingleDevice": pk.SingleDevice}
-    if n == 1:
-        return made
-    made |= {
-        "Mirrored(jit)": lambda: pk.Mirrored(n, backend="jit"),
-        "Mirrored(pmap)": lambda: pk.Mirrored(n, backend="pmap"),
-        "Mirrored(ring)": lambda: pk.Mirrored(n, allreduce="ring"),
-        "CentralStorage": lambda: pk.CentralStorage(n),
-        "PS(2 shards)": lambda: pk.ParameterServer(2, devices=n),
-        "TensorParallel": lambda: pk.TensorParallel(n, devices=jax.devices()[:n]),
-        "FullySharded(3)": lambda: pk.FullySharded(3, n),
-    }
-    if n >= 4:
-        made["Hybrid(data x 2)"] = lambda: pk.Hybrid(n // 2, 2, devices=jax.devices()[: n // 2 * 2])
-    made["Pipeline(2 stages)"] = lambda: pk.Pipeline(
-        layers.apply, 2, microbatches=4, data=n // 2, devices=jax.devices()[: n // 2 * 2]
-    )
-    return made
+    yardstick = catalog.reference()
+    fits = [e for e in catalog.entries(bench=True) if e is not yardstick and 1 < n and e.min_devices <= n]
+    return [yardstick, *(e for e in fits if not only or e.name in only)]
 
 
 def _measure(strategy, loss, params, batches, warmup: int):
@@ -223,21 +209,18 @@ def _child(args: argparse.Namespace) -> list[dict]:
     size = args.batch_per_device * n
     batches = list(pk.data.batches(dataset, size, steps=1 + args.warmup + args.steps, seed=0))
     rows, reference = [], None
-    for name, make in _strategies(n, layers).items():
-        if args.strategies and name != "SingleDevice" and name not in args.strategies:
-            continue
-        strategy = make()
-        is_pipe = isinstance(strategy, pk.Pipeline)
-        model_loss, model_params = (pk.models.cross_entropy, layers.params) if is_pipe else (loss, params)
+    for entry in _strategies(n, args.strategies):
+        strategy = entry.make(n, layers.apply) if entry.layers else entry.make(n)
+        model_loss, model_params = (pk.models.cross_entropy, layers.params) if entry.layers else (loss, params)
         extras = _extras(strategy, model_loss, model_params, batches[0])
         state, compile_s, seconds = _measure(strategy, model_loss, model_params, batches, args.warmup)
         trained = strategy.unreplicate(state.params)
         reference = trained if reference is None else reference  # SingleDevice runs first
         against = reference
-        if is_pipe:  # the same layers composed on one device
+        if entry.layers:  # the same layers composed on one device
             single_loss = pk.pipeline.sequential_loss(layers.apply, pk.models.cross_entropy)
             against = trained_params(pk.SingleDevice(), single_loss, layers.params, batches)
-        rows.append(asdict(_row(name, n, 1, size, compile_s, seconds, extras, compare(trained, against))))
+        rows.append(asdict(_row(entry.name, n, 1, size, compile_s, seconds, extras, compare(trained, against))))
     return rows
 
 
@@ -320,7 +303,10 @@ def yardsticks(cores_as_devices: bool) -> dict[str, str]:
 
 def add_ratios(rows: list[dict]) -> None:
     """Set each row's ``speedup``, ``throughput_ratio`` and ``scaling_efficiency`` (see :func:`yardsticks`)."""
-    singles = {r["devices"]: r for r in rows if r["strategy"] == "SingleDevice" and r["processes"] == 1}
+    from .strategies import catalog
+
+    yardstick = catalog.reference().name
+    singles = {r["devices"]: r for r in rows if r["strategy"] == yardstick and r["processes"] == 1}
     one = singles.get(1)
     for r in rows:
         same = singles.get(r["devices"])  # same global batch, same cores

@@ -43,7 +43,7 @@ Rabenseifner and Gropp, 2005) applied round by round. Its assumptions, all of th
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from .collectives import ALGORITHMS, ring_pairs
@@ -236,31 +236,76 @@ class Prediction:
     idle_s: float = 0.0  # a pipeline's bubble: devices waiting for their neighbours
 
 
-STRATEGIES = (
-    "single",
-    "mirrored",
-    "fully_sharded",
-    "central_storage",
-    "parameter_server",
-    "tensor",
-    "hybrid",
-    "pipeline",
-)
-MODEL_PARALLEL = ("tensor", "hybrid", "pipeline")  # these take ``model``: devices per group (stages)
+@dataclass(frozen=True)
+class Options:
+    """What a pattern's communication depends on beyond the workload and the cluster."""
+
+    allreduce: str  # the all-reduce algorithm of data parallelism
+    shards: int  # parameter servers
+    model: int  # devices per model-parallel group (stages for a pipeline); 1 for data parallelism
+    microbatches: int
+
+
+@dataclass(frozen=True)
+class Pattern:
+    """How one step of a family of strategies communicates.
+
+    ``communication(workload, cluster, options)`` returns (gradient seconds, which overlap can
+    hide; activation seconds, which it cannot). ``model`` says what ``model=`` means:
+    ``"none"`` (data parallelism: no model groups), ``"all"`` (one group of every device),
+    ``"given"`` (groups of ``model``, which must be given) or ``"stages"`` (pipeline stages,
+    every device by default, with the bubble in the step's time).
+    """
+
+    communication: Callable[[Workload, Cluster, Options], tuple[float, float]]
+    model: str = "none"
+
+
+PATTERNS: dict[str, Pattern] = {}  # by name; see register_pattern
+
+
+def register_pattern(name: str, pattern: Pattern) -> Pattern:
+    """Let :func:`predict` take ``name``: a strategy family whose step communicates as ``pattern`` says.
+
+    A strategy in :mod:`parallelkit.strategies.catalog` names its pattern (``cost_pattern``).
+
+    Raises:
+      ValueError: a pattern of that name exists.
+    """
+    if name in PATTERNS:
+        raise ValueError(f"The cost model already has a pattern {name!r}.")
+    if pattern.model not in ("none", "all", "given", "stages"):
+        raise ValueError(f"Pattern(model={pattern.model!r}): choose 'none', 'all', 'given' or 'stages'.")
+    PATTERNS[name] = pattern
+    return pattern
+
+
+def _pattern(strategy: str) -> Pattern:
+    """The pattern ``strategy`` names: a pattern's own name, or a catalog entry's (its ``cost_pattern``)."""
+    if strategy in PATTERNS:
+        return PATTERNS[strategy]
+    from .strategies import catalog  # the catalog builds strategies; the cost model needs it only here
+
+    try:
+        return PATTERNS[catalog.get(strategy).cost_pattern]
+    except KeyError:
+        names = [e.name for e in catalog.entries()]
+        raise ValueError(f"Unknown strategy {strategy!r}: choose one of {list(PATTERNS)} or {names}.") from None
 
 
 def _model_size(cluster: Cluster, strategy: str, model: int | None) -> int:
     """Devices per model-parallel group (stages for a pipeline), checked; 1 for data-parallel strategies."""
-    n = cluster.devices
-    if strategy not in MODEL_PARALLEL:
+    n, kind = cluster.devices, _pattern(strategy).model
+    if kind == "none":
         if model not in (None, 1):
-            raise ValueError(f"{strategy} does not split the model; model={model} is for {MODEL_PARALLEL}.")
+            parallel = [name for name, p in PATTERNS.items() if p.model != "none"]
+            raise ValueError(f"{strategy} does not split the model; model={model} is for {parallel}.")
         return 1
     k = n if model is None else model
-    if strategy == "hybrid" and model is None:
-        raise ValueError("hybrid needs model=k: the devices per tensor-parallel group (the model axis).")
-    if strategy == "tensor" and k != n:
-        raise ValueError(f"tensor splits every weight over all {n} devices; use hybrid for model={k} groups.")
+    if kind == "given" and model is None:
+        raise ValueError(f"{strategy} needs model=k: the devices per tensor-parallel group (the model axis).")
+    if kind == "all" and k != n:
+        raise ValueError(f"{strategy} splits every weight over all {n} devices; use hybrid for model={k} groups.")
     if not (isinstance(k, int) and k >= 1 and n % k == 0):
         raise ValueError(f"model={k!r} must be a whole number >= 1 that divides the {n} devices.")
     return k
@@ -280,28 +325,80 @@ def _rings_seconds(cluster: Cluster, rings: list[list[int]], nbytes: float) -> f
     return sum(cluster.round_seconds(r) for r in _ring_rounds(rings, nbytes))
 
 
-def _model_parallel_seconds(
-    workload: Workload, cluster: Cluster, strategy: str, k: int, microbatches: int
-) -> tuple[float, float]:
-    """(gradient seconds over the data groups, activation seconds on the critical path)."""
-    along, across = _groups(cluster.devices, k)
-    gradients = _rings_seconds(cluster, across, workload.param_bytes / k)  # each device's 1/k slice
-    replica_batch = k * workload.batch_per_device
+def _gradient_groups(workload: Workload, cluster: Cluster, k: int) -> float:
+    """The all-reduce of each device's ``1/k`` gradient slice over its data group."""
+    _, across = _groups(cluster.devices, k)
+    return _rings_seconds(cluster, across, workload.param_bytes / k)
+
+
+def _tensor(workload: Workload, cluster: Cluster, options: Options) -> tuple[float, float]:
+    """Each of the workload's activation all-reduces over every model group at once, and the gradient slices."""
+    k = options.model
+    gradients = _gradient_groups(workload, cluster, k)
     if k == 1:
         return gradients, 0.0
-    if strategy in ("tensor", "hybrid"):
-        if not workload.activation_allreduces:
-            raise ValueError(
-                "Tensor parallelism all-reduces activations: give Workload(activation_allreduces=...), "
-                "bytes per sample of each (for the kit's MLP, megatron_mlp_allreduces(1, widths) x item size)."
-            )
-        activations = sum(_rings_seconds(cluster, along, replica_batch * b) for b in workload.activation_allreduces)
-        return gradients, activations
+    if not workload.activation_allreduces:
+        raise ValueError(
+            "Tensor parallelism all-reduces activations: give Workload(activation_allreduces=...), "
+            "bytes per sample of each (for the kit's MLP, megatron_mlp_allreduces(1, widths) x item size)."
+        )
+    along, _ = _groups(cluster.devices, k)
+    replica_batch = k * workload.batch_per_device
+    activations = sum(_rings_seconds(cluster, along, replica_batch * b) for b in workload.activation_allreduces)
+    return gradients, activations
+
+
+def _pipeline(workload: Workload, cluster: Cluster, options: Options) -> tuple[float, float]:
+    """``2 (m + s - 1)`` sends of one microbatch's boundary activation, and each stage's gradient slice."""
+    k = options.model
+    gradients = _gradient_groups(workload, cluster, k)
+    if k == 1:
+        return gradients, 0.0
     if not workload.boundary_bytes:
         raise ValueError("A pipeline sends activations between stages: give Workload(boundary_bytes=...) per sample.")
-    sent = workload.boundary_bytes * replica_batch / microbatches  # what one device sends after a slot
+    along, _ = _groups(cluster.devices, k)
+    sent = workload.boundary_bytes * k * workload.batch_per_device / options.microbatches  # one device, one slot
     one_slot = max(cluster.round_seconds([(g[s], g[s + 1], sent) for g in along]) for s in range(k - 1))
-    return gradients, 2 * (microbatches + k - 1) * one_slot
+    return gradients, 2 * (options.microbatches + k - 1) * one_slot
+
+
+def _single(workload: Workload, cluster: Cluster, options: Options) -> tuple[float, float]:
+    return 0.0, 0.0
+
+
+def _mirrored(workload: Workload, cluster: Cluster, options: Options) -> tuple[float, float]:
+    return allreduce_seconds(cluster, workload.param_bytes, options.allreduce), 0.0
+
+
+def _fully_sharded(workload: Workload, cluster: Cluster, options: Options) -> tuple[float, float]:
+    return 1.5 * allreduce_seconds(cluster, workload.param_bytes, "ring"), 0.0
+
+
+def _central_storage(workload: Workload, cluster: Cluster, options: Options) -> tuple[float, float]:
+    if cluster.machines > 1:
+        raise ValueError("central_storage keeps the parameters in one machine's memory: use machines=1.")
+    return 2 * cluster.inside.seconds(workload.param_bytes), 0.0  # pull then push, every device on its own link
+
+
+def _parameter_server(workload: Workload, cluster: Cluster, options: Options) -> tuple[float, float]:
+    link, p = cluster.network or cluster.inside, workload.param_bytes
+    server = cluster.devices * p / options.shards  # each server's link carries its share for every device
+    worker_machine = cluster.devices_per_machine * p if cluster.machines > 1 else p
+    return 2 * link.seconds(max(server, worker_machine)), 0.0
+
+
+for _name, _built_in in (
+    ("single", Pattern(_single)),
+    ("mirrored", Pattern(_mirrored)),
+    ("fully_sharded", Pattern(_fully_sharded)),
+    ("central_storage", Pattern(_central_storage)),
+    ("parameter_server", Pattern(_parameter_server)),
+    ("tensor", Pattern(_tensor, model="all")),
+    ("hybrid", Pattern(_tensor, model="given")),
+    ("pipeline", Pattern(_pipeline, model="stages")),
+):
+    register_pattern(_name, _built_in)
+STRATEGIES = PATTERNS  # the names predict takes besides the catalog's (kept under its earlier name)
 
 
 def _communication(
@@ -314,28 +411,13 @@ def _communication(
     microbatches: int,
 ) -> tuple[float, float]:
     """(gradient communication, which overlap can hide; activation communication, which it cannot)."""
-    n, p = cluster.devices, workload.param_bytes
-    if strategy not in STRATEGIES:
-        raise ValueError(f"Unknown strategy {strategy!r}: choose one of {STRATEGIES}.")
     k = _model_size(cluster, strategy, model)
     if not (isinstance(microbatches, int) and microbatches >= 1):
         raise ValueError(f"microbatches={microbatches!r} must be a whole number >= 1.")
-    if strategy in MODEL_PARALLEL:
-        return _model_parallel_seconds(workload, cluster, strategy, k, microbatches)
-    if strategy == "single" or n == 1:
+    pattern = _pattern(strategy)
+    if cluster.devices == 1 and pattern.model == "none":
         return 0.0, 0.0
-    if strategy == "mirrored":
-        return allreduce_seconds(cluster, p, allreduce), 0.0
-    if strategy == "fully_sharded":
-        return 1.5 * allreduce_seconds(cluster, p, "ring"), 0.0
-    if strategy == "central_storage":
-        if cluster.machines > 1:
-            raise ValueError("central_storage keeps the parameters in one machine's memory: use machines=1.")
-        return 2 * cluster.inside.seconds(p), 0.0  # pull then push, every device on its own link at once
-    link = cluster.network or cluster.inside  # parameter_server
-    server = n * p / shards  # each server's link carries its share for every device
-    worker_machine = cluster.devices_per_machine * p if cluster.machines > 1 else p
-    return 2 * link.seconds(max(server, worker_machine)), 0.0
+    return pattern.communication(workload, cluster, Options(allreduce, shards, k, microbatches))
 
 
 def communication_seconds(
@@ -400,7 +482,7 @@ def predict(
     """
     compute = workload.seconds_per_sample * workload.batch_per_device
     hideable, critical = _communication(workload, cluster, strategy, allreduce, shards, model, microbatches)
-    stages = _model_size(cluster, strategy, model) if strategy == "pipeline" else 1
+    stages = _model_size(cluster, strategy, model) if _pattern(strategy).model == "stages" else 1
     idle = (stages - 1) / microbatches * compute  # the bubble: (s-1)/(m+s-1) of the pipeline's time
     exposed = critical + max(hideable - workload.overlap * compute, 0.0)
     step = compute + idle + exposed

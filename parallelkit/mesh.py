@@ -1,4 +1,4 @@
-"""The one mesh factory: devices laid out on named axes (``data``, ``stage``, ``model``).
+"""The one mesh factory: devices laid out on named axes (``data``, ``fsdp``, ``stage``, ``seq``, ``expert``, ``model``).
 
 Every strategy builds its mesh here, so a mesh always has the same axis names and
 order and the same errors for shapes that do not fit. A mesh holds only the axes
@@ -19,10 +19,11 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from .axes import DATA, MODEL, STAGE
+from .axes import DATA, EXPERT, FSDP, MODEL, SEQ, STAGE
 from .devices import DeviceCountError
 
-AXES = (DATA, STAGE, MODEL)  # outer to inner: model-parallel groups get neighbouring devices
+# Outer to inner: model-parallel groups get neighbouring devices. Other names follow these, in the order given.
+AXES = (DATA, FSDP, STAGE, SEQ, EXPERT, MODEL)
 
 
 def is_count(size: object) -> bool:
@@ -38,31 +39,36 @@ def make_mesh(
     devices: Sequence[jax.Device] | None = None,
     *,
     data: int | None = None,
-    stage: int | None = None,
-    model: int | None = None,
+    **axes: int | None,
 ) -> Mesh:
     """A mesh over ``devices`` (all by default) with the named axes given.
 
-    Axes left out are absent; ``data=None`` next to other axes takes whatever
-    devices remain (``devices / (stage x model)``). The product of the axis sizes
-    must equal the number of devices. Devices keep their order, with ``model``
-    innermost: the devices of one tensor-parallel group are neighbours, which on
-    real machines usually share the fastest links.
+    Axes left out (or given as ``None``) are absent; ``data=None`` next to other axes
+    takes whatever devices remain (``devices / (stage x model)``, say). The product of
+    the axis sizes must equal the number of devices. The kit's axes come in the fixed
+    outer-to-inner order ``data``, ``fsdp``, ``stage``, ``seq``, ``expert``, ``model``
+    (:data:`AXES`); any other name comes after them, in the order given. Devices keep
+    their order, so with ``model`` innermost the devices of one tensor-parallel group
+    are neighbours, which on real machines usually share the fastest links.
+
+    >>> dict(make_mesh(jax.devices()[:1], seq=1, data=1).shape)
+    {'data': 1, 'seq': 1}
 
     Args:
       devices: the devices, in order; ``jax.devices()`` by default.
-      data, stage, model: axis sizes (whole numbers >= 1).
+      data: the ``data`` axis size; ``None`` takes the devices the other axes leave.
+      **axes: other axis sizes by name (``stage``, ``model``, ``seq``, ...; whole numbers >= 1).
 
     Returns:
-      A ``jax.sharding.Mesh`` with the axes in the order ``data``, ``stage``, ``model``,
-      each with ``AxisType.Auto`` (shardings propagate through the program, as with ``Mesh(...)``).
+      A ``jax.sharding.Mesh`` with the axes in that order, each with ``AxisType.Auto``
+      (shardings propagate through the program, as with ``Mesh(...)``).
 
     Raises:
       ValueError: an axis size that is not a whole number >= 1, or sizes whose product
         is not the device count (the message names the numbers).
     """
     devices = list(jax.devices() if devices is None else devices)
-    sizes = {DATA: data, STAGE: stage, MODEL: model}
+    sizes = {DATA: data, **{name: axes[name] for name in AXES if name in axes}, **axes}
     for name, size in sizes.items():
         if size is not None and not is_count(size):
             raise ValueError(f"Mesh axis {name!r} needs a whole number >= 1, got {size!r}.")
@@ -80,7 +86,7 @@ def make_mesh(
             f"A mesh of {_spell(shape)} needs {math.prod(shape.values())} devices, but {len(devices)} were given. "
             "Make the axis sizes multiply to the device count, or pass that many devices."
         )
-    names = tuple(name for name in AXES if name in shape)
+    names = tuple(shape)
     grid = np.array(devices, dtype=object).reshape([shape[name] for name in names])
     return Mesh(grid, names, axis_types=(jax.sharding.AxisType.Auto,) * len(names))
 

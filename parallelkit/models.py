@@ -20,6 +20,8 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from .axes import constrain
+
 Apply = Callable[[dict, jax.Array], jax.Array]
 
 
@@ -89,6 +91,11 @@ class Transformer(nnx.Module):
     and ``out`` Dense layers so that its heads are contiguous column blocks, which is
     what a tensor-parallel rule splits.
 
+    Activations name their axes with :func:`parallelkit.axes.constrain` (``batch``,
+    ``length``, ``embed``, ``heads``, ``mlp``): under :class:`parallelkit.SPMD` rules
+    that map ``length`` to ``seq`` the tokens are split over that mesh axis; elsewhere
+    the calls do nothing.
+
     Dropout is active when ``rngs`` (a PRNG key) is passed to ``__call__``.
     """
 
@@ -115,7 +122,7 @@ class Transformer(nnx.Module):
 
     def __call__(self, x: jax.Array, *, rngs: jax.Array | None = None) -> jax.Array:
         x = x.reshape(x.shape[0], x.shape[1], -1)  # (batch, tokens, features of a token)
-        x = self.embed(x) + self.position[None]
+        x = constrain(self.embed(x) + self.position[None], ("batch", "length", "embed"))
         keys = [None] * len(self.blocks) if rngs is None else list(jax.random.split(rngs, len(self.blocks)))
         for block, key in zip(self.blocks, keys, strict=True):
             x = block(x, self.heads, self.dropout_rate, key)
@@ -138,12 +145,16 @@ class _Block(nnx.Module):
         batch, tokens, dim = x.shape
         keys = [None] * 3 if key is None else list(jax.random.split(key, 3))
         h = self.attn_norm(x)
-        q, k, v = (layer(h).reshape(batch, tokens, heads, dim // heads) for layer in (self.query, self.key, self.value))
+        q, k, v = (
+            constrain(layer(h).reshape(batch, tokens, heads, dim // heads), ("batch", "length", "heads", None))
+            for layer in (self.query, self.key, self.value)
+        )
         weights = jax.nn.softmax(jnp.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(dim // heads), axis=-1)
         weights = _dropout(weights, rate, keys[0])
         attended = jnp.einsum("bhqk,bkhd->bqhd", weights, v).reshape(batch, tokens, dim)
-        x = x + _dropout(self.out(attended), rate, keys[1])
-        return x + _dropout(self.mlp_out(jax.nn.gelu(self.mlp_in(self.mlp_norm(x)))), rate, keys[2])
+        x = constrain(x + _dropout(self.out(attended), rate, keys[1]), ("batch", "length", "embed"))
+        hidden = constrain(jax.nn.gelu(self.mlp_in(self.mlp_norm(x))), ("batch", "length", "mlp"))
+        return constrain(x + _dropout(self.mlp_out(hidden), rate, keys[2]), ("batch", "length", "embed"))
 
 
 class Tower(nnx.Module):

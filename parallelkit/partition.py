@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -81,6 +81,22 @@ def param_specs(params: PyTree, rules: Rules | PyTree) -> PyTree:
             f"The partition specs do not have the structure of the parameters ({err}). "
             "Give one PartitionSpec (or None) per parameter, or (regex, PartitionSpec) rules."
         ) from err
+
+
+def logical_rules(rules: Rules | PyTree, spec_of: Callable[[Sequence[str | None]], P]) -> Rules | PyTree:
+    """``rules`` with every spec given as logical axis names turned into a ``PartitionSpec`` by ``spec_of``.
+
+    A rule's spec may be a ``PartitionSpec`` (kept) or a tuple of logical names, one per
+    dimension (``("embed", "mlp")``), which ``spec_of`` (:meth:`parallelkit.axes.AxisRules.spec`)
+    maps to mesh axes. A tree of specs is returned as it is.
+
+    >>> from parallelkit.axes import AxisRules
+    >>> logical_rules([("kernel", ("embed", "mlp"))], AxisRules((("mlp", "model"),)).spec)
+    [('kernel', P(None, 'model'))]
+    """
+    if not _is_rule_list(rules):
+        return rules
+    return [(pattern, spec if isinstance(spec, P) else spec_of(spec)) for pattern, spec in rules]
 
 
 # Leaves with fewer elements stay replicated under fully sharded training: gathering them would

@@ -8,7 +8,7 @@ too, marked: it applies each worker's gradient on its own, so it is meant to dif
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence, Set
 from dataclasses import asdict, dataclass
 
 import jax
@@ -17,33 +17,46 @@ import optax
 
 from . import data, models
 from .devices import device_summary
-from .strategies import (
-    CentralStorage,
-    FullySharded,
-    Mirrored,
-    MultiWorkerMirrored,
-    ParameterServer,
-    SingleDevice,
-    Strategy,
-    TensorParallel,
-)
+from .strategies import catalog
+from .strategies.protocol import StrategyProtocol
 from .training import FitResult, fit
 
-# Every strategy of one process, built for n devices. MultiWorkerMirrored runs here over this
-# process's devices (across processes: `python -m parallelkit launch`). Left out: Hybrid, which
-# needs d x k devices, and Pipeline, which needs the model cut into stages.
-STRATEGIES: dict[str, Callable[[int], Strategy]] = {
-    "SingleDevice": lambda n: SingleDevice(),
-    "Mirrored(jit)": lambda n: Mirrored(n, backend="jit"),
-    "Mirrored(pmap)": lambda n: Mirrored(n, backend="pmap"),
-    "CentralStorage": lambda n: CentralStorage(n),
-    "PS(2 shards)": lambda n: ParameterServer(2, devices=n),
-    "TensorParallel": lambda n: TensorParallel(n, devices=jax.devices()[:n]),
-    "FullySharded(3)": lambda n: FullySharded(3, n),
-    "MultiWorkerMirrored": lambda n: MultiWorkerMirrored(jax.devices()[:n]),
-    "PS(2, async)": lambda n: ParameterServer(2, mode="async", devices=n),
-}
-MEANT_TO_DIFFER = {"PS(2, async)"}  # each push applied alone: not the single-device step
+
+class _TourStrategies(Mapping):
+    """The catalog's strategies of the tour, by name, each a constructor taking the device count (read live)."""
+
+    def __getitem__(self, name: str) -> Callable[[int], StrategyProtocol]:
+        entry = catalog.get(name)
+        if not entry.tour:
+            raise KeyError(f"{name!r} is in the catalog but not in the tour.")
+        return entry.make
+
+    def __iter__(self) -> Iterator[str]:
+        return iter([e.name for e in catalog.entries(tour=True)])
+
+    def __len__(self) -> int:
+        return len(catalog.entries(tour=True))
+
+
+class _MeantToDiffer(Set):
+    """The names of the tour's strategies that differ from SingleDevice by design (read live from the catalog)."""
+
+    def __contains__(self, name: object) -> bool:
+        return name in set(self)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter([e.name for e in catalog.entries(tour=True) if e.meant_to_differ])
+
+    def __len__(self) -> int:
+        return len(list(iter(self)))
+
+
+# Every strategy of one process that the catalog puts in the tour, built for n devices.
+# MultiWorkerMirrored runs here over this process's devices (across processes: `python -m
+# parallelkit launch`). Left out: Hybrid, which needs d x k devices, and Pipeline, which
+# needs the model cut into stages.
+STRATEGIES: Mapping[str, Callable[[int], StrategyProtocol]] = _TourStrategies()
+MEANT_TO_DIFFER: Set[str] = _MeantToDiffer()  # each push applied alone: not the single-device step
 
 
 @dataclass(frozen=True)
@@ -109,21 +122,28 @@ def assert_close(actual, expected, rtol: float = RTOL, atol: float = ATOL) -> fl
 
 
 def run_tour(
-    model: str = "mlp", steps: int = 50, batch_size: int = 64, learning_rate: float = 1e-3, devices: int | None = None
+    model: str = "mlp",
+    steps: int = 50,
+    batch_size: int = 64,
+    learning_rate: float = 1e-3,
+    devices: int | None = None,
+    strategies: Sequence[str] | None = None,
 ) -> list[TourRow]:
-    """Train ``model`` on the digits data with every strategy; the first row is the reference."""
+    """Train ``model`` on the digits data with every strategy of the tour; the first row is the reference.
+
+    ``strategies``: names of catalog entries to run instead, in that order (the first is the reference).
+    """
     n = devices or jax.device_count()
     dataset = data.digits()
     apply, params = models.build(model, dataset.input_shape, dataset.num_classes)
     loss_fn = models.classifier_loss(apply)
     rows, reference = [], None
-    for name, make in STRATEGIES.items():
-        strategy = make(n)
+    for entry in catalog.entries(tour=True) if strategies is None else [catalog.get(name) for name in strategies]:
         result = fit(
-            strategy, loss_fn, params, optax.adam(learning_rate), data.batches(dataset, batch_size, steps=steps)
+            entry.make(n), loss_fn, params, optax.adam(learning_rate), data.batches(dataset, batch_size, steps=steps)
         )
         reference = result.params if reference is None else reference
-        rows.append(TourRow.of(name, result, reference, name not in MEANT_TO_DIFFER))
+        rows.append(TourRow.of(entry.name, result, reference, not entry.meant_to_differ))
     return rows
 
 

@@ -44,7 +44,7 @@ assumptions it states, to ask when central storage beats mirroring.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -52,10 +52,11 @@ import jax
 import numpy as np
 
 from .inspect import Collective, collectives
-from .strategies.base import Batch, LossFn, TrainState, _loss_with_aux, batch_size
+from .strategies.protocol import Batch, LossFn, _loss_with_aux, batch_size
 
 if TYPE_CHECKING:
-    from .strategies.base import Strategy
+    from .strategies.base import TrainState
+    from .strategies.protocol import StrategyProtocol as Strategy
 
 H2D, D2H, D2D = "host->device", "device->host", "device<->device"
 LINKS = (H2D, D2H, D2D)
@@ -385,20 +386,13 @@ class TopologyModel:
         return 2 * (self.latency_us * 1e-6 + param_bytes * self._per_byte(1.0, n / shards))
 
     def seconds(self, traffic: StepTraffic) -> float:
-        """The model's communication time for a measured step (its parameter bytes, replicas and owners)."""
-        p, n = traffic.param_bytes, traffic.replicas
-        if traffic.pattern == "local":
-            return 0.0
-        if traffic.pattern == "all-reduce":
-            return self.mirrored_seconds(p, n)
-        if traffic.pattern == "central":
-            return self.central_seconds(p, n)
-        if traffic.pattern == "sharded":
-            return self.parameter_server_seconds(p, n, len(traffic.owner_bytes))
-        raise ValueError(
-            f"TopologyModel has no model for {traffic.strategy}'s traffic (pattern {traffic.pattern!r}); it models "
-            "mirrored, central storage and parameter servers. Use the measured bytes in traffic.flows."
-        )
+        """The model's communication time for a measured step, by its traffic pattern (see :data:`TOPOLOGY`)."""
+        if traffic.pattern not in TOPOLOGY:
+            raise ValueError(
+                f"TopologyModel has no model for {traffic.strategy}'s traffic (pattern {traffic.pattern!r}); it models "
+                f"the patterns {list(TOPOLOGY)}. Use the measured bytes in traffic.flows, or register_topology one."
+            )
+        return TOPOLOGY[traffic.pattern](self, traffic)
 
     def crossover_bytes(self, n: int) -> float:
         """The parameter bytes below which central storage is faster than mirrored (0: never; inf: always).
@@ -414,3 +408,27 @@ class TopologyModel:
         if cheaper <= 0:
             return float("inf") if extra_latency >= 0 else 0.0
         return max(extra_latency / cheaper, 0.0)
+
+
+# How TopologyModel times each traffic pattern (a strategy's ``traffic_pattern``, the catalog's
+# ``traffic_pattern``): from a measured step's parameter bytes, replicas and owners.
+TOPOLOGY: dict[str, Callable[[TopologyModel, StepTraffic], float]] = {}
+
+
+def register_topology(pattern: str, seconds: Callable[[TopologyModel, StepTraffic], float]) -> None:
+    """Let :meth:`TopologyModel.seconds` time steps of ``pattern`` as ``seconds(model, traffic)`` says.
+
+    Raises:
+      ValueError: ``pattern`` has a model already.
+    """
+    if pattern in TOPOLOGY:
+        raise ValueError(f"TopologyModel already models the traffic pattern {pattern!r}.")
+    TOPOLOGY[pattern] = seconds
+
+
+register_topology("local", lambda model, t: 0.0)
+register_topology("all-reduce", lambda model, t: model.mirrored_seconds(t.param_bytes, t.replicas))
+register_topology("central", lambda model, t: model.central_seconds(t.param_bytes, t.replicas))
+register_topology(
+    "sharded", lambda model, t: model.parameter_server_seconds(t.param_bytes, t.replicas, len(t.owner_bytes))
+)

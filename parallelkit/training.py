@@ -1,4 +1,4 @@
-"""``fit``: a small training loop over any strategy, with callbacks for live views.
+"""``fit``: a small training loop over any strategy; what it does besides stepping, callbacks do.
 
 Conceptually, ``fit`` is::
 
@@ -6,11 +6,14 @@ Conceptually, ``fit`` is::
     step = strategy.step(loss_fn)
     for batch in batches:
         state, metrics = step(state, batch)
+        for cb in callbacks:
+            cb.on_step_end(record)  # the step's metrics and time, read after the work is done
 
-plus per-step timing (read after the work is done, the compiling first step kept
-apart), callbacks that dashboards hang on, optional checkpoints, and, when asked
-(``prefetch=2``), the next batches placed on the devices by a background thread
-while a step runs (:func:`parallelkit.prefetch`).
+The loop itself times each step (the compiling first step kept apart) and, when
+asked (``prefetch=2``), has a background thread place the next batches on the
+devices while a step runs (:func:`parallelkit.prefetch`). The rest are callbacks
+(:mod:`parallelkit.callbacks`): the non-finite-loss check, checkpoints, and the
+live views that dashboards hang on.
 
 Resuming after a crash. With ``checkpoint_dir``, ``fit`` saves the state every
 ``checkpoint_every`` steps and at the end. ``fit(..., resume=True)`` restores the
@@ -26,19 +29,27 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 import signal
 import threading
 import time
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from itertools import islice
 from pathlib import Path
 
 import jax
-import numpy as np
 import optax
 
+from .callbacks import (
+    Callback,
+    Checkpointing,
+    History,
+    NonFiniteCheck,
+    NonFiniteLossError,
+    RunInfo,
+    StepRecord,
+    restore_or_check,
+)
 from .checkpoint import Checkpoints, host_step
 from .devices import device_summary
 from .prefetch import prefetch as prefetch_batches
@@ -53,65 +64,10 @@ from .strategies.base import (
     batch_size,
     is_deleted,
 )
-from .timing import StepTimes
+
+__all__ = ["Callback", "FitResult", "History", "NonFiniteLossError", "RunInfo", "StepRecord", "fit"]
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class RunInfo:
-    """What a run is, told to callbacks before its first step."""
-
-    strategy: str
-    devices: int
-    steps: int | None  # None when the batches are an open-ended iterator
-    simulated: bool
-
-
-@dataclass(frozen=True)
-class StepRecord:
-    """One finished step: its metrics as floats and its wall-clock time."""
-
-    step: int  # 1-based
-    metrics: dict[str, float]
-    seconds: float
-    compiled: bool  # True for the first step, which includes tracing and compiling
-
-    @property
-    def loss(self) -> float:
-        return self.metrics["loss"]
-
-
-@dataclass
-class History:
-    """Everything ``fit`` recorded, step by step."""
-
-    records: list[StepRecord] = field(default_factory=list)
-    batch_size: int = 0
-
-    def metric(self, name: str) -> np.ndarray:
-        return np.array([r.metrics[name] for r in self.records])
-
-    @property
-    def losses(self) -> np.ndarray:
-        return self.metric("loss")
-
-    @property
-    def times(self) -> StepTimes:
-        if not self.records:
-            raise ValueError("No step has run yet.")
-        seconds = [r.seconds for r in self.records]
-        return StepTimes(seconds[0], tuple(seconds[1:]), self.batch_size)
-
-
-class Callback:
-    """Hooks into ``fit``; override what you need. Keep them cheap: they run between steps."""
-
-    def on_train_begin(self, info: RunInfo) -> None: ...
-
-    def on_step_end(self, record: StepRecord) -> None: ...
-
-    def on_train_end(self, history: History, interrupted: bool) -> None: ...
 
 
 @dataclass
@@ -159,7 +115,8 @@ def fit(
         resuming, the same batches as the interrupted run, from its start.
       steps: stop after this many steps of the run, counted from its start (default:
         when ``batches`` ends).
-      callbacks: :class:`Callback` objects, told of every step.
+      callbacks: :class:`Callback` objects, told of every step after ``fit``'s own check and
+        checkpoint (:mod:`parallelkit.callbacks`).
       state: continue from this placed state instead of ``strategy.init(params, tx)``.
       checkpoint_dir: save checkpoints here (see :mod:`parallelkit.checkpoint`); on a
         cluster, a directory every process sees.
@@ -202,107 +159,80 @@ def fit(
       FileNotFoundError: ``resume=True`` but ``checkpoint_dir`` holds no checkpoint.
       NonFiniteLossError: the loss became NaN or infinite (the message names the step).
     """
+    _check_resume(resume, checkpoint_dir, state)
+    ckpt = Checkpoints(checkpoint_dir, every=checkpoint_every, keep=checkpoint_keep) if checkpoint_dir else None
+    with ckpt or contextlib.nullcontext():  # closed also on a crash: what was saved stays saved
+        restored = restore_or_check(ckpt, resume, strategy, params, tx, model_state, rng) if ckpt else None
+        state, consumed, resumed_from = (state, 0, None) if restored is None else restored
+        batches, total = _remaining(batches, steps, consumed)
+        if state is not None and any(is_deleted(x) for x in jax.tree.leaves(state)):
+            raise ValueError(f"fit(state=...): {DONATED_STATE}")
+        info = RunInfo(repr(strategy), len(strategy.devices), total, device_summary().simulated)
+        state = strategy.init(params, tx, model_state=model_state, rng=rng) if state is None else state
+        step, history = strategy.step(loss_fn), History()
+        first = host_step(strategy, state) if ckpt else 0
+        hooks = [NonFiniteCheck(first)] if check_finite else []
+        if ckpt:  # reads `state` as the loop rebinds it
+            hooks.append(
+                Checkpointing(ckpt, strategy, lambda: state, first=first, consumed=consumed, saved=resumed_from)
+            )
+        hooks += callbacks
+        feed = prefetch_batches(batches, strategy, prefetch) if prefetch else iter(batches)
+        interrupted, pending = False, None  # pending: the step whose state is bound but not yet recorded
+        try:
+            for cb in hooks:
+                cb.on_train_begin(info)
+            for i, batch in enumerate(feed, start=1):
+                start = time.perf_counter()
+                with _interrupts_deferred():  # between the old state's donation and the new one's binding
+                    state, metrics = step(state, batch)
+                    pending = (i, start, metrics, batch.size if isinstance(batch, Placed) else batch_size(batch))
+                record, pending = _record(pending, state, history), None
+                for cb in hooks:
+                    cb.on_step_end(record)
+        except KeyboardInterrupt:
+            interrupted = True
+            if pending is not None:  # interrupted while waiting for a step: its state is the one we hold
+                _record(pending, state, history)
+            log.warning("fit interrupted after %d steps; returning the state so far.", len(history.records))
+        except Exception as err:
+            # The state of the last completed step is intact (the step rebinds it at once): hand it over with the error.
+            if pending is not None:
+                with contextlib.suppress(Exception):  # a step that failed on the device leaves nothing to keep
+                    _record(pending, state, history)
+            err.fit_result = FitResult(state, history, strategy, True, resumed_from)
+            err.add_note(
+                f"pk.fit stopped after {len(history.records)} completed steps; the state after the last one is in "
+                "this exception's `fit_result` attribute."
+            )
+            for cb in hooks:
+                cb.on_train_error(history, err)
+            raise
+        finally:  # the prefetching thread ends, also on a crash
+            if prefetch:
+                feed.close()
+        for cb in hooks:
+            cb.on_train_end(history, interrupted)
+    return FitResult(state, history, strategy, interrupted, resumed_from)
+
+
+def _check_resume(resume: bool, checkpoint_dir: str | Path | None, state: TrainState | None) -> None:
     if resume and checkpoint_dir is None:
         raise ValueError(
             "resume=True needs checkpoint_dir: the directory the interrupted run saved its checkpoints to."
         )
     if resume and state is not None:
         raise ValueError("Give state or resume=True, not both: resuming restores the state from checkpoint_dir.")
-    ckpt = Checkpoints(checkpoint_dir, every=checkpoint_every, keep=checkpoint_keep) if checkpoint_dir else None
-    try:
-        if ckpt and (refusal := strategy.checkpoint_refusal()):
-            raise ValueError(refusal)
-        if ckpt:
-            restored = _restore_or_check(ckpt, resume, strategy, params, tx, model_state, rng)
-            state, consumed, resumed_from = (state, 0, None) if restored is None else restored
-        else:
-            consumed, resumed_from = 0, None
-        batches, total = _remaining(batches, steps, consumed)
-    except BaseException:
-        if ckpt:
-            ckpt.close()
-        raise
-    if state is not None and any(is_deleted(x) for x in jax.tree.leaves(state)):
-        if ckpt:
-            ckpt.close()
-        raise ValueError(f"fit(state=...): {DONATED_STATE}")
-    info = RunInfo(repr(strategy), len(strategy.devices), total, device_summary().simulated)
-    state = strategy.init(params, tx, model_state=model_state, rng=rng) if state is None else state
-    step = strategy.step(loss_fn)
-    history = History()
-    first = host_step(strategy, state) if ckpt else 0
-    saved = resumed_from
-    for cb in callbacks:
-        cb.on_train_begin(info)
-    feed = prefetch_batches(batches, strategy, prefetch) if prefetch else iter(batches)
-    interrupted = False
-    dispatched: tuple | None = None  # the step whose state is bound but not yet recorded
-
-    def finish() -> StepRecord:
-        """Wait for the dispatched step, then record it: its state is the run's state from here on."""
-        nonlocal dispatched
-        i, start, metrics, size = dispatched
-        jax.block_until_ready((state, metrics))
-        record = StepRecord(i, {k: float(v) for k, v in metrics.items()}, time.perf_counter() - start, i == 1)
-        history.batch_size = size
-        history.records.append(record)
-        dispatched = None
-        return record
-
-    try:
-        try:
-            for i, batch in enumerate(feed, start=1):
-                start = time.perf_counter()
-                with _interrupts_deferred():  # between the old state's donation and the new one's binding
-                    state, metrics = step(state, batch)
-                    dispatched = (i, start, metrics, batch.size if isinstance(batch, Placed) else batch_size(batch))
-                record = finish()
-                if check_finite and not math.isfinite(record.loss):
-                    raise NonFiniteLossError(
-                        f"The loss became {record.loss} at step {first + i} of the run. Lower the learning rate, "
-                        "check the data for NaN or infinite values, or pass check_finite=False to keep going."
-                    )
-                if ckpt and ckpt.should_save(first + i):  # after the clock: saving is not the step's time
-                    ckpt.save(state, strategy, batches=consumed + i)
-                    saved = first + i
-                for cb in callbacks:
-                    cb.on_step_end(record)
-        except KeyboardInterrupt:
-            interrupted = True
-            if dispatched is not None:  # interrupted while waiting for a step: its state is the one we hold
-                finish()
-            log.warning("fit interrupted after %d steps; returning the state so far.", len(history.records))
-        except Exception as err:
-            # The state of the last completed step is intact (the step rebinds it at once):
-            # save it unless it is what went wrong, and hand it over with the error.
-            if dispatched is not None:
-                with contextlib.suppress(Exception):  # a step that failed on the device leaves nothing to keep
-                    finish()
-            done = len(history.records)
-            if ckpt and not isinstance(err, NonFiniteLossError) and saved != first + done:
-                ckpt.save(state, strategy, batches=consumed + done, force=True)
-                saved = first + done
-            err.fit_result = FitResult(state, history, strategy, True, resumed_from)
-            err.add_note(
-                f"pk.fit stopped after {done} completed steps; the state after the last one is in this "
-                "exception's `fit_result` attribute"
-                + (f", and checkpointed at step {saved} in {ckpt.directory}." if ckpt and saved else ".")
-            )
-            raise
-        if ckpt and saved != first + len(history.records):  # the final state too, whatever its step
-            ckpt.save(state, strategy, batches=consumed + len(history.records), force=True)
-    finally:  # also on a crash: what was saved stays saved, and the prefetching thread ends
-        if prefetch:
-            feed.close()
-        if ckpt:
-            ckpt.close()
-    for cb in callbacks:
-        cb.on_train_end(history, interrupted)
-    return FitResult(state, history, strategy, interrupted, resumed_from)
 
 
-class NonFiniteLossError(FloatingPointError):
-    """The loss became NaN or infinite during :func:`fit` (turn the check off with ``check_finite=False``)."""
+def _record(pending: tuple, state: TrainState, history: History) -> StepRecord:
+    """Wait for the dispatched step, then record it: its state is the run's state from here on."""
+    i, start, metrics, size = pending
+    jax.block_until_ready((state, metrics))
+    record = StepRecord(i, {k: float(v) for k, v in metrics.items()}, time.perf_counter() - start, i == 1)
+    history.batch_size = size
+    history.records.append(record)
+    return record
 
 
 @contextlib.contextmanager
@@ -325,32 +255,6 @@ def _interrupts_deferred():
         signal.signal(signal.SIGINT, previous)
     if caught:
         raise KeyboardInterrupt
-
-
-def _restore_or_check(
-    ckpt: Checkpoints,
-    resume: bool,
-    strategy: Strategy,
-    params: PyTree,
-    tx: optax.GradientTransformation,
-    model_state: PyTree = None,
-    rng: int | jax.Array | None = None,
-) -> tuple[TrainState, int, int] | None:
-    """With ``resume``: (restored state, batches it had consumed, its step). Without: None, if the directory is new."""
-    if not resume:
-        if ckpt.steps():
-            raise ValueError(
-                f"{ckpt.directory} already holds checkpoints (steps {ckpt.steps()}) of an earlier run. "
-                "Pass resume=True to continue that run, or give an empty checkpoint_dir for a new one."
-            )
-        return None
-    if ckpt.latest_step() is None:
-        raise FileNotFoundError(
-            f"resume=True, but {ckpt.directory} holds no checkpoint yet. Start the run without resume "
-            f"(it saves every {ckpt.every} steps), or point checkpoint_dir at the interrupted run's."
-        )
-    restored = ckpt.restore(strategy, params, tx, model_state=model_state, rng=rng)
-    return restored.state, restored.batches, restored.step
 
 
 def _remaining(batches: Iterable[Batch], steps: int | None, consumed: int) -> tuple[Iterable[Batch], int | None]:

@@ -16,7 +16,7 @@ from flax import nnx
 from helpers import assert_steps_compile_once, tree_allclose
 
 import parallelkit as pk
-from parallelkit.schedules import check_schedule, peak_in_flight, stage_orders
+from parallelkit.schedules import check_schedule, gpipe_schedule, peak_in_flight, stage_orders
 
 # Pipelines of 2 or 4 stages leave some of the suite's 8 devices idle on purpose here.
 pytestmark = pytest.mark.filterwarnings("ignore::parallelkit.DeviceSubsetWarning")
@@ -107,6 +107,23 @@ def test_a_stage_that_fails_stops_the_step_with_its_error_instead_of_hanging(dee
     assert not caller.is_alive(), "the step hung after a stage failed"
     assert len(raised) == 1 and "dot_general" in str(raised[0])
     assert threading.active_count() == threads  # every stage thread ended
+
+
+def test_the_step_raises_the_failing_stages_error_even_when_another_stage_hands_over_after_it():
+    """A stage that finishes a pass after another stage failed stops quietly: the step raises the failure."""
+    import time
+
+    from parallelkit.pipeline.executor import execute
+
+    def task(kind, stage, microbatch, received):
+        if stage == 1:
+            raise RuntimeError("stage 1 failed")
+        if microbatch == 1:
+            time.sleep(0.2)  # hands its second forward pass over after stage 1 has failed
+        return microbatch
+
+    with pytest.raises(RuntimeError, match="stage 1 failed"):
+        execute(stage_orders(gpipe_schedule(2, 2)), task, stashed_bytes=lambda stage: 0)
 
 
 def test_the_kits_models_as_layers_compute_the_modules_own_loss(digits, batch):

@@ -120,6 +120,7 @@ def execute(
     }
     timeline = Timeline()
     start_of_step = time.perf_counter()
+    failures: list[BaseException] = []  # in the order they happened: the first is the step's error
 
     def run_stage(stage: int) -> None:
         try:
@@ -133,8 +134,12 @@ def execute(
                 timeline.stashed.append((end, stage, stashed_bytes(stage)))
                 if devices is not None and (in_use := device_bytes_in_use(devices[stage])) is not None:
                     timeline.in_use.append((end, stage, in_use))
-                handed[kind, stage, microbatch].set_result([out])
+                try:
+                    handed[kind, stage, microbatch].set_result([out])
+                except InvalidStateError:  # another stage failed and closed every box: stop here
+                    return
         except BaseException as err:
+            failures.append(err)
             for box in list(handed.values()):  # wake every stage waiting on a pass that will never come
                 try:
                     box.set_exception(err)
@@ -143,10 +148,10 @@ def execute(
             raise
 
     with ThreadPoolExecutor(stages, thread_name_prefix="pipeline-stage") as pool:
-        runs = [pool.submit(run_stage, s) for s in range(stages)]
-    for run in runs:  # the first failure; the others are the same error, handed to the waiting stages
-        if run.exception() is not None:
-            raise run.exception()
+        for run in [pool.submit(run_stage, s) for s in range(stages)]:
+            run.exception()  # wait; a stage's error is in failures
+    if failures:  # the first failure; the stages that waited on it received the same error
+        raise failures[0]
     timeline.slots.sort(key=lambda s: s.start)
     timeline.stashed.sort()
     timeline.in_use.sort()

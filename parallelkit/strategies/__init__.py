@@ -13,4 +13,8 @@ from .mirrored import Mirrored as Mirrored
 from .multiworker import MultiWorkerMirrored as MultiWorkerMirrored
 from .parameter_server import ParameterServer as ParameterServer
 from .single import SingleDevice as SingleDevice
+from .spmd import SPMD as SPMD
 from .tensor import TensorParallel as TensorParallel
+
+# isort: split
+from . import catalog as catalog  # last: its entries build the strategies above (and the pipeline)

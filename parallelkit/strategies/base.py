@@ -7,21 +7,23 @@ loss, the optimizer and the data stay plain JAX, Flax and Optax. Every strategy:
 - ``step(loss_fn)`` returns a :class:`Step`: ``state, metrics = step(state, batch)``,
   where ``batch`` is the *global* batch as host arrays and the loss is its mean;
 - ``unreplicate(tree)`` brings one host (NumPy) copy back, for inspection and checkpoints;
+- ``place_batch(batch)`` places the global host batch as the step takes it;
 - ``describe(state)`` lists where every leaf lives.
 
+The whole protocol the tools call is :class:`~parallelkit.strategies.protocol.StrategyProtocol`;
+what they know about each strategy beyond it is in :mod:`parallelkit.strategies.catalog`.
 Strategies that split parameters (:class:`~parallelkit.TensorParallel`) take their
 partition rules in their constructor, so ``init`` and ``step`` keep this shape for
-all of them; see :mod:`parallelkit.strategies.sharded`.
+all of them; see :mod:`parallelkit.strategies.spmd`.
 """
 
 from __future__ import annotations
 
 import abc
-import functools
 import math
 import re
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -33,14 +35,17 @@ from flax import struct
 
 from ..devices import resolve_devices
 from ..partition import path_label as path_label  # re-exported: one spelling of a leaf's path
+from .protocol import Batch as Batch
+from .protocol import LossFn as LossFn
+from .protocol import LossInputError as LossInputError
+from .protocol import Metrics as Metrics
+from .protocol import PyTree as PyTree
+from .protocol import _loss_with_aux as _loss_with_aux
+from .protocol import batch_size as batch_size
+from .protocol import guard_inputs as guard_inputs
 
 if TYPE_CHECKING:
     from ..traffic import ExpectedCollective, Sizes, StepTraffic
-
-PyTree = Any
-Batch = Mapping[str, Any]
-LossFn = Callable[[PyTree, Batch], Any]  # -> loss, or (loss, aux dict)
-Metrics = dict[str, jax.Array]
 
 
 @struct.dataclass
@@ -125,17 +130,6 @@ def check_same_tree(expected: PyTree, actual: PyTree, *, what: str, against: str
             )
 
 
-def batch_size(batch: Batch) -> int:
-    """The leading dimension shared by every array in ``batch``; raises if they disagree."""
-    sizes = [x.shape[0] for x in jax.tree.leaves(batch)]  # on every step: keep it cheap
-    if not sizes:
-        raise ValueError("The batch holds no arrays.")
-    if min(sizes) != max(sizes):
-        named = {jax.tree_util.keystr(p): x.shape[0] for p, x in jax.tree_util.tree_flatten_with_path(batch)[0]}
-        raise ValueError(f"Every array in a batch needs the same leading (batch) dimension, got {named}.")
-    return sizes[0]
-
-
 def check_divisible(batch: Batch, replicas: int) -> int:
     """The per-replica batch size; a global batch that does not split evenly is an error.
 
@@ -163,68 +157,6 @@ def put_batch(batch: Batch, sharding: jax.sharding.Sharding, replicas: int) -> B
     except ValueError:
         check_divisible(batch, replicas)
         raise
-
-
-class LossInputError(ValueError):
-    """The loss could not run on the batch it was given: a key it reads is missing, or an array does not fit.
-
-    Raised at the first call of a step, while it is traced, so the check costs the steps
-    that run nothing; what the loss (or JAX) raised is its ``__cause__``. A step names its
-    strategy, the batch's arrays and the parameters' weights in the message.
-    """
-
-    def __init__(self, message: str, *, missing_key: bool = False):
-        super().__init__(message)
-        self.missing_key = missing_key
-
-
-def guard_inputs(fn: Callable) -> Callable:
-    """``fn(params, batch, ...)``, raising a :class:`LossInputError` when it cannot read or fit the batch.
-
-    Turns a ``KeyError`` for a key the batch lacks, and a ``TypeError`` or ``ValueError``
-    (JAX's for shapes or dtypes that do not fit, or the loss's own), into one; JAX's
-    tracer errors (a Python ``if`` on a traced value, ...) pass through unchanged. Under
-    ``jit`` it acts only while the step is traced.
-
-    >>> try:
-    ...     guard_inputs(lambda params, batch: batch["x"])(None, {"image": 0})
-    ... except LossInputError as err:
-    ...     print(err)
-    The loss reads batch['x'], but the batch has no key 'x' (its keys: 'image').
-    """
-
-    @functools.wraps(fn)
-    def guarded(params, batch, *args, **kwargs):
-        try:
-            return fn(params, batch, *args, **kwargs)
-        except LossInputError:
-            raise
-        except KeyError as err:
-            key = err.args[0] if len(err.args) == 1 else None
-            if not _lacks(batch, key):
-                raise
-            raise LossInputError(
-                f"The loss reads batch[{key!r}], but the batch has no key {key!r} (its keys: {_keys(batch)}).",
-                missing_key=True,
-            ) from err
-        except (TypeError, ValueError) as err:
-            if isinstance(err, jax.errors.JAXTypeError):
-                raise
-            raise LossInputError(f"The loss failed on this batch: {type(err).__name__}: {str(err).strip()}") from err
-
-    return guarded
-
-
-def _lacks(batch: Any, key: Any) -> bool:
-    """Whether ``batch`` is a mapping without ``key``."""
-    try:
-        return isinstance(batch, Mapping) and key not in batch
-    except TypeError:  # an unhashable key
-        return False
-
-
-def _keys(batch: Mapping) -> str:
-    return ", ".join(map(repr, batch)) or "none"
 
 
 def explain_input_error(err: LossInputError, strategy: Strategy, params: PyTree, batch: Batch) -> str:
@@ -272,31 +204,6 @@ def _unfit(arrays: Sequence[tuple], weights: Sequence[tuple]) -> str:
                 "(their second-to-last axis). "
             )
     return ""
-
-
-def _loss_with_aux(loss_fn: LossFn) -> Callable[..., tuple[jax.Array, tuple[dict, PyTree]]]:
-    """``loss_fn`` as ``(params, batch, **extras) -> (loss, (aux, new_model_state))``, whatever it returns.
-
-    Without ``model_state`` among the extras, ``loss_fn`` returns ``loss`` or
-    ``(loss, aux)``; with it, ``(loss, aux, new_model_state)``. A batch the loss cannot
-    read or fit raises a :class:`LossInputError` (see :func:`guard_inputs`).
-    """
-    loss_fn = guard_inputs(loss_fn)
-
-    def wrapped(params, batch, **extras):
-        out = loss_fn(params, batch, **extras)
-        if "model_state" in extras:
-            if not (isinstance(out, tuple) and len(out) == 3):
-                raise ValueError(
-                    "The state carries model state (model_state=...), so the loss must return "
-                    "(loss, aux, new_model_state); pk.models.classifier_loss does."
-                )
-            loss, aux, new_state = out
-            return loss, (aux, new_state)
-        loss, aux = out if isinstance(out, tuple) else (out, {})
-        return loss, (aux, None)
-
-    return wrapped
 
 
 def train_step(
@@ -471,7 +378,11 @@ def bytes_by_part(rows: Sequence[LeafPlacement]) -> dict[str, int]:
 
 
 class Strategy(abc.ABC):
-    """Base of every strategy: holds configuration (the devices), never training state."""
+    """Base of every strategy: holds configuration (the devices), never training state.
+
+    It keeps :class:`~parallelkit.strategies.protocol.StrategyProtocol`: a subclass writes
+    ``init``, ``step`` and ``place_batch``, and inherits the rest.
+    """
 
     def __init__(self, devices: int | Sequence[jax.Device] | None = None):
         self.devices = resolve_devices(devices)
@@ -501,6 +412,10 @@ class Strategy(abc.ABC):
     def step(self, loss_fn: LossFn) -> Step:
         """Compile-once training step for ``loss_fn(params, batch) -> loss or (loss, aux)``."""
 
+    @abc.abstractmethod
+    def place_batch(self, batch: Batch) -> Any:
+        """The global host batch, placed as this strategy's step takes it (see :func:`parallelkit.prefetch`)."""
+
     def unreplicate(self, tree: PyTree) -> PyTree:
         """One host (NumPy) copy of ``tree``."""
         return jax.device_get(tree)
@@ -512,8 +427,8 @@ class Strategy(abc.ABC):
         """Why a checkpoint of this strategy's state could not resume its run exactly (None: it can)."""
         return None
 
-    # How TopologyModel reads this strategy's traffic: "local", "all-reduce", "central",
-    # "sharded" (parameter servers) or another name that it has no model for.
+    # The pattern its traffic follows, as StepTraffic.pattern: TopologyModel times the patterns
+    # of parallelkit.traffic.TOPOLOGY ("local", "all-reduce", "central", "sharded"), no others.
     traffic_pattern = "local"
 
     def traffic(self, loss_fn: LossFn, state: TrainState, batch: Batch) -> StepTraffic:

@@ -34,15 +34,16 @@ from jax.sharding import PartitionSpec as P
 
 from .. import partition
 from ..axes import DATA
+from ..devices import resolve_devices
 from ..mesh import is_count, make_mesh
 from ..traffic import ExpectedCollective, Sizes, gradient_all_reduce
 from .base import PyTree
-from .sharded import ShardedStrategy
+from .spmd import BATCH_ON_DATA, SPMD
 
 STAGES = (1, 2, 3)
 
 
-class FullySharded(ShardedStrategy):
+class FullySharded(SPMD):
     """ZeRO stage 1, 2 or 3 over all devices (the ``data`` axis); equal to SingleDevice.
 
     Conceptually, for stage 3 with ``n`` devices and a global batch ``b``::
@@ -76,8 +77,8 @@ class FullySharded(ShardedStrategy):
             )
         if not is_count(min_size):
             raise ValueError(f"FullySharded(min_size={min_size!r}): use a whole number of elements >= 1.")
-        super().__init__(devices)
-        self.mesh = make_mesh(self.devices, data=len(self.devices))
+        devices = resolve_devices(devices)
+        super().__init__(make_mesh(devices, data=len(devices)), rules=BATCH_ON_DATA)
         self.stage, self.min_size = stage, min_size
 
     def sharded_specs(self, params: PyTree) -> PyTree:

@@ -21,14 +21,14 @@ import jax
 
 from .. import partition
 from ..axes import DATA
-from ..devices import first_devices
+from ..devices import first_devices, resolve_devices
 from ..mesh import is_count, make_mesh
 from .base import PyTree
-from .sharded import ShardedStrategy
+from .spmd import BATCH_ON_DATA, SPMD
 from .tensor import every_device_hint, model_specs
 
 
-class Hybrid(ShardedStrategy):
+class Hybrid(SPMD):
     """``data`` x ``model`` devices: the batch split over ``data``, the weights over ``model``.
 
     Conceptually, on device ``(i, j)`` with a global batch ``b``::
@@ -73,8 +73,7 @@ class Hybrid(ShardedStrategy):
                 raise ValueError(f"Hybrid({name}={size!r}): an axis size must be a whole number >= 1.")
         if devices is None:  # the first data x model devices, with a warning if that leaves some idle
             devices = first_devices(data * model, f"Hybrid(data={data}, model={model})", every_device_hint(model))
-        super().__init__(devices)
-        self.mesh = make_mesh(self.devices, data=data, model=model)
+        super().__init__(make_mesh(resolve_devices(devices), data=data, model=model), rules=BATCH_ON_DATA)
         self.rules, self.shard_data, self.min_size = rules, shard_data, min_size
 
     def partition_specs(self, params: PyTree) -> PyTree:

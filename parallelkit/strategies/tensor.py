@@ -23,14 +23,14 @@ import jax
 from jax.sharding import Mesh
 
 from .. import partition
-from ..devices import first_devices
+from ..devices import first_devices, resolve_devices
 from ..mesh import is_count, make_mesh
 from ..traffic import ExpectedCollective, Sizes
 from .base import PyTree
-from .sharded import ShardedStrategy
+from .spmd import BATCH_ON_DATA, SPMD
 
 
-class TensorParallel(ShardedStrategy):
+class TensorParallel(SPMD):
     """Split every large weight over ``model`` devices; the batch is not split.
 
     Conceptually, for one MLP block on ``k`` devices::
@@ -66,8 +66,7 @@ class TensorParallel(ShardedStrategy):
             raise ValueError(f"TensorParallel(model={model!r}) needs a whole number of devices >= 1.")
         if devices is None:  # the first `model` devices, with a warning if that leaves some idle
             devices = first_devices(model, f"TensorParallel(model={model})", every_device_hint(model))
-        super().__init__(devices)
-        self.mesh = make_mesh(self.devices, data=1, model=model)
+        super().__init__(make_mesh(resolve_devices(devices), data=1, model=model), rules=BATCH_ON_DATA)
         self.model = model
         self.rules = rules
 

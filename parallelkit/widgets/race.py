@@ -20,7 +20,7 @@ from typing import TextIO
 import optax
 
 from ..devices import device_summary
-from ..strategies import SingleDevice, Strategy
+from ..strategies import Strategy
 from ..strategies.base import Batch, LossFn, PyTree
 from ..training import Callback, FitResult, History, RunInfo, StepRecord, fit
 from .dashboard import in_notebook
@@ -47,7 +47,7 @@ class StrategyRace:
       batch_size: global batch size, for throughput while a run is going (read from the
         data at the end of each run otherwise).
       reference: the name ratios and efficiencies are relative to; by default the first
-        :class:`~parallelkit.SingleDevice` strategy, else the first one.
+        strategy on one device (such as :class:`~parallelkit.SingleDevice`), else the first one.
       mode: ``"auto"`` (widgets in a notebook, text elsewhere), ``"widget"`` or ``"text"``.
       min_interval: seconds between table redraws while a run goes.
       chart_interval: seconds between chart redraws while a run goes (the chart is also
@@ -83,7 +83,7 @@ class StrategyRace:
                 "Pass a function that returns fresh batches, e.g. lambda: pk.data.batches(dataset, 64, steps=30)."
             )
         if reference is None:
-            reference = next((n for n, s in strategies.items() if isinstance(s, SingleDevice)), next(iter(strategies)))
+            reference = next((n for n, s in strategies.items() if len(s.devices) == 1), next(iter(strategies)))
         if reference not in strategies:
             raise ValueError(f"reference={reference!r} is not one of the strategies {list(strategies)}.")
         if mode not in ("auto", "widget", "text"):

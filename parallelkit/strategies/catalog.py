@@ -1,0 +1,133 @@
+"""The catalog of strategies: what the tools know about each, in one place.
+
+Each :class:`Entry` names a strategy for the tables (the tour, the bench), says how to
+build it for a device count, gives its Rosetta names (``docs/rosetta.md``), the pattern
+its traffic follows (:class:`parallelkit.traffic.TopologyModel`) and the cost model's
+pattern for it (:func:`parallelkit.costmodel.predict`), and the flags the tools read.
+The tour and the bench build their rows from it, and :func:`parallelkit.costmodel.predict`
+takes its names; the traffic report asks the strategy itself (``strategy.traffic``), and
+:class:`~parallelkit.traffic.TopologyModel` times it by the pattern the entry names. No
+tool asks which class a strategy is. A new strategy joins them all through :func:`register`:
+
+>>> entry = get("Mirrored(jit)")
+>>> entry.cost_pattern, entry.traffic_pattern, entry.tensorflow
+('mirrored', 'all-reduce', 'tf.distribute.MirroredStrategy')
+>>> [e.name for e in entries(tour=True)][:3]
+['SingleDevice', 'Mirrored(jit)', 'Mirrored(pmap)']
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import jax
+
+from ..pipeline import Pipeline
+from .central import CentralStorage
+from .fully_sharded import FullySharded
+from .hybrid import Hybrid
+from .mirrored import Mirrored
+from .multiworker import MultiWorkerMirrored
+from .parameter_server import ParameterServer
+from .protocol import StrategyProtocol
+from .single import SingleDevice
+from .tensor import TensorParallel
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One strategy as the tools see it.
+
+    ``make(n)`` builds it for ``n`` devices; an entry with ``layers=True`` (a pipeline) is
+    built as ``make(n, apply)`` from the model's layers (:func:`parallelkit.models.as_layers`'s
+    ``apply``) and trains on :func:`parallelkit.models.cross_entropy` of them.
+    """
+
+    name: str  # its label in the tour's and the bench's tables
+    make: Callable[..., StrategyProtocol]
+    tensorflow: str | None  # the Rosetta's TensorFlow counterpart (None: none built in)
+    pytorch: str | None  # the Rosetta's PyTorch counterpart
+    traffic_pattern: str  # its StepTraffic.pattern (TopologyModel times those in parallelkit.traffic.TOPOLOGY)
+    cost_pattern: str  # the cost model's pattern: pk.costmodel.predict(..., strategy=cost_pattern)
+    meant_to_differ: bool = False  # differs from SingleDevice by design (asynchronous updates)
+    min_devices: int = 1  # the fewest devices it is built for (a d x k mesh needs 4 to show both axes)
+    layers: bool = False  # built from the model's layers (a pipeline): make(n, apply)
+    tour: bool = True  # a row of the tour
+    bench: bool = True  # a row of the bench's in-process children
+
+
+_ENTRIES: dict[str, Entry] = {}
+
+
+def register(entry: Entry) -> Entry:
+    """Add ``entry`` to the catalog, after those already there; its name must be new.
+
+    Raises:
+      ValueError: an entry of that name exists (:func:`unregister` it first).
+    """
+    if entry.name in _ENTRIES:
+        raise ValueError(f"The catalog already holds a strategy named {entry.name!r}; unregister it first.")
+    _ENTRIES[entry.name] = entry
+    return entry
+
+
+def unregister(name: str) -> Entry:
+    """Remove the entry named ``name`` and return it."""
+    get(name)
+    return _ENTRIES.pop(name)
+
+
+def get(name: str) -> Entry:
+    """The entry named ``name``; a clear error names the catalog's entries when there is none."""
+    if name not in _ENTRIES:
+        raise KeyError(f"No strategy named {name!r} in the catalog; it holds {list(_ENTRIES)}.")
+    return _ENTRIES[name]
+
+
+def entries(*, tour: bool | None = None, bench: bool | None = None) -> list[Entry]:
+    """The entries in catalog order, those in the tour or the bench when ``tour`` or ``bench`` is given."""
+    return [e for e in _ENTRIES.values() if (tour is None or e.tour == tour) and (bench is None or e.bench == bench)]
+
+
+def reference() -> Entry:
+    """The entry every other is compared with: SingleDevice, the single-device program."""
+    return get(REFERENCE)
+
+
+REFERENCE = "SingleDevice"
+
+
+def _built_in() -> None:
+    """The kit's own strategies, in the order the tables show them."""
+    mirrored_tf, mirrored_torch = "tf.distribute.MirroredStrategy", "DistributedDataParallel"
+    ps_tf, ps_torch = "tf.distribute.ParameterServerStrategy", "torch.distributed.rpc"
+    for entry in (
+        Entry("SingleDevice", lambda n: SingleDevice(), "tf.device", "x.to", "local", "single"),
+        Entry("Mirrored(jit)", lambda n: Mirrored(n, backend="jit"), mirrored_tf, mirrored_torch, "all-reduce",
+              "mirrored"),
+        Entry("Mirrored(pmap)", lambda n: Mirrored(n, backend="pmap"), mirrored_tf, mirrored_torch, "all-reduce",
+              "mirrored"),
+        Entry("Mirrored(ring)", lambda n: Mirrored(n, allreduce="ring"), "tf.distribute.NcclAllReduce",
+              "dist.all_reduce", "all-reduce", "mirrored", tour=False),
+        Entry("CentralStorage", lambda n: CentralStorage(n),
+              "tf.distribute.experimental.CentralStorageStrategy", None, "central", "central_storage"),
+        Entry("PS(2 shards)", lambda n: ParameterServer(2, devices=n), ps_tf, ps_torch, "sharded", "parameter_server"),
+        Entry("TensorParallel", lambda n: TensorParallel(n, devices=jax.devices()[:n]), None, "ColwiseParallel",
+              "tensor", "tensor"),
+        Entry("FullySharded(3)", lambda n: FullySharded(3, n), None, "FullyShardedDataParallel", "fully-sharded",
+              "fully_sharded"),
+        Entry("Hybrid(data x 2)", lambda n: Hybrid(n // 2, 2, devices=jax.devices()[: n // 2 * 2]), None,
+              "HYBRID_SHARD", "hybrid", "hybrid", min_devices=4, tour=False),
+        Entry("Pipeline(2 stages)", lambda n, apply: Pipeline(apply, 2, microbatches=4, data=n // 2,
+              devices=jax.devices()[: n // 2 * 2]), None, "torch.distributed.pipelining", "pipeline", "pipeline",
+              min_devices=2, layers=True, tour=False),
+        Entry("MultiWorkerMirrored", lambda n: MultiWorkerMirrored(jax.devices()[:n]),
+              "MultiWorkerMirroredStrategy", mirrored_torch, "all-reduce", "mirrored", bench=False),
+        Entry("PS(2, async)", lambda n: ParameterServer(2, mode="async", devices=n), ps_tf, ps_torch, "sharded",
+              "parameter_server", meant_to_differ=True, bench=False),
+    ):  # fmt: skip
+        register(entry)
+
+
+_built_in()

@@ -1,0 +1,156 @@
+"""One SPMD strategy: a mesh with any named axes, and logical axis rules for the batch, activations and parameters.
+
+``jax.jit`` of the single-device step with a ``NamedSharding`` for every leaf
+(:mod:`parallelkit.strategies.sharded` explains how): the batch split as the rules
+place the logical axis ``batch`` (its leading axis), the parameters by
+``param_rules``, and the activations where the model calls
+:func:`parallelkit.axes.constrain`, which becomes ``with_sharding_constraint`` while
+this strategy traces its step. XLA's SPMD partitioner inserts the communication
+the shardings imply. :class:`~parallelkit.TensorParallel`,
+:class:`~parallelkit.FullySharded` and :class:`~parallelkit.Hybrid` are presets of it.
+
+>>> import parallelkit as pk
+>>> mesh = pk.mesh.make_mesh(jax.devices()[:1], data=1, seq=1)
+>>> SPMD(mesh, rules=(("batch", "data"), ("length", "seq")))
+SPMD(mesh={'data': 1, 'seq': 1}, rules=(('batch', 'data'), ('length', 'seq')))
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Sequence
+from functools import cached_property
+
+import jax
+import optax
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from .. import partition
+from ..axes import DATA, AxisRules, MeshAxes, active_rules
+from .base import Batch, LossFn, PyTree, Step, Strategy, TrainState, create_state, prng_key, put_batch
+from .sharded import _CompiledOnFirstCall
+
+BATCH = "batch"  # the logical name of every batch leaf's leading axis
+BATCH_ON_DATA = ((BATCH, DATA),)  # the presets' rules: the batch split over `data`
+
+
+class SPMD(Strategy):
+    """Train over ``mesh`` as ``rules`` say: the batch on the mesh axes of ``batch``, activations as constrained.
+
+    Args:
+      mesh: the devices on named axes (:func:`parallelkit.mesh.make_mesh`).
+      rules: logical axis rules, an :class:`~parallelkit.axes.AxisRules` or its
+        ``(logical name, mesh axis or axes or None)`` pairs; a name no rule mentions is replicated.
+      param_rules: the parameters' layout: ``(regex, spec)`` pairs over parameter paths, where a
+        spec is a ``PartitionSpec`` or a tuple of logical names (resolved by ``rules``), or a tree of
+        specs (as :func:`parallelkit.partition.nnx_specs` gives); every parameter replicated by default.
+
+    Raises:
+      ValueError: a rule that names a mesh axis ``mesh`` lacks; at ``init``, a parameter
+        no rule matches or a spec that does not fit its shape.
+    """
+
+    def __init__(
+        self,
+        mesh: Mesh,
+        rules: AxisRules | Sequence[tuple[str, MeshAxes]] = (),
+        param_rules: partition.Rules | PyTree | None = None,
+    ):
+        super().__init__(list(mesh.devices.flat))
+        self.mesh = mesh
+        self.axis_rules = rules if isinstance(rules, AxisRules) else AxisRules(tuple(rules))
+        self.axis_rules.check(mesh)
+        self.param_rules = param_rules
+
+    @property
+    def num_replicas(self) -> int:
+        """How many slices the global batch is cut into: the product of the mesh axes ``batch`` maps to."""
+        entry = self.batch_sharding.spec[0]
+        axes = () if entry is None else (entry,) if isinstance(entry, str) else entry
+        return math.prod(self.mesh.shape[axis] for axis in axes)
+
+    @cached_property
+    def replicated(self) -> NamedSharding:
+        return NamedSharding(self.mesh, P())
+
+    @cached_property
+    def state_sharding(self) -> NamedSharding:
+        """What is not a parameter or its optimizer state (the step counter, the metrics): replicated."""
+        return self.replicated
+
+    @cached_property
+    def batch_sharding(self) -> NamedSharding:
+        """Every batch leaf's leading axis split over the mesh axes the rules give ``batch``."""
+        return NamedSharding(self.mesh, self.axis_rules.spec((BATCH,)))
+
+    def place_batch(self, batch: Batch) -> Batch:
+        """Send each slice of the global batch to its devices (a clear error when it does not split)."""
+        return put_batch(batch, self.batch_sharding, self.num_replicas)
+
+    def partition_specs(self, params: PyTree) -> PyTree:
+        """The ``PartitionSpec`` of every parameter, checked against the mesh and the shapes."""
+        if self.param_rules is None:
+            return jax.tree.map(lambda _: P(), params)
+        specs = partition.param_specs(params, partition.logical_rules(self.param_rules, self.axis_rules.spec))
+        partition.check_specs(params, specs, self.mesh)
+        return specs
+
+    def optimizer_specs(self, params: PyTree) -> PyTree:
+        """The spec the optimizer state of each parameter gets: the parameter's own by default
+        (ZeRO stages 1 and 2 shard it where the parameters stay replicated)."""
+        return self.partition_specs(params)
+
+    def gradient_specs(self, params: PyTree) -> PyTree | None:
+        """Where the gradients must be laid out before the update (None: wherever XLA chooses)."""
+        return None
+
+    def tracing(self) -> contextlib.AbstractContextManager:
+        """While the step traces, :func:`parallelkit.axes.constrain` lays activations out by these rules."""
+        return active_rules(self.mesh, self.axis_rules)
+
+    def state_shardings(self, params: PyTree, tx: optax.GradientTransformation) -> TrainState:
+        """A :class:`TrainState` of shardings: the step replicated, parameters by their specs,
+        optimizer state by :meth:`optimizer_specs` (a PRNG key and model state, when present, replicated)."""
+        specs = self.partition_specs(params)
+        opt_specs = partition.state_specs(self.optimizer_specs(params), tx, params)
+        return TrainState(
+            step=self.replicated,
+            params=partition.shardings(self.mesh, specs),
+            opt_state=partition.shardings(self.mesh, opt_specs),
+            tx=tx,
+        )
+
+    def init(
+        self,
+        params: PyTree,
+        tx: optax.GradientTransformation,
+        opt_state: PyTree = None,
+        *,
+        model_state: PyTree = None,
+        rng: int | jax.Array | None = None,
+    ) -> TrainState:
+        """Place every leaf directly in its sharding: built in one ``jit``, each device gets only its slices."""
+        rng = prng_key(rng)  # a seed would become a traced integer inside jit
+        target = self.state_shardings(params, tx).replace(
+            rng=None if rng is None else self.replicated,
+            model_state=None if model_state is None else jax.tree.map(lambda _: self.replicated, model_state),
+        )
+
+        def build(params, opt_state, model_state, rng):
+            return create_state(params, tx, opt_state, model_state=model_state, rng=rng)
+
+        return jax.jit(build, out_shardings=target)(params, opt_state, model_state, rng)
+
+    def step(self, loss_fn: LossFn) -> Step:
+        return Step(_CompiledOnFirstCall(self, loss_fn), self.place_batch, self)
+
+    traffic_pattern = "spmd"
+
+    def expected_collectives(self, sizes) -> None:
+        """No formula: what moves depends on the rules; the measured payloads are reported as they are."""
+        return None
+
+    def __repr__(self) -> str:
+        return f"SPMD(mesh={dict(self.mesh.shape)}, rules={self.axis_rules.rules})"

@@ -1,0 +1,159 @@
+"""The package's layering, read from its source: no import cycle, and no tool that dispatches on a strategy's class.
+
+Both tests parse every module of ``parallelkit`` with :mod:`ast`; imports under
+``if TYPE_CHECKING:`` are left out (they never run), every other import counts,
+those inside functions included.
+"""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import pkgutil
+from pathlib import Path
+
+import parallelkit as pk
+from parallelkit.strategies import catalog
+from parallelkit.strategies.base import Strategy
+
+PACKAGE = Path(pk.__file__).parent
+SELF_DESCRIBING = ("strategies", "pipeline")  # the packages that may know their own classes
+
+
+def _modules() -> dict[str, tuple[Path, bool]]:
+    """Every module of parallelkit by dotted name: (its file, whether it is a package's ``__init__``)."""
+    found = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+        is_package = parts[-1] == "__init__"
+        found[".".join(parts[:-1] if is_package else parts)] = (path, is_package)
+    return found
+
+
+def _is_type_checking(node: ast.AST) -> bool:
+    test = getattr(node, "test", None)
+    return isinstance(node, ast.If) and (
+        (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING")
+        or (isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+    )
+
+
+def _runtime_nodes(tree: ast.AST):
+    """Every node of ``tree`` outside ``if TYPE_CHECKING:`` blocks."""
+    skipped = {id(n) for block in ast.walk(tree) if _is_type_checking(block) for n in ast.walk(block)}
+    return (n for n in ast.walk(tree) if id(n) not in skipped)
+
+
+def _imports(name: str, path: Path, is_package: bool, modules: dict) -> set[str]:
+    """The parallelkit modules ``name`` imports (a name imported from a package counts as its submodule, if one)."""
+    package = name if is_package else name.rpartition(".")[0]
+    targets: set[str] = set()
+    for node in _runtime_nodes(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            targets |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                parts = package.split(".")
+                base = ".".join(parts[: len(parts) - node.level + 1] + ([node.module] if node.module else []))
+            else:
+                base = node.module or ""
+            subs = {f"{base}.{alias.name}" for alias in node.names} & set(modules)
+            targets |= subs | ({base} if len(subs) < len(node.names) else set())
+    return {t for t in targets if t in modules and t != name}
+
+
+def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One cycle of ``graph`` (its modules in order), or None."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        path.append(node)
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == 1:
+                return path[path.index(nxt) :] + [nxt]
+            if nxt not in state and (found := visit(nxt)):
+                return found
+        state[node] = 2
+        path.pop()
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (found := visit(node)):
+            return found
+    return None
+
+
+def test_no_import_cycle_inside_parallelkit():
+    modules = _modules()
+    graph = {name: _imports(name, path, is_package, modules) for name, (path, is_package) in modules.items()}
+    assert graph["parallelkit.traffic"], "the import graph found no imports: the parser reads nothing"
+    assert _cycle(graph) is None, f"import cycle: {' -> '.join(_cycle(graph))}"
+
+
+def test_the_cycle_finder_finds_a_cycle():
+    assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert _cycle({"a": {"b"}, "b": set()}) is None
+
+
+def _strategy_classes() -> set[str]:
+    """The names of every concrete strategy class parallelkit defines."""
+    names = set()
+    for package in (pk.strategies, pk.pipeline):
+        for info in pkgutil.iter_modules(package.__path__, package.__name__ + "."):
+            module = __import__(info.name, fromlist=["_"])
+            names |= {
+                name
+                for name, cls in vars(module).items()
+                if inspect.isclass(cls) and issubclass(cls, Strategy) and cls is not Strategy
+            }
+    return names
+
+
+def _dispatches(path: Path, classes: set[str], labels: set[str]) -> list[str]:
+    """Lines of ``path`` that ask ``isinstance``/``issubclass``/``type(...) is`` of a strategy class, or compare
+    with a strategy's class name or catalog name."""
+
+    def named(node: ast.AST) -> set[str]:
+        if isinstance(node, ast.Tuple):
+            return set().union(*(named(e) for e in node.elts))
+        if isinstance(node, ast.Name):
+            return {node.id}
+        if isinstance(node, ast.Attribute):
+            return {node.attr}
+        return set()
+
+    found = []
+    for node in _runtime_nodes(ast.parse(path.read_text())):
+        if isinstance(node, ast.Call) and getattr(node.func, "id", None) in ("isinstance", "issubclass"):
+            if len(node.args) == 2 and named(node.args[1]) & classes:
+                found.append(f"{path.name}:{node.lineno}: {ast.unparse(node)}")
+        elif isinstance(node, ast.Compare):
+            operands = [node.left, *node.comparators]
+            strings = {o.value for o in operands if isinstance(o, ast.Constant) and isinstance(o.value, str)}
+            is_type = any(isinstance(o, ast.Call) and getattr(o.func, "id", None) == "type" for o in operands)
+            if strings & (classes | labels) or (is_type and set().union(*map(named, operands)) & classes):
+                found.append(f"{path.name}:{node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+def test_no_tool_dispatches_on_a_strategy_class_or_name():
+    classes, labels = _strategy_classes(), {e.name for e in catalog.entries()}
+    assert {"SingleDevice", "CentralStorage", "Pipeline", "ParameterServer"} <= classes
+    tools = [path for path in PACKAGE.rglob("*.py") if path.relative_to(PACKAGE).parts[0] not in SELF_DESCRIBING]
+    found = [line for path in tools for line in _dispatches(path, classes, labels)]
+    assert not found, (
+        "tools that decide by a strategy's class or name (ask the strategy or the catalog):\n" + "\n".join(found)
+    )
+
+
+def test_the_dispatch_check_sees_dispatch(tmp_path):
+    source = tmp_path / "tool.py"
+    source.write_text(
+        "def f(s, name):\n"
+        "    if isinstance(s, (int, pk.Pipeline)):\n        pass\n"
+        "    if type(s) is SingleDevice:\n        pass\n"
+        "    return name == 'Mirrored(jit)'\n"
+    )
+    assert len(_dispatches(source, {"Pipeline", "SingleDevice"}, {"Mirrored(jit)"})) == 3
