@@ -149,7 +149,7 @@ def test_checkpoint_saved_on_4_devices_restores_onto_fewer(make, saved_on_four, 
     for leaf in target.describe(state):
         assert leaf.copies == target.num_replicas
         assert leaf.devices == tuple(sorted(d.id for d in target.devices))
-        if isinstance(target, pk.Mirrored) and target.backend == "jit":
+        if isinstance(target, pk.strategies.MirroredJit):
             assert leaf.spec == "P()" and len(leaf.devices) == 2
 
     # Training on from there ends where the 4-device run would have.

@@ -155,7 +155,7 @@ def test_two_devices(mlp, batch):
         t = pk.traffic.step_traffic(strategy, loss_fn, strategy.init(params, optax.sgd(0.1)), batch)
         assert all(f.measured == pytest.approx(f.expected) for f in (*t.flows, *t.owner_flows))
         assert t.flow("batch").measured == B / 2
-        if isinstance(strategy, pk.Mirrored):
+        if isinstance(strategy, pk.strategies.MirroredJit):
             assert t.between_devices == P + M and t.host_to_device == B / 2
             assert t.bus_bytes == P + M  # 2(n-1)/n = 1
         else:

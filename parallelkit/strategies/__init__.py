@@ -10,8 +10,10 @@ from .central import CentralStorage as CentralStorage
 from .fully_sharded import FullySharded as FullySharded
 from .hybrid import Hybrid as Hybrid
 from .mirrored import Mirrored as Mirrored
+from .mirrored import MirroredJit as MirroredJit
 from .multiworker import MultiWorkerMirrored as MultiWorkerMirrored
 from .parameter_server import ParameterServer as ParameterServer
+from .pmap import MirroredPmap as MirroredPmap
 from .single import SingleDevice as SingleDevice
 from .spmd import SPMD as SPMD
 from .tensor import TensorParallel as TensorParallel

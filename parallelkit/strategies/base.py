@@ -475,19 +475,3 @@ class Strategy(abc.ABC):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(devices={self.num_replicas})"
-
-
-class DataParallelTraffic:
-    """Mixin for replicated data parallelism: one all-reduce of the gradients (and metrics) a step."""
-
-    num_replicas: int
-
-    @property
-    def traffic_pattern(self) -> str:
-        return "all-reduce" if self.num_replicas > 1 else "local"
-
-    def expected_collectives(self, sizes: Sizes) -> tuple[ExpectedCollective, ...]:
-        """The gradients and the scalar metrics, all-reduced: ``P + M`` bytes (XLA fuses them into one)."""
-        from ..traffic import gradient_all_reduce
-
-        return () if sizes.replicas == 1 else (gradient_all_reduce(sizes),)

@@ -18,22 +18,21 @@ its local devices. Two ways to hand it over:
 from __future__ import annotations
 
 from collections.abc import Sequence
-from functools import cached_property
 
 import jax
 import numpy as np
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
-from ..axes import DATA
+from ..devices import resolve_devices
 from ..mesh import make_mesh
-from .base import Batch, DataParallelTraffic, PyTree, check_divisible
-from .jit import JitStrategy
+from ..traffic import ExpectedCollective, Sizes
+from . import data_parallel
+from .base import Batch, PyTree, check_divisible
+from .spmd import BATCH_ON_DATA, SPMD
 
 FEEDS = ("global", "local")
 
 
-class MultiWorkerMirrored(DataParallelTraffic, JitStrategy):
+class MultiWorkerMirrored(SPMD):
     """Replicate the model on every device of every process and all-reduce the gradients.
 
     Conceptually, with ``n`` devices over all processes and a global batch ``b``,
@@ -43,7 +42,8 @@ class MultiWorkerMirrored(DataParallelTraffic, JitStrategy):
         params = update(params, grads)                                   # everywhere, identically
 
     Call :func:`parallelkit.distributed.initialize` first; with one process it is
-    ``Mirrored(backend="jit")``.
+    ``Mirrored(backend="jit")``. An :class:`~parallelkit.SPMD` preset: one ``data`` axis
+    over every device, the batch on it, the state replicated.
 
     Args:
       devices: the global devices to use; ``jax.devices()`` (all processes) by default.
@@ -54,20 +54,11 @@ class MultiWorkerMirrored(DataParallelTraffic, JitStrategy):
     def __init__(self, devices: Sequence[jax.Device] | None = None, batch: str = "global"):
         if batch not in FEEDS:
             raise ValueError(f"MultiWorkerMirrored(batch={batch!r}): choose one of {FEEDS}.")
-        super().__init__(devices)
-        self.feed = batch
         # Devices in process order, so each process's rows of the batch are one contiguous block.
-        self.devices = sorted(self.devices, key=lambda d: (d.process_index, d.id))
-        self.mesh = make_mesh(self.devices, data=len(self.devices))
+        chosen = sorted(resolve_devices(devices), key=lambda d: (d.process_index, d.id))
+        super().__init__(make_mesh(chosen, data=len(chosen)), rules=BATCH_ON_DATA)
+        self.feed = batch
         self.num_processes = len({d.process_index for d in self.devices})
-
-    @cached_property
-    def state_sharding(self) -> NamedSharding:
-        return NamedSharding(self.mesh, P())  # a full copy on every device of every process
-
-    @cached_property
-    def batch_sharding(self) -> NamedSharding:
-        return NamedSharding(self.mesh, P(DATA))
 
     def place_batch(self, batch: Batch) -> Batch:
         """Build the global batch array from this process's rows only.
@@ -91,6 +82,14 @@ class MultiWorkerMirrored(DataParallelTraffic, JitStrategy):
     def unreplicate(self, tree: PyTree) -> PyTree:
         """One host copy, read from this process's own replica (the state is replicated everywhere)."""
         return jax.tree.map(lambda x: np.asarray(x.addressable_data(0)), tree)
+
+    @property
+    def traffic_pattern(self) -> str:
+        return data_parallel.traffic_pattern(self.num_replicas)
+
+    def expected_collectives(self, sizes: Sizes) -> tuple[ExpectedCollective, ...]:
+        """The gradients and the scalar metrics, all-reduced: ``P + M`` bytes (XLA fuses them into one)."""
+        return data_parallel.expected_collectives(sizes)
 
     def __repr__(self) -> str:
         return f"MultiWorkerMirrored(devices={self.num_replicas}, processes={self.num_processes})"

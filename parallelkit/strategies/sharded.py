@@ -29,11 +29,11 @@ if TYPE_CHECKING:
 
 
 class _CompiledOnFirstCall:
-    """The jitted step, built on the first call from the shardings of the state it is given.
+    """The jitted step, built on the first call with the strategy's shardings for the state it is given.
 
-    The shardings are per leaf, so they depend on the model and the optimizer; a
-    step is built for one state layout and reused for every later call (the same
-    shapes and shardings: nothing recompiles).
+    The shardings are per leaf, so they depend on the model and the optimizer
+    (:meth:`SPMD.state_shardings`); a step is built for one state's structure and
+    reused for every later call (the same shapes and shardings: nothing recompiles).
     """
 
     def __init__(self, strategy: SPMD, loss_fn: LossFn):
@@ -43,7 +43,9 @@ class _CompiledOnFirstCall:
     def compiled(self, state: TrainState) -> Callable:
         """The jitted step for ``state``'s layout, built the first time."""
         if self.fn is None:
-            shardings = jax.tree.map(lambda x: x.sharding, state)
+            shardings = self.strategy.state_shardings(
+                state.params, state.tx, model_state=state.model_state, rng=state.rng
+            )
             self.fn = jax.jit(
                 functools.partial(self._traced(train_step), self.loss_fn, sync=self._gradient_layout(state.params)),
                 in_shardings=(shardings, self.strategy.batch_sharding),

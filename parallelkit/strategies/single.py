@@ -2,38 +2,38 @@
 
 from __future__ import annotations
 
-from functools import cached_property
-
 import jax
-from jax.sharding import SingleDeviceSharding
 
-from .jit import JitStrategy
+from ..devices import resolve_devices
+from ..mesh import make_mesh
+from ..traffic import ExpectedCollective, Sizes
+from .spmd import BATCH_ON_DATA, SPMD
 
 
-class SingleDevice(JitStrategy):
-    """Train on one device: ``jax.device_put`` the state there, ``jax.jit`` the step.
+class SingleDevice(SPMD):
+    """Train on one device: the state placed there, the step under ``jax.jit``.
 
     The counterpart of a plain ``tf.device("/GPU:0")`` block or a PyTorch model on
-    ``cuda:0``. Every other strategy is tested to reproduce its parameters.
+    ``cuda:0``. Every other strategy is tested to reproduce its parameters. An
+    :class:`~parallelkit.SPMD` preset over a mesh of one device (``data=1``).
 
     Args:
       device: the device to use; JAX's first device by default.
     """
 
+    traffic_pattern = "local"
+
     def __init__(self, device: jax.Device | None = None):
-        super().__init__([device] if device is not None else 1)
+        chosen = resolve_devices([device] if device is not None else 1)
+        super().__init__(make_mesh(chosen, data=1), rules=BATCH_ON_DATA)
 
     @property
     def device(self) -> jax.Device:
         return self.devices[0]
 
-    @cached_property
-    def state_sharding(self) -> SingleDeviceSharding:
-        return SingleDeviceSharding(self.device)
-
-    @cached_property
-    def batch_sharding(self) -> SingleDeviceSharding:
-        return self.state_sharding
+    def expected_collectives(self, sizes: Sizes) -> tuple[ExpectedCollective, ...]:
+        """None: one device talks to no other."""
+        return ()
 
     def __repr__(self) -> str:
         return f"SingleDevice({self.device})"

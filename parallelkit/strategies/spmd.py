@@ -110,9 +110,16 @@ class SPMD(Strategy):
         """While the step traces, :func:`parallelkit.axes.constrain` lays activations out by these rules."""
         return active_rules(self.mesh, self.axis_rules)
 
-    def state_shardings(self, params: PyTree, tx: optax.GradientTransformation) -> TrainState:
+    def state_shardings(
+        self,
+        params: PyTree,
+        tx: optax.GradientTransformation,
+        *,
+        model_state: PyTree = None,
+        rng: jax.Array | None = None,
+    ) -> TrainState:
         """A :class:`TrainState` of shardings: the step replicated, parameters by their specs,
-        optimizer state by :meth:`optimizer_specs` (a PRNG key and model state, when present, replicated)."""
+        optimizer state by :meth:`optimizer_specs`, a PRNG key and model state (where given) replicated."""
         specs = self.partition_specs(params)
         opt_specs = partition.state_specs(self.optimizer_specs(params), tx, params)
         return TrainState(
@@ -120,6 +127,8 @@ class SPMD(Strategy):
             params=partition.shardings(self.mesh, specs),
             opt_state=partition.shardings(self.mesh, opt_specs),
             tx=tx,
+            rng=None if rng is None else self.replicated,
+            model_state=None if model_state is None else jax.tree.map(lambda _: self.replicated, model_state),
         )
 
     def init(
@@ -131,12 +140,12 @@ class SPMD(Strategy):
         model_state: PyTree = None,
         rng: int | jax.Array | None = None,
     ) -> TrainState:
-        """Place every leaf directly in its sharding: built in one ``jit``, each device gets only its slices."""
+        """Place every leaf directly in its sharding: built in one ``jit``, each device gets only its slices
+        (a state replicated on every device is simply put there)."""
         rng = prng_key(rng)  # a seed would become a traced integer inside jit
-        target = self.state_shardings(params, tx).replace(
-            rng=None if rng is None else self.replicated,
-            model_state=None if model_state is None else jax.tree.map(lambda _: self.replicated, model_state),
-        )
+        target = self.state_shardings(params, tx, model_state=model_state, rng=rng)
+        if all(sharding.spec == P() for sharding in jax.tree.leaves(target)):  # a full copy everywhere: no program
+            return jax.device_put(create_state(params, tx, opt_state, model_state=model_state, rng=rng), target)
 
         def build(params, opt_state, model_state, rng):
             return create_state(params, tx, opt_state, model_state=model_state, rng=rng)

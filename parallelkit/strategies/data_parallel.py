@@ -1,0 +1,78 @@
+"""What every replicated data-parallel strategy shares: how gradients meet, and what that moves.
+
+:class:`~parallelkit.strategies.mirrored.MirroredJit`, :class:`~parallelkit.strategies.pmap.MirroredPmap`,
+:class:`~parallelkit.MultiWorkerMirrored` and :class:`~parallelkit.SingleDevice` (one replica)
+hold a full copy of the state on every device and average the gradients once a step.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import jax
+
+from ..axes import DATA
+from ..collectives import AllReduce, mean_tree
+from ..traffic import ExpectedCollective, Sizes, gradient_all_reduce
+
+
+def parse_allreduce(allreduce: str | AllReduce | None, replicas: int, who: str) -> AllReduce | None:
+    """``allreduce`` as an :class:`~parallelkit.collectives.AllReduce` (None: the compiler's), checked.
+
+    Raises:
+      TypeError: neither a name nor an ``AllReduce``.
+      ValueError: a hierarchical group that does not divide ``replicas``.
+    """
+    chosen = AllReduce(allreduce) if isinstance(allreduce, str) else allreduce
+    if chosen is not None and not isinstance(chosen, AllReduce):
+        raise TypeError(f"{who}(allreduce={allreduce!r}): pass a name or a pk.collectives.AllReduce.")
+    if chosen is not None and chosen.group and replicas % chosen.group:
+        raise ValueError(
+            f"{who}(allreduce={chosen!r}) groups {chosen.group} devices, which does not divide "
+            f"{replicas} devices: choose a group size that does."
+        )
+    return chosen
+
+
+def replica_sync(allreduce: AllReduce | None) -> Callable:
+    """How gradients, metrics and model state meet inside a per-device program (``pmap``, ``shard_map``)."""
+    if allreduce is None:
+        return functools.partial(jax.lax.pmean, axis_name=DATA)
+    return functools.partial(mean_tree, axis=DATA, allreduce=allreduce)
+
+
+def own_key(key: jax.Array) -> jax.Array:
+    """Each replica its own key (dropout masks differ between replicas, as under pmap)."""
+    return jax.random.fold_in(key, jax.lax.axis_index(DATA))
+
+
+def mirrored_repr(backend: str, replicas: int, allreduce: AllReduce | None) -> str:
+    """How ``pk.Mirrored`` prints, whichever backend: ``Mirrored(backend='jit', devices=2)``."""
+    how = f", allreduce={allreduce.algorithm!r}" if allreduce else ""
+    return f"Mirrored(backend={backend!r}, devices={replicas}{how})"
+
+
+def traffic_pattern(replicas: int) -> str:
+    """The traffic pattern of replicated data parallelism: an all-reduce, or nothing on one device."""
+    return "all-reduce" if replicas > 1 else "local"
+
+
+def expected_collectives(sizes: Sizes, allreduce: AllReduce | None = None) -> tuple[ExpectedCollective, ...]:
+    """One step's collectives by the book: the compiler's all-reduce of ``P + M``, or the hand-written one's permutes.
+
+    A hand-written all-reduce is ``collective-permute`` instructions; their arrays add
+    up to the bytes through the busiest device's link (:attr:`Cost.wire_bytes
+    <parallelkit.collectives.Cost.wire_bytes>`), of ``P + M`` padded to whole chunks.
+    One replica needs none.
+    """
+    if sizes.replicas == 1:
+        return ()
+    if allreduce is None:
+        return (gradient_all_reduce(sizes),)
+    n = sizes.replicas
+    multiple = 1 if allreduce.algorithm == "reduce_to_one" else n  # the chunks it cuts
+    elements = -(-(sizes.params + sizes.metrics) // 4 // multiple) * multiple  # float32, padded
+    wire = sum(c.wire_bytes for c in allreduce.cost(n, 4 * elements).values())
+    what = f"gradients and metrics, {allreduce.algorithm} all-reduce"
+    return (ExpectedCollective("collective-permute", what, wire, "wire bytes of P + M (padded)"),)

@@ -1,0 +1,101 @@
+"""Mirrored data parallelism with ``jax.pmap``: ``Mirrored(backend="pmap")``.
+
+The classic per-device program: the state stacked with a leading axis of length ``n``
+(one copy per device), the batch reshaped to ``(n, per_replica, ...)``, and the
+gradients averaged by an explicit ``lax.pmean`` over the replica axis (or a hand-written
+all-reduce of :mod:`parallelkit.collectives`). Since JAX 0.8 ``pmap`` is built on
+``jit`` + ``shard_map`` and is in maintenance mode; it is here because so much code and
+teaching uses it. :class:`~parallelkit.strategies.mirrored.MirroredJit` is the same
+strategy as one ``jax.jit`` with shardings.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+
+import jax
+import numpy as np
+import optax
+from flax import jax_utils
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from ..axes import DATA
+from ..collectives import AllReduce
+from ..mesh import make_mesh
+from ..traffic import ExpectedCollective, Sizes
+from . import data_parallel
+from .base import Batch, LossFn, PyTree, Step, Strategy, TrainState, check_divisible, create_state, train_step
+
+
+class MirroredPmap(Strategy):
+    """Replicate the model on every device with ``jax.pmap``; gradients meet in ``lax.pmean``.
+
+    Args:
+      devices: how many devices (the first ``n``), or which; all by default.
+      allreduce: as for :func:`~parallelkit.Mirrored`: ``None`` (``lax.pmean``) or a hand-written algorithm.
+    """
+
+    backend = "pmap"
+
+    def __init__(self, devices: int | Sequence[jax.Device] | None = None, *, allreduce: str | AllReduce | None = None):
+        super().__init__(devices)
+        self.allreduce = data_parallel.parse_allreduce(allreduce, self.num_replicas, "Mirrored")
+
+    def init(
+        self,
+        params: PyTree,
+        tx: optax.GradientTransformation,
+        opt_state: PyTree = None,
+        *,
+        model_state: PyTree = None,
+        rng: int | jax.Array | None = None,
+    ) -> TrainState:
+        # pmap's convention: a leading axis of length n, one copy per device. The
+        # sharding is the one pmap gives its outputs, so the second step reuses the
+        # first step's compiled program.
+        stacked = NamedSharding(make_mesh(self.devices, data=self.num_replicas), P(DATA))
+        host = jax.device_get(create_state(params, tx, opt_state, model_state=model_state, rng=rng))
+        return jax.device_put(
+            jax.tree.map(lambda x: np.broadcast_to(x, (self.num_replicas, *np.shape(x))), host), stacked
+        )
+
+    def place_batch(self, batch: Batch) -> Batch:
+        """Reshape each global array to ``(replicas, per_replica, ...)``; pmap sends row i to device i."""
+        n = self.num_replicas
+        try:
+            return jax.tree.map(lambda x: x.reshape(n, -1, *x.shape[1:]), batch)
+        except ValueError:
+            check_divisible(batch, n)  # explains the error; the check is off the per-step path
+            raise
+
+    def step(self, loss_fn: LossFn) -> Step:
+        fn = jax.pmap(
+            functools.partial(
+                train_step, loss_fn, sync=data_parallel.replica_sync(self.allreduce), replica_key=data_parallel.own_key
+            ),
+            axis_name=DATA,
+            devices=self.devices,
+            out_axes=(0, None),  # metrics are equal on every device after pmean: return one copy
+            donate_argnums=0,
+        )
+        return Step(fn, self.place_batch, self)
+
+    def unreplicate(self, tree: PyTree) -> PyTree:
+        return jax.device_get(jax_utils.unreplicate(tree))
+
+    def logical_shape(self, leaf: jax.Array) -> tuple[int, ...]:
+        return tuple(leaf.shape[1:])
+
+    @property
+    def traffic_pattern(self) -> str:
+        return data_parallel.traffic_pattern(self.num_replicas)
+
+    def expected_collectives(self, sizes: Sizes) -> tuple[ExpectedCollective, ...]:
+        """The compiler's all-reduce of ``P + M``, or the hand-written one's permutes
+        (:func:`parallelkit.strategies.data_parallel.expected_collectives`)."""
+        return data_parallel.expected_collectives(sizes, self.allreduce)
+
+    def __repr__(self) -> str:
+        return data_parallel.mirrored_repr(self.backend, self.num_replicas, self.allreduce)
