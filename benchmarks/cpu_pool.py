@@ -1,7 +1,7 @@
 """What does sizing XLA's CPU thread pool for simulated devices cost?
 
 ``pk.simulate_devices(n)`` sets ``PJRT_NPROC=2n`` on machines with fewer cores, so that
-a loop that never waits cannot deadlock XLA's CPU runtime (see ``parallelkit.devices``).
+a loop that never waits cannot deadlock XLA's CPU runtime (see ``parallelkit.core.devices``).
 The larger pool also means more threads competing for the same cores. This script
 measures the step time both ways, on the workloads where the deadlock was seen:
 
@@ -63,7 +63,7 @@ def _child(workload: str, steps: int) -> float:
 
 
 def _measure(workload: str, pool: str, steps: int) -> float:
-    from parallelkit.devices import _cores
+    from parallelkit.core.devices import _cores
 
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "PJRT_NPROC")}
     if pool == "cores":
@@ -87,7 +87,7 @@ def main() -> None:
         return
     import numpy as np
 
-    from parallelkit.devices import _cores
+    from parallelkit.core.devices import _cores
 
     results = {}
     for workload, devices in WORKLOADS.items():

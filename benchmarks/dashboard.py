@@ -30,7 +30,7 @@ def one_run(steps: int, min_interval: float) -> tuple[np.ndarray, int]:
 
     dash = TimingDashboard(batch_size=64, mode="widget", min_interval=min_interval)
     with contextlib.redirect_stdout(io.StringIO()):  # outside a notebook, display() prints the widget's repr
-        dash.on_train_begin(pk.training.RunInfo("bench", 1, steps, False))
+        dash.on_train_begin(pk.run.training.RunInfo("bench", 1, steps, False))
     costs = np.empty(steps)
     for i in range(1, steps + 1):
         time.sleep(0.001)  # the step itself

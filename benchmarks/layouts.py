@@ -68,7 +68,7 @@ _GLOO_RANK = re.compile(r"\[Gloo\] Rank (\d+) is connected to (\d+) peer ranks")
 def _median_seconds(fn, *args, repeats: int) -> float:
     import numpy as np
 
-    from parallelkit.timing import timed
+    from parallelkit.measure.timing import timed
 
     timed(fn, *args)  # compile and warm up
     timed(fn, *args)
@@ -90,7 +90,7 @@ def allreduces(hlo_text: str) -> list[dict]:
     >>> allreduces("%ar = f32[8]{0} all-reduce(f32[8]{0} %g), channel_id=1, replica_groups={{0,1,2,3}}, x")
     [{'replica_groups': '{{0,1,2,3}}', 'group_size': 4, 'bytes': 32}]
     """
-    from parallelkit.inspect import parse_collectives
+    from parallelkit.measure.inspect import parse_collectives
 
     found = []
     for line in hlo_text.splitlines():
@@ -116,8 +116,8 @@ def _worker(args: argparse.Namespace) -> None:
     from jax import lax
     from jax.sharding import PartitionSpec as P
 
-    from parallelkit.bench import LEARNING_RATE, _measure, _model, compare, trained_params
-    from parallelkit.inspect import compiled_text
+    from parallelkit.course.bench import LEARNING_RATE, _measure, _model, compare, trained_params
+    from parallelkit.measure.inspect import compiled_text
 
     n = jax.device_count()
     mesh = jax.make_mesh((n,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,))
@@ -157,7 +157,7 @@ def _worker(args: argparse.Namespace) -> None:
 
 
 def _run(args: argparse.Namespace, processes: int, per_process: int) -> dict:
-    from parallelkit.distributed import launch
+    from parallelkit.run.distributed import launch
 
     forward = ["--repeats", str(args.repeats), "--steps", str(args.steps), "--warmup", str(args.warmup),
                "--batch-per-device", str(args.batch_per_device), "--check-steps", str(args.check_steps)]  # fmt: skip

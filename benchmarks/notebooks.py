@@ -1,7 +1,7 @@
 """How long each notebook of the course takes to run top to bottom, on this machine.
 
 Each notebook runs once, in order, in a fresh kernel in a scratch directory, exactly
-as ``make course`` and the test suite run them (``pk.course.execute``: the kernel
+as ``make course`` and the test suite run them (``pk.course.build.execute``: the kernel
 starts without this process's ``XLA_FLAGS`` and ``PJRT_NPROC``). The wall time of each
 run, kernel start included, is recorded with the machine's core count: the figure the
 README's notebook paragraph quotes.
@@ -33,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default="benchmarks/results/notebooks.json")
     args = parser.parse_args(argv)
 
-    from parallelkit.course import NOTEBOOKS, execute
+    from parallelkit.course.build import NOTEBOOKS, execute
 
     paths = sorted(NOTEBOOKS.glob("*.ipynb"))
     if args.only:
@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     slowest = max(seconds, key=seconds.get)
     print(f"slowest: {slowest}, {seconds[slowest]:.1f} s; all: {sum(seconds.values()):.0f} s")
     record = {
-        "what": "each notebook run top to bottom in a fresh kernel (pk.course.execute), kernel start included",
+        "what": "each notebook run top to bottom in a fresh kernel (pk.course.build.execute), kernel start included",
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "platform": platform.platform(), "processor": platform.processor(),
         "cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),

@@ -5,36 +5,41 @@
 1
 """
 
-from . import axes as axes
-from . import checkpoint as checkpoint
-from . import collectives as collectives
-from . import costmodel as costmodel
 from . import data as data
-from . import distributed as distributed
-from . import gradsync as gradsync
-from . import inspect as inspect
-from . import lesson as lesson
-from . import mesh as mesh
 from . import models as models
-from . import partition as partition
-from . import pipeline as pipeline
-from . import schedules as schedules
-from . import traffic as traffic
-from .axes import DATA as DATA
-from .axes import EXPERT as EXPERT
-from .axes import FSDP as FSDP
-from .axes import MODEL as MODEL
-from .axes import SEQ as SEQ
-from .axes import STAGE as STAGE
-from .axes import AxisRules as AxisRules
-from .axes import constrain as constrain
-from .devices import DeviceCountError as DeviceCountError
-from .devices import DeviceSubsetWarning as DeviceSubsetWarning
-from .devices import device_summary as device_summary
-from .devices import simulate_devices as simulate_devices
-from .pipeline import Pipeline as Pipeline
-from .prefetch import Placed as Placed
-from .prefetch import prefetch as prefetch
+from .core import axes as axes
+from .core import mesh as mesh
+from .core import partition as partition
+from .core.axes import DATA as DATA
+from .core.axes import EXPERT as EXPERT
+from .core.axes import FSDP as FSDP
+from .core.axes import MODEL as MODEL
+from .core.axes import SEQ as SEQ
+from .core.axes import STAGE as STAGE
+from .core.axes import AxisRules as AxisRules
+from .core.axes import constrain as constrain
+from .core.devices import DeviceCountError as DeviceCountError
+from .core.devices import DeviceSubsetWarning as DeviceSubsetWarning
+from .core.devices import device_summary as device_summary
+from .core.devices import simulate_devices as simulate_devices
+from .course import lesson as lesson
+from .measure import collectives as collectives
+from .measure import costmodel as costmodel
+from .measure import gradsync as gradsync
+from .measure import inspect as inspect
+from .measure import traffic as traffic
+from .measure.timing import StepTimes as StepTimes
+from .measure.timing import scaling_efficiency as scaling_efficiency
+from .run import checkpoint as checkpoint
+from .run import distributed as distributed
+from .run.prefetch import Placed as Placed
+from .run.prefetch import prefetch as prefetch
+from .run.training import Callback as Callback
+from .run.training import FitResult as FitResult
+from .run.training import History as History
+from .run.training import NonFiniteLossError as NonFiniteLossError
+from .run.training import StepRecord as StepRecord
+from .run.training import fit as fit
 from .strategies import SPMD as SPMD
 from .strategies import CentralStorage as CentralStorage
 from .strategies import FullySharded as FullySharded
@@ -48,23 +53,21 @@ from .strategies import Step as Step
 from .strategies import Strategy as Strategy
 from .strategies import TensorParallel as TensorParallel
 from .strategies import TrainState as TrainState
-from .timing import StepTimes as StepTimes
-from .timing import scaling_efficiency as scaling_efficiency
-from .training import Callback as Callback
-from .training import FitResult as FitResult
-from .training import History as History
-from .training import NonFiniteLossError as NonFiniteLossError
-from .training import StepRecord as StepRecord
-from .training import fit as fit
+from .strategies import pipeline as pipeline
+from .strategies.pipeline import Pipeline as Pipeline
+from .strategies.pipeline import schedules as schedules
 
 __version__ = "0.1.0"
+
+
+LAZY = {"viz": "viz", "widgets": "widgets", "tour": "course.tour"}  # their modules, below this package
 
 
 def __getattr__(name: str):
     # Views import matplotlib/ipywidgets: load them only when first used, keeping
     # `import parallelkit` fast and headless-safe.
-    if name in ("viz", "widgets", "tour"):
+    if name in LAZY:
         import importlib
 
-        return importlib.import_module(f"{__name__}.{name}")
+        return importlib.import_module(f"{__name__}.{LAZY[name]}")
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
         sys.stdout.flush()
         os.execv(sys.executable, command)  # Jupyter takes over this process
     if args.command == "bench":
-        from .bench import main as bench
+        from .course.bench import main as bench
 
         return bench(extra)
     if extra:
@@ -77,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "course":
         from pathlib import Path
 
-        from .course import build
+        from .course.build import build
 
         pages = build(Path(args.out))
         print(f"wrote {len(pages) - 1} pages (the notebooks, then the references) and an index: open {pages[0]}")
@@ -86,14 +86,14 @@ def main(argv: list[str] | None = None) -> int:
 
     pk.simulate_devices(args.devices)  # before anything starts JAX
     if args.command == "tour":
-        from .tour import main as tour
+        from .course.tour import main as tour
 
         tour(args.model, args.steps, args.batch_size, args.json)
     return 0
 
 
 def _launch(args: argparse.Namespace) -> int:
-    from .distributed import LaunchError, launch
+    from .run.distributed import LaunchError, launch
 
     try:
         launch(

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from .axes import constrain
+from .core.axes import constrain
 
 Apply = Callable[[dict, jax.Array], jax.Array]
 
@@ -91,7 +91,7 @@ class Transformer(nnx.Module):
     and ``out`` Dense layers so that its heads are contiguous column blocks, which is
     what a tensor-parallel rule splits.
 
-    Activations name their axes with :func:`parallelkit.axes.constrain` (``batch``,
+    Activations name their axes with :func:`parallelkit.core.axes.constrain` (``batch``,
     ``length``, ``embed``, ``heads``, ``mlp``): under :class:`parallelkit.SPMD` rules
     that map ``length`` to ``seq`` the tokens are split over that mesh axis; elsewhere
     the calls do nothing.
@@ -332,7 +332,7 @@ def as_layers(module: MLP | Transformer) -> Layers:
     The MLP's layers are its Dense layers (ReLU after each hidden one); the transformer's
     are the embedding (with the position embedding), each block, and the final norm with
     the head. As layers, the transformer runs without dropout. Composed in order
-    (:func:`parallelkit.pipeline.sequential_loss`) they compute the module's own logits.
+    (:func:`parallelkit.strategies.pipeline.sequential_loss`) they compute the module's own logits.
 
     >>> layers, params = as_layers(MLP(4, (8,), 2, rngs=nnx.Rngs(0)))
     >>> len(layers), sorted(params[0])

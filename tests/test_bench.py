@@ -9,7 +9,7 @@ import sys
 import pytest
 from helpers import ROOT
 
-from parallelkit.bench import add_ratios, format_table, parse_layouts, unequal_rows, yardsticks
+from parallelkit.course.bench import add_ratios, format_table, parse_layouts, unequal_rows, yardsticks
 
 
 @pytest.fixture(scope="module")

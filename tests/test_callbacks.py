@@ -8,7 +8,7 @@ import optax
 import pytest
 
 import parallelkit as pk
-from parallelkit.callbacks import Checkpointing, NonFiniteCheck
+from parallelkit.run.callbacks import Checkpointing, NonFiniteCheck
 
 
 class Log(pk.Callback):

@@ -1,7 +1,7 @@
 """The catalog of strategies: every tool reads it, and a strategy added to it appears in all of them.
 
 The strategy added here is defined in this file and reaches the tools only through the
-protocol (:class:`~parallelkit.strategies.protocol.StrategyProtocol`) and
+protocol (:class:`~parallelkit.core.protocol.StrategyProtocol`) and
 :func:`parallelkit.strategies.catalog.register`: data parallelism whose gradients are
 averaged by a reduce-scatter then an all-gather (the two halves of a ring all-reduce),
 written with ``jax.shard_map``.
@@ -25,11 +25,15 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import parallelkit as pk
-from parallelkit import bench, costmodel, tour
+from parallelkit import costmodel
+from parallelkit.core.contract import put_batch
+from parallelkit.core.protocol import StrategyProtocol
+from parallelkit.core.state import create_state
+from parallelkit.core.step import Step, train_step
+from parallelkit.course import bench, tour
+from parallelkit.measure.traffic import ExpectedCollective, Sizes
 from parallelkit.strategies import catalog
-from parallelkit.strategies.base import Step, Strategy, create_state, put_batch, train_step
-from parallelkit.strategies.protocol import StrategyProtocol
-from parallelkit.traffic import ExpectedCollective, Sizes
+from parallelkit.strategies.base import Strategy
 
 NAME = "Mirrored(scatter+gather)"
 DEVICES = 8  # every simulated device: the bench's child asks for as many as the process has

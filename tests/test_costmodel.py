@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from parallelkit import collectives as C
-from parallelkit.costmodel import (
+from parallelkit.measure.costmodel import (
     PRESETS,
     STRATEGIES,
     Cluster,

@@ -12,7 +12,7 @@ import nbformat
 import pytest
 from ipywidgets.embed import embed_data
 
-from parallelkit import course
+from parallelkit.course import build as course
 
 CONTROL = re.compile(
     r"<div class='pk-widget pk-control'>"

@@ -55,7 +55,7 @@ def test_bad_counts(bad):
 
 
 def test_resolve_devices():
-    from parallelkit.devices import resolve_devices
+    from parallelkit.core.devices import resolve_devices
 
     assert resolve_devices() == jax.devices()
     assert resolve_devices(3) == jax.devices()[:3]

@@ -12,10 +12,10 @@ import socket
 import pytest
 from helpers import run_python
 
-from parallelkit.distributed import ClusterError, resolve_cluster
-from parallelkit.distributed import runtime as pk_runtime
-from parallelkit.distributed.cluster import ClusterSpec, check_coordinator
-from parallelkit.distributed.launcher import free_port
+from parallelkit.run.distributed import ClusterError, resolve_cluster
+from parallelkit.run.distributed import runtime as pk_runtime
+from parallelkit.run.distributed.cluster import ClusterSpec, check_coordinator
+from parallelkit.run.distributed.launcher import free_port
 
 PS3 = "ps0:2222,ps1:2222,ps2:2222"
 WORKERS3 = "w0:2222,w1:2222,w2:2222"
@@ -152,11 +152,11 @@ def test_initialize_logs_what_it_resolved_and_from_where(monkeypatch, caplog):
     for var in ("TF_CONFIG", "PK_COORDINATOR", "SLURM_JOB_ID", "OMPI_COMM_WORLD_SIZE", "JOB_COMPLETION_INDEX"):
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setattr(pk_runtime, "_joined", None)
-    with caplog.at_level(logging.INFO, logger="parallelkit.distributed"):
+    with caplog.at_level(logging.INFO, logger="parallelkit.run.distributed"):
         spec = pk_runtime.initialize()  # single process: jax.distributed is not called
     assert spec.is_single_process
     assert "parallelkit cluster: single process" in caplog.text
-    with caplog.at_level(logging.INFO, logger="parallelkit.distributed"):
+    with caplog.at_level(logging.INFO, logger="parallelkit.run.distributed"):
         described = tf("ps", 2).describe()
     assert described == "process 5 of 6, ps task 2, coordinator w0:2222 (from tf_flags)"
 

@@ -19,7 +19,7 @@ import pytest
 from helpers import ROOT
 
 import parallelkit as pk
-from parallelkit.distributed import LaunchError
+from parallelkit.run.distributed import LaunchError
 
 pytestmark = pytest.mark.multihost
 
@@ -175,7 +175,7 @@ def _env():
 @pytest.mark.timeout(60)
 def test_without_a_launcher_a_lonely_process_exits_with_a_sentence_at_its_init_timeout():
     """No launcher watching (as under SLURM): the process that waits for a missing peer says why and exits 1."""
-    from parallelkit.distributed.launcher import free_port
+    from parallelkit.run.distributed.launcher import free_port
 
     code = (
         "import parallelkit as pk; "
@@ -210,7 +210,7 @@ def _train_with_progress(steps: int):
 
 @pytest.mark.timeout(90)
 def test_progress_of_a_cluster_process_drives_callbacks_in_the_caller():
-    from parallelkit.training import Callback
+    from parallelkit.run.training import Callback
 
     class Recorder(Callback):
         def __init__(self):
@@ -333,7 +333,7 @@ def test_simulated_clusters_run_on_the_cpu_and_gpu_mode_gives_each_process_its_o
         return os.environ.get("JAX_PLATFORMS"), jax.devices()[0].platform, os.environ.get("CUDA_VISIBLE_DEVICES")
 
     assert pk.distributed.run_local(platform, 2, 1, timeout=40, stream=False) == [("cpu", "cpu", None)] * 2
-    from parallelkit.distributed.launcher import _device_range
+    from parallelkit.run.distributed.launcher import _device_range
 
     assert [_device_range(i, 2) for i in range(3)] == ["0,1", "2,3", "4,5"]
     with pytest.raises(pk.distributed.ClusterError, match="choose one of"):

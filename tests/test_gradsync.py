@@ -10,7 +10,7 @@ from helpers import tree_allclose
 
 import parallelkit as pk
 import parallelkit.viz as viz
-from parallelkit.gradsync import GradientProbe, path_label, ring_allreduce, trace_gradients
+from parallelkit.measure.gradsync import GradientProbe, path_label, ring_allreduce, trace_gradients
 from parallelkit.widgets import GradSyncExplorer
 from parallelkit.widgets.explorer import spread_table
 

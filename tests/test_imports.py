@@ -17,7 +17,17 @@ from parallelkit.strategies import catalog
 from parallelkit.strategies.base import Strategy
 
 PACKAGE = Path(pk.__file__).parent
-SELF_DESCRIBING = ("strategies", "pipeline")  # the packages that may know their own classes
+SELF_DESCRIBING = ("strategies",)  # the package that may know its own classes
+# The layers, lowest first: a module imports only from its own layer and those below it.
+LAYERS = {
+    "core": 0,  # state, step, contracts, protocol, devices, mesh, axes, partition
+    "models": 1, "data": 1,  # what is trained: import only the core
+    "measure": 1,  # reading compiled programs, traces and clocks: the core and the protocol
+    "strategies": 2,  # the core and the measuring tools (each reports its own traffic)
+    "run": 3,  # the training loop, callbacks, checkpoints, prefetching, processes
+    "viz": 4, "widgets": 4,  # views: figures and widgets
+    "course": 5, "__main__": 5, "": 5,  # the course, the command line and the package's own namespace
+}  # fmt: skip
 
 
 def _modules() -> dict[str, tuple[Path, bool]]:
@@ -88,8 +98,31 @@ def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
 def test_no_import_cycle_inside_parallelkit():
     modules = _modules()
     graph = {name: _imports(name, path, is_package, modules) for name, (path, is_package) in modules.items()}
-    assert graph["parallelkit.traffic"], "the import graph found no imports: the parser reads nothing"
+    assert graph["parallelkit.measure.traffic"], "the import graph found no imports: the parser reads nothing"
     assert _cycle(graph) is None, f"import cycle: {' -> '.join(_cycle(graph))}"
+
+
+def _layer(module: str) -> int:
+    """The layer of a dotted module name: its first part below ``parallelkit``."""
+    parts = module.split(".")
+    return LAYERS[parts[1] if len(parts) > 1 else ""]
+
+
+def _upward(graph: dict[str, set[str]]) -> list[str]:
+    """Every import from a lower layer to a higher one, as ``importer -> imported``."""
+    return sorted(f"{a} -> {b}" for a, targets in graph.items() for b in targets if _layer(b) > _layer(a))
+
+
+def test_each_layer_imports_only_itself_and_the_layers_below():
+    modules = _modules()
+    assert {name.split(".")[1] for name in modules if "." in name} <= set(LAYERS), "a folder with no layer"
+    graph = {name: _imports(name, path, is_package, modules) for name, (path, is_package) in modules.items()}
+    assert not _upward(graph), "imports that go up the layers:\n" + "\n".join(_upward(graph))
+
+
+def test_the_layer_check_sees_an_upward_import():
+    graph = {"parallelkit.core.step": {"parallelkit.strategies.base"}, "parallelkit.run.training": {"parallelkit.core"}}
+    assert _upward(graph) == ["parallelkit.core.step -> parallelkit.strategies.base"]
 
 
 def test_the_cycle_finder_finds_a_cycle():
@@ -97,18 +130,18 @@ def test_the_cycle_finder_finds_a_cycle():
     assert _cycle({"a": {"b"}, "b": set()}) is None
 
 
-def _strategy_classes() -> set[str]:
-    """The names of every concrete strategy class parallelkit defines."""
-    names = set()
-    for package in (pk.strategies, pk.pipeline):
+def _strategy_classes() -> dict[str, type]:
+    """Every concrete strategy class parallelkit defines, by name."""
+    found = {}
+    for package in (pk.strategies, pk.strategies.pipeline):
         for info in pkgutil.iter_modules(package.__path__, package.__name__ + "."):
             module = __import__(info.name, fromlist=["_"])
-            names |= {
-                name
+            found |= {
+                name: cls
                 for name, cls in vars(module).items()
                 if inspect.isclass(cls) and issubclass(cls, Strategy) and cls is not Strategy
             }
-    return names
+    return found
 
 
 def _dispatches(path: Path, classes: set[str], labels: set[str]) -> list[str]:
@@ -139,7 +172,7 @@ def _dispatches(path: Path, classes: set[str], labels: set[str]) -> list[str]:
 
 
 def test_no_tool_dispatches_on_a_strategy_class_or_name():
-    classes, labels = _strategy_classes(), {e.name for e in catalog.entries()}
+    classes, labels = set(_strategy_classes()), {e.name for e in catalog.entries()}
     assert {"SingleDevice", "CentralStorage", "Pipeline", "ParameterServer"} <= classes
     tools = [path for path in PACKAGE.rglob("*.py") if path.relative_to(PACKAGE).parts[0] not in SELF_DESCRIBING]
     found = [line for path in tools for line in _dispatches(path, classes, labels)]
@@ -157,3 +190,15 @@ def test_the_dispatch_check_sees_dispatch(tmp_path):
         "    return name == 'Mirrored(jit)'\n"
     )
     assert len(_dispatches(source, {"Pipeline", "SingleDevice"}, {"Mirrored(jit)"})) == 3
+
+
+def test_no_strategy_inherits_more_than_one_level_below_its_family():
+    """Every strategy subclasses Strategy (the protocol's defaults) directly, or one family base that does:
+    SPMD (its presets) or OffDeviceStrategy (central storage, parameter servers). No deeper ladder."""
+    from parallelkit.strategies.central import OffDeviceStrategy
+    from parallelkit.strategies.spmd import SPMD
+
+    allowed = ([Strategy], [SPMD, Strategy], [OffDeviceStrategy, Strategy])
+    for name, cls in _strategy_classes().items():
+        ancestors = [c for c in cls.__mro__[1:] if c.__module__.startswith("parallelkit")]
+        assert ancestors in allowed, f"{name} inherits {[c.__name__ for c in ancestors]}"

@@ -1,6 +1,6 @@
 """Inputs that need clear words: a batch the loss cannot read or fit, and devices left idle or shared.
 
-Every strategy's loss runs through one guard (``parallelkit.strategies.base.guard_inputs``)
+Every strategy's loss runs through one guard (``parallelkit.core.contract.guard_inputs``)
 while its step is traced, so each case below fails at the first call, before any program
 runs, and names the strategy, the batch's arrays and the weights.
 """
@@ -65,7 +65,7 @@ def test_a_batch_without_the_key_the_loss_reads_names_the_key_the_batch_keys_and
     message = str(info.value)
     assert message.startswith(f"{strategy!r}: ")
     assert "batch['x']" in message and "no key 'x'" in message and "its keys: 'image', 'y'" in message
-    assert isinstance(info.value, pk.strategies.base.LossInputError)
+    assert isinstance(info.value, pk.core.contract.LossInputError)
     assert isinstance(info.value.__cause__, KeyError)  # the loss's own error, chained
     # Nothing ran, so nothing was consumed: the same step then trains on a good batch.
     state, metrics = step(state, batch)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from parallelkit.inspect import parse_collectives, summarize
+from parallelkit.measure.inspect import parse_collectives, summarize
 
 HLO = """
 ENTRY %main {

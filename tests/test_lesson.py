@@ -9,7 +9,7 @@ import nbformat
 import pytest
 
 import parallelkit as pk
-from parallelkit import course
+from parallelkit.course import build as course
 
 
 @pytest.mark.parametrize(

@@ -10,7 +10,7 @@ import nbformat
 import pytest
 from nbclient.exceptions import CellExecutionError
 
-from parallelkit import course
+from parallelkit.course import build as course
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))

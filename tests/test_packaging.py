@@ -70,7 +70,7 @@ def test_lab_command_fits_root_and_headless_machines():
 def test_make_lab_command_starts_a_server_that_answers():
     """What `make lab` runs, as the CI user (root in CI), without a display: it prints the URL with its
     token, and that URL answers HTTP 200."""
-    from parallelkit.distributed.launcher import free_port
+    from parallelkit.run.distributed.launcher import free_port
 
     port = free_port()
     env = {k: v for k, v in os.environ.items() if k not in ("DISPLAY", "WAYLAND_DISPLAY")}

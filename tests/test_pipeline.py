@@ -16,7 +16,7 @@ from flax import nnx
 from helpers import assert_steps_compile_once, tree_allclose
 
 import parallelkit as pk
-from parallelkit.schedules import check_schedule, gpipe_schedule, peak_in_flight, stage_orders
+from parallelkit.strategies.pipeline.schedules import check_schedule, gpipe_schedule, peak_in_flight, stage_orders
 
 # Pipelines of 2 or 4 stages leave some of the suite's 8 devices idle on purpose here.
 pytestmark = pytest.mark.filterwarnings("ignore::parallelkit.DeviceSubsetWarning")
@@ -113,7 +113,7 @@ def test_the_step_raises_the_failing_stages_error_even_when_another_stage_hands_
     """A stage that finishes a pass after another stage failed stops quietly: the step raises the failure."""
     import time
 
-    from parallelkit.pipeline.executor import execute
+    from parallelkit.strategies.pipeline.executor import execute
 
     def task(kind, stage, microbatch, received):
         if stage == 1:

@@ -1,7 +1,7 @@
 """Plain, unblocked training loops never deadlock on simulated CPU devices, and end where SingleDevice ends.
 
 XLA's CPU runtime aborts a process whose dispatched multi-device steps outrun the
-cores (see parallelkit.devices). Two safeguards, each tested on its own:
+cores (see parallelkit.core.devices). Two safeguards, each tested on its own:
 
 - ``pk.Step`` keeps at most ``MAX_STEPS_IN_FLIGHT`` steps queued: tested with XLA's
   thread pool left at its default size, so the step's own pacing is all that protects;
@@ -23,7 +23,7 @@ import pytest
 from helpers import ATOL, ROOT, RTOL
 
 import parallelkit as pk
-from parallelkit.devices import _cores
+from parallelkit.core.devices import _cores
 
 
 def run_loops(case: str, tmp_path, extra_env: dict[str, str] | None = None) -> dict[str, dict[str, np.ndarray]]:
@@ -75,7 +75,7 @@ def test_a_hand_written_jax_loop_is_safe_after_simulate_devices(tmp_path):
 
 def test_simulate_devices_sizes_the_cpu_thread_pool_without_lowering_it():
     code = (
-        "import os, parallelkit as pk; from parallelkit.devices import _cores; pk.simulate_devices({n}); "
+        "import os, parallelkit as pk; from parallelkit.core.devices import _cores; pk.simulate_devices({n}); "
         "print(os.environ.get('PJRT_NPROC'), _cores())"
     )
     for n in (1, 8):
@@ -92,4 +92,4 @@ def test_step_paces_only_simulated_cpu_devices():
     """More than one CPU device: the step keeps a bounded queue; one device (or accelerators): none."""
     assert pk.Mirrored(2).step(lambda p, b: 0.0)._in_flight is not None
     assert pk.SingleDevice().step(lambda p, b: 0.0)._in_flight is None
-    assert pk.strategies.base.MAX_STEPS_IN_FLIGHT < 32  # XLA's own limit per device
+    assert pk.core.step.MAX_STEPS_IN_FLIGHT < 32  # XLA's own limit per device

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from parallelkit.schedules import (
+from parallelkit.strategies.pipeline.schedules import (
     Slot,
     bubble_fraction,
     check_schedule,

@@ -13,7 +13,7 @@ import pytest
 from helpers import tree_allclose
 
 import parallelkit as pk
-from parallelkit.traffic import D2D, D2H, H2D, TopologyModel, bus_bytes, ring_factor
+from parallelkit.measure.traffic import D2D, D2H, H2D, TopologyModel, bus_bytes, ring_factor
 
 STRATEGIES = {
     "SingleDevice": lambda n: pk.SingleDevice(),
@@ -207,7 +207,7 @@ def test_a_strategy_of_ones_own_reports_its_traffic(mlp, batch):
 
 
 def test_bus_bytes_follow_nccls_convention():
-    from parallelkit.inspect import Collective
+    from parallelkit.measure.inspect import Collective
 
     def one(op, nbytes, group):
         return Collective(op, ("f32[1]",), nbytes // 4, nbytes, group)

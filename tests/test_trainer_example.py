@@ -22,7 +22,7 @@ import pytest
 from helpers import ATOL, ROOT, RTOL
 
 import parallelkit as pk
-from parallelkit.distributed.launcher import free_port
+from parallelkit.run.distributed.launcher import free_port
 
 pytestmark = pytest.mark.multihost
 

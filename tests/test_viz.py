@@ -15,7 +15,7 @@ from matplotlib.figure import Figure
 
 import parallelkit as pk
 import parallelkit.viz as viz
-from parallelkit.schedules import gpipe_schedule
+from parallelkit.strategies.pipeline.schedules import gpipe_schedule
 
 
 @pytest.fixture

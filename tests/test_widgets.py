@@ -77,7 +77,7 @@ def test_dashboard_survives_an_interrupted_run(mlp, digits):
 
 def test_redraws_are_throttled():
     dash = TimingDashboard(batch_size=8, mode="widget", min_interval=3600)
-    dash.on_train_begin(pk.training.RunInfo("X", 1, 200, False))
+    dash.on_train_begin(pk.run.training.RunInfo("X", 1, 200, False))
     for i in range(1, 201):
         dash.on_step_end(pk.StepRecord(i, {"loss": 1.0}, 0.001, compiled=i == 1))
     assert dash.redraws == 3  # begin, step 1 (compile), step 2 (first steady); then the hour never passes

@@ -1,11 +1,11 @@
 """Training strategies: each decides where state lives and how gradients meet."""
 
-from .base import LeafPlacement as LeafPlacement
-from .base import Step as Step
+from ..core.placement import LeafPlacement as LeafPlacement
+from ..core.placement import bytes_by_part as bytes_by_part
+from ..core.placement import total_bytes as total_bytes
+from ..core.state import TrainState as TrainState
+from ..core.step import Step as Step
 from .base import Strategy as Strategy
-from .base import TrainState as TrainState
-from .base import bytes_by_part as bytes_by_part
-from .base import total_bytes as total_bytes
 from .central import CentralStorage as CentralStorage
 from .fully_sharded import FullySharded as FullySharded
 from .hybrid import Hybrid as Hybrid

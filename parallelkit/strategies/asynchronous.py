@@ -41,7 +41,8 @@ import jax
 import numpy as np
 from jax.sharding import SingleDeviceSharding
 
-from .base import Batch, LossFn, TrainState
+from ..core.contract import Batch, LossFn
+from ..core.state import TrainState
 from .central import gradient_rows
 
 JITTER = 0.25  # each gradient computation takes its worker's time x U(1 - JITTER, 1 + JITTER)

@@ -2,12 +2,13 @@
 
 Each :class:`Entry` names a strategy for the tables (the tour, the bench), says how to
 build it for a device count, gives its Rosetta names (``docs/rosetta.md``), the pattern
-its traffic follows (:class:`parallelkit.traffic.TopologyModel`) and the cost model's
-pattern for it (:func:`parallelkit.costmodel.predict`), and the flags the tools read.
-The tour and the bench build their rows from it, and :func:`parallelkit.costmodel.predict`
-takes its names; the traffic report asks the strategy itself (``strategy.traffic``), and
-:class:`~parallelkit.traffic.TopologyModel` times it by the pattern the entry names. No
-tool asks which class a strategy is. A new strategy joins them all through :func:`register`:
+its traffic follows (:class:`parallelkit.measure.traffic.TopologyModel`) and the cost model's
+pattern for it (:func:`parallelkit.measure.costmodel.predict`), and the flags the tools read.
+The tour and the bench build their rows from it, and :func:`parallelkit.measure.costmodel.predict`
+takes its names (:func:`register` names each for the cost model); the traffic report asks the
+strategy itself (``strategy.traffic``), and :class:`~parallelkit.measure.traffic.TopologyModel`
+times it by the pattern the entry names. No tool asks which class a strategy is. A new
+strategy joins them all through :func:`register`:
 
 >>> entry = get("Mirrored(jit)")
 >>> entry.cost_pattern, entry.traffic_pattern, entry.tensorflow
@@ -23,14 +24,15 @@ from dataclasses import dataclass
 
 import jax
 
-from ..pipeline import Pipeline
+from ..core.protocol import StrategyProtocol
+from ..measure import costmodel
 from .central import CentralStorage
 from .fully_sharded import FullySharded
 from .hybrid import Hybrid
 from .mirrored import Mirrored
 from .multiworker import MultiWorkerMirrored
 from .parameter_server import ParameterServer
-from .protocol import StrategyProtocol
+from .pipeline import Pipeline
 from .single import SingleDevice
 from .tensor import TensorParallel
 
@@ -48,7 +50,7 @@ class Entry:
     make: Callable[..., StrategyProtocol]
     tensorflow: str | None  # the Rosetta's TensorFlow counterpart (None: none built in)
     pytorch: str | None  # the Rosetta's PyTorch counterpart
-    traffic_pattern: str  # its StepTraffic.pattern (TopologyModel times those in parallelkit.traffic.TOPOLOGY)
+    traffic_pattern: str  # its StepTraffic.pattern (TopologyModel times those in parallelkit.measure.traffic.TOPOLOGY)
     cost_pattern: str  # the cost model's pattern: pk.costmodel.predict(..., strategy=cost_pattern)
     meant_to_differ: bool = False  # differs from SingleDevice by design (asynchronous updates)
     min_devices: int = 1  # the fewest devices it is built for (a d x k mesh needs 4 to show both axes)
@@ -68,6 +70,7 @@ def register(entry: Entry) -> Entry:
     """
     if entry.name in _ENTRIES:
         raise ValueError(f"The catalog already holds a strategy named {entry.name!r}; unregister it first.")
+    costmodel.name_strategy(entry.name, entry.cost_pattern)  # checks the pattern exists
     _ENTRIES[entry.name] = entry
     return entry
 
@@ -75,6 +78,7 @@ def register(entry: Entry) -> Entry:
 def unregister(name: str) -> Entry:
     """Remove the entry named ``name`` and return it."""
     get(name)
+    costmodel.name_strategy(name, None)
     return _ENTRIES.pop(name)
 
 

@@ -33,21 +33,14 @@ from flax import struct
 from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 
-from ..axes import DATA
-from ..inspect import collectives, host_memory_bytes
-from ..mesh import make_mesh
-from ..traffic import D2D, D2H, H2D, Flow, StepTraffic, batch_flow, bus_bytes, per_replica_bytes, sizes
-from .base import (
-    Batch,
-    LossFn,
-    PyTree,
-    Step,
-    Strategy,
-    TrainState,
-    _loss_with_aux,
-    create_state,
-    put_batch,
-)
+from ..core.axes import DATA
+from ..core.contract import Batch, LossFn, PyTree, _loss_with_aux, put_batch
+from ..core.mesh import make_mesh
+from ..core.state import TrainState, create_state
+from ..core.step import Step
+from ..measure.inspect import collectives, host_memory_bytes
+from ..measure.traffic import D2D, D2H, H2D, Flow, StepTraffic, batch_flow, bus_bytes, per_replica_bytes, sizes
+from .base import Strategy
 
 HOST_MEMORY = "pinned_host"
 

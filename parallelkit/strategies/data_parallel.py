@@ -12,13 +12,13 @@ from collections.abc import Callable
 
 import jax
 
-from ..axes import DATA
-from ..collectives import AllReduce, mean_tree
-from ..traffic import ExpectedCollective, Sizes, gradient_all_reduce
+from ..core.axes import DATA
+from ..measure.collectives import AllReduce, mean_tree
+from ..measure.traffic import ExpectedCollective, Sizes, gradient_all_reduce
 
 
 def parse_allreduce(allreduce: str | AllReduce | None, replicas: int, who: str) -> AllReduce | None:
-    """``allreduce`` as an :class:`~parallelkit.collectives.AllReduce` (None: the compiler's), checked.
+    """``allreduce`` as an :class:`~parallelkit.measure.collectives.AllReduce` (None: the compiler's), checked.
 
     Raises:
       TypeError: neither a name nor an ``AllReduce``.
@@ -63,7 +63,7 @@ def expected_collectives(sizes: Sizes, allreduce: AllReduce | None = None) -> tu
 
     A hand-written all-reduce is ``collective-permute`` instructions; their arrays add
     up to the bytes through the busiest device's link (:attr:`Cost.wire_bytes
-    <parallelkit.collectives.Cost.wire_bytes>`), of ``P + M`` padded to whole chunks.
+    <parallelkit.measure.collectives.Cost.wire_bytes>`), of ``P + M`` padded to whole chunks.
     One replica needs none.
     """
     if sizes.replicas == 1:

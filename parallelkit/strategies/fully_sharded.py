@@ -20,7 +20,7 @@ instead, and on the CPU backend a gradient reduce-scatter compiles as an all-red
 which each device keeps its shard (``strategy.traffic`` shows what was compiled).
 
 Which leaves are sharded follows one stated rule,
-:func:`parallelkit.partition.fully_sharded_specs`: a leaf of at least ``min_size``
+:func:`parallelkit.core.partition.fully_sharded_specs`: a leaf of at least ``min_size``
 elements is split along its largest dimension that divides by the device count;
 smaller or indivisible leaves stay replicated.
 """
@@ -32,12 +32,12 @@ from collections.abc import Sequence
 import jax
 from jax.sharding import PartitionSpec as P
 
-from .. import partition
-from ..axes import DATA
-from ..devices import resolve_devices
-from ..mesh import is_count, make_mesh
-from ..traffic import ExpectedCollective, Sizes, gradient_all_reduce
-from .base import PyTree
+from ..core import partition
+from ..core.axes import DATA
+from ..core.contract import PyTree
+from ..core.devices import resolve_devices
+from ..core.mesh import is_count, make_mesh
+from ..measure.traffic import ExpectedCollective, Sizes, gradient_all_reduce
 from .spmd import BATCH_ON_DATA, SPMD
 
 STAGES = (1, 2, 3)
@@ -57,7 +57,7 @@ class FullySharded(SPMD):
       stage: 1 (optimizer state sharded), 2 (and gradients), 3 (and parameters).
       devices: how many devices (the first ``n``), or which; all by default.
       min_size: leaves with fewer elements stay replicated
-        (:data:`parallelkit.partition.MIN_SHARD_SIZE` by default).
+        (:data:`parallelkit.core.partition.MIN_SHARD_SIZE` by default).
 
     Raises:
       ValueError: a stage other than 1, 2 or 3, or a ``min_size`` below 1.

@@ -7,7 +7,7 @@ neighbouring devices splits the weights as :class:`~parallelkit.TensorParallel` 
 weight slice are all-reduced over ``data``, as under :class:`~parallelkit.Mirrored`.
 With ``shard_data=True`` the weights are also sharded over ``data`` (fully sharded data
 parallelism on the data axis, ZeRO-3 within each model slice), by the rule of
-:func:`parallelkit.partition.fully_sharded_specs`.
+:func:`parallelkit.core.partition.fully_sharded_specs`.
 
 One ``jax.jit`` of the single-device step, as for every sharded strategy; XLA
 inserts both kinds of collective from the shardings.
@@ -19,11 +19,11 @@ from collections.abc import Sequence
 
 import jax
 
-from .. import partition
-from ..axes import DATA
-from ..devices import first_devices, resolve_devices
-from ..mesh import is_count, make_mesh
-from .base import PyTree
+from ..core import partition
+from ..core.axes import DATA
+from ..core.contract import PyTree
+from ..core.devices import first_devices, resolve_devices
+from ..core.mesh import is_count, make_mesh
 from .spmd import BATCH_ON_DATA, SPMD
 from .tensor import every_device_hint, model_specs
 

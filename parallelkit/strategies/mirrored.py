@@ -17,7 +17,7 @@ copies never drift apart. Two backends show the two JAX idioms:
 how the gradients meet, as TensorFlow's ``cross_device_ops`` does: by default the
 compiler's own all-reduce (``lax.psum``); ``"ring"``, ``"tree"``, ``"reduce_to_one"``
 or ``AllReduce("hierarchical", group=g)`` run the hand-written algorithms of
-:mod:`parallelkit.collectives` instead, inside ``jax.shard_map`` (backend ``"jit"``) or ``pmap``.
+:mod:`parallelkit.measure.collectives` instead, inside ``jax.shard_map`` (backend ``"jit"``) or ``pmap``.
 """
 
 from __future__ import annotations
@@ -28,13 +28,14 @@ from collections.abc import Sequence
 import jax
 from jax.sharding import PartitionSpec as P
 
-from ..axes import DATA
-from ..collectives import AllReduce
-from ..devices import resolve_devices
-from ..mesh import make_mesh
-from ..traffic import ExpectedCollective, Sizes
+from ..core.axes import DATA
+from ..core.contract import LossFn
+from ..core.devices import resolve_devices
+from ..core.mesh import make_mesh
+from ..core.step import Step, train_step
+from ..measure.collectives import AllReduce
+from ..measure.traffic import ExpectedCollective, Sizes
 from . import data_parallel
-from .base import LossFn, Step, train_step
 from .pmap import MirroredPmap
 from .spmd import BATCH_ON_DATA, SPMD
 
@@ -63,8 +64,8 @@ def Mirrored(  # noqa: N802 (named as the class it returns, as TensorFlow's Mirr
       backend: ``"jit"`` (shardings: a :class:`MirroredJit`) or ``"pmap"`` (a
         :class:`~parallelkit.strategies.pmap.MirroredPmap`).
       allreduce: the gradient all-reduce: ``None`` (the compiler's), a name from
-        :data:`parallelkit.collectives.ALGORITHMS`, or a
-        :class:`~parallelkit.collectives.AllReduce`. Gradients and metrics travel as one
+        :data:`parallelkit.measure.collectives.ALGORITHMS`, or a
+        :class:`~parallelkit.measure.collectives.AllReduce`. Gradients and metrics travel as one
         float32 vector, the mean taken after the sum.
 
     Raises:

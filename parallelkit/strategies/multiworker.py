@@ -22,11 +22,11 @@ from collections.abc import Sequence
 import jax
 import numpy as np
 
-from ..devices import resolve_devices
-from ..mesh import make_mesh
-from ..traffic import ExpectedCollective, Sizes
+from ..core.contract import Batch, PyTree, check_divisible
+from ..core.devices import resolve_devices
+from ..core.mesh import make_mesh
+from ..measure.traffic import ExpectedCollective, Sizes
 from . import data_parallel
-from .base import Batch, PyTree, check_divisible
 from .spmd import BATCH_ON_DATA, SPMD
 
 FEEDS = ("global", "local")
@@ -41,7 +41,7 @@ class MultiWorkerMirrored(SPMD):
         grads = mean(grad(loss_fn)(params, b_i) for b_i in split(b, n))  # across processes
         params = update(params, grads)                                   # everywhere, identically
 
-    Call :func:`parallelkit.distributed.initialize` first; with one process it is
+    Call :func:`parallelkit.run.distributed.initialize` first; with one process it is
     ``Mirrored(backend="jit")``. An :class:`~parallelkit.SPMD` preset: one ``data`` axis
     over every device, the batch on it, the state replicated.
 

@@ -12,7 +12,7 @@ What runs for real and what is simulated, in this one-process teaching version:
   of one device (shard ``j`` beside device ``j % n``); pulls and pushes are real
   copies between memories; each shard's update is its own compiled program.
 - simulated: the PS tasks are not separate processes (the multi-process version
-  belongs to :mod:`parallelkit.distributed`); in ``mode="async"`` the workers' clocks
+  belongs to :mod:`parallelkit.run.distributed`); in ``mode="async"`` the workers' clocks
   are a seeded event simulation (:mod:`parallelkit.strategies.asynchronous`), not a
   race between processes, while every pull, gradient and update it schedules is real.
 
@@ -37,9 +37,11 @@ import optax
 from flax import struct
 from jax.sharding import SingleDeviceSharding
 
-from ..devices import warn_if_shared
+from ..core.contract import Batch, LossFn, PyTree
+from ..core.devices import warn_if_shared
+from ..core.state import TrainState, check_same_tree, prng_key
+from ..core.step import Step
 from .asynchronous import AsyncStep, AsyncWorkers, worker_time_array
-from .base import Batch, LossFn, PyTree, Step, TrainState, check_same_tree, prng_key
 from .central import (
     OffDeviceStrategy,
     PushPullStep,
@@ -53,7 +55,7 @@ from .central import (
 from .split_update import check_update_splits
 
 if TYPE_CHECKING:
-    from ..traffic import StepTraffic
+    from ..measure.traffic import StepTraffic
 
 MODES = ("sync", "async")
 

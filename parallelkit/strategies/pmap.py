@@ -3,7 +3,7 @@
 The classic per-device program: the state stacked with a leading axis of length ``n``
 (one copy per device), the batch reshaped to ``(n, per_replica, ...)``, and the
 gradients averaged by an explicit ``lax.pmean`` over the replica axis (or a hand-written
-all-reduce of :mod:`parallelkit.collectives`). Since JAX 0.8 ``pmap`` is built on
+all-reduce of :mod:`parallelkit.measure.collectives`). Since JAX 0.8 ``pmap`` is built on
 ``jit`` + ``shard_map`` and is in maintenance mode; it is here because so much code and
 teaching uses it. :class:`~parallelkit.strategies.mirrored.MirroredJit` is the same
 strategy as one ``jax.jit`` with shardings.
@@ -21,12 +21,15 @@ from flax import jax_utils
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from ..axes import DATA
-from ..collectives import AllReduce
-from ..mesh import make_mesh
-from ..traffic import ExpectedCollective, Sizes
+from ..core.axes import DATA
+from ..core.contract import Batch, LossFn, PyTree, check_divisible
+from ..core.mesh import make_mesh
+from ..core.state import TrainState, create_state
+from ..core.step import Step, train_step
+from ..measure.collectives import AllReduce
+from ..measure.traffic import ExpectedCollective, Sizes
 from . import data_parallel
-from .base import Batch, LossFn, PyTree, Step, Strategy, TrainState, check_divisible, create_state, train_step
+from .base import Strategy
 
 
 class MirroredPmap(Strategy):

@@ -1,7 +1,7 @@
 """Strategies whose state is split leaf by leaf over a mesh: how :class:`~parallelkit.strategies.spmd.SPMD` works.
 
 Each such strategy (SPMD and its presets: tensor, fully sharded, hybrid) owns one mesh
-(:func:`parallelkit.mesh.make_mesh`) and a rule for every parameter (:mod:`parallelkit.partition`).
+(:func:`parallelkit.core.mesh.make_mesh`) and a rule for every parameter (:mod:`parallelkit.core.partition`).
 From them it derives a sharding for every leaf of the state: the parameters by their specs, the optimizer state
 like the parameters it belongs to, the step counter replicated. ``init`` builds
 the state inside one ``jax.jit`` whose outputs carry those shardings, so each
@@ -21,8 +21,10 @@ from typing import TYPE_CHECKING
 
 import jax
 
-from .. import partition
-from .base import Batch, LossFn, PyTree, TrainState, train_step
+from ..core import partition
+from ..core.contract import Batch, LossFn, PyTree
+from ..core.state import TrainState
+from ..core.step import train_step
 
 if TYPE_CHECKING:
     from .spmd import SPMD

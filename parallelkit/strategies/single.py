@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import jax
 
-from ..devices import resolve_devices
-from ..mesh import make_mesh
-from ..traffic import ExpectedCollective, Sizes
+from ..core.devices import resolve_devices
+from ..core.mesh import make_mesh
+from ..measure.traffic import ExpectedCollective, Sizes
 from .spmd import BATCH_ON_DATA, SPMD
 
 

@@ -4,7 +4,7 @@
 (:mod:`parallelkit.strategies.sharded` explains how): the batch split as the rules
 place the logical axis ``batch`` (its leading axis), the parameters by
 ``param_rules``, and the activations where the model calls
-:func:`parallelkit.axes.constrain`, which becomes ``with_sharding_constraint`` while
+:func:`parallelkit.core.axes.constrain`, which becomes ``with_sharding_constraint`` while
 this strategy traces its step. XLA's SPMD partitioner inserts the communication
 the shardings imply. :class:`~parallelkit.TensorParallel`,
 :class:`~parallelkit.FullySharded` and :class:`~parallelkit.Hybrid` are presets of it.
@@ -27,9 +27,12 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from .. import partition
-from ..axes import DATA, AxisRules, MeshAxes, active_rules
-from .base import Batch, LossFn, PyTree, Step, Strategy, TrainState, create_state, prng_key, put_batch
+from ..core import partition
+from ..core.axes import DATA, AxisRules, MeshAxes, active_rules
+from ..core.contract import Batch, LossFn, PyTree, put_batch
+from ..core.state import TrainState, create_state, prng_key
+from ..core.step import Step
+from .base import Strategy
 from .sharded import _CompiledOnFirstCall
 
 BATCH = "batch"  # the logical name of every batch leaf's leading axis
@@ -40,12 +43,12 @@ class SPMD(Strategy):
     """Train over ``mesh`` as ``rules`` say: the batch on the mesh axes of ``batch``, activations as constrained.
 
     Args:
-      mesh: the devices on named axes (:func:`parallelkit.mesh.make_mesh`).
-      rules: logical axis rules, an :class:`~parallelkit.axes.AxisRules` or its
+      mesh: the devices on named axes (:func:`parallelkit.core.mesh.make_mesh`).
+      rules: logical axis rules, an :class:`~parallelkit.core.axes.AxisRules` or its
         ``(logical name, mesh axis or axes or None)`` pairs; a name no rule mentions is replicated.
       param_rules: the parameters' layout: ``(regex, spec)`` pairs over parameter paths, where a
         spec is a ``PartitionSpec`` or a tuple of logical names (resolved by ``rules``), or a tree of
-        specs (as :func:`parallelkit.partition.nnx_specs` gives); every parameter replicated by default.
+        specs (as :func:`parallelkit.core.partition.nnx_specs` gives); every parameter replicated by default.
 
     Raises:
       ValueError: a rule that names a mesh axis ``mesh`` lacks; at ``init``, a parameter
@@ -107,7 +110,7 @@ class SPMD(Strategy):
         return None
 
     def tracing(self) -> contextlib.AbstractContextManager:
-        """While the step traces, :func:`parallelkit.axes.constrain` lays activations out by these rules."""
+        """While the step traces, :func:`parallelkit.core.axes.constrain` lays activations out by these rules."""
         return active_rules(self.mesh, self.axis_rules)
 
     def state_shardings(

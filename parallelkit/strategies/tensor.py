@@ -9,9 +9,9 @@ sum); one all-reduce adds the partial sums, so a block costs one all-reduce in t
 forward pass and one in the backward pass. Attention splits its heads the same way.
 
 How the split is described: partition rules (``(regex, PartitionSpec)`` pairs, see
-:mod:`parallelkit.partition`), or the specs a Flax model carries. The training step
+:mod:`parallelkit.core.partition`), or the specs a Flax model carries. The training step
 is the single-device step under ``jax.jit``; XLA inserts the all-reduces the
-shardings imply, which :func:`parallelkit.inspect.collectives` reads back.
+shardings imply, which :func:`parallelkit.measure.inspect.collectives` reads back.
 """
 
 from __future__ import annotations
@@ -22,11 +22,11 @@ from collections.abc import Sequence
 import jax
 from jax.sharding import Mesh
 
-from .. import partition
-from ..devices import first_devices, resolve_devices
-from ..mesh import is_count, make_mesh
-from ..traffic import ExpectedCollective, Sizes
-from .base import PyTree
+from ..core import partition
+from ..core.contract import PyTree
+from ..core.devices import first_devices, resolve_devices
+from ..core.mesh import is_count, make_mesh
+from ..measure.traffic import ExpectedCollective, Sizes
 from .spmd import BATCH_ON_DATA, SPMD
 
 
@@ -44,10 +44,10 @@ class TensorParallel(SPMD):
     Args:
       model: devices per model replica (the size of the ``model`` mesh axis).
       rules: ``(regex, PartitionSpec)`` pairs (first match wins; a parameter that none
-        matches is an error), or a tree of specs from :func:`parallelkit.partition.nnx_specs`.
-        Default: :func:`parallelkit.partition.megatron_mlp_rules` for the kit's MLP,
-        :func:`~parallelkit.partition.megatron_cnn_rules` for its CNN and
-        :func:`~parallelkit.partition.megatron_transformer_rules` for its transformer
+        matches is an error), or a tree of specs from :func:`parallelkit.core.partition.nnx_specs`.
+        Default: :func:`parallelkit.core.partition.megatron_mlp_rules` for the kit's MLP,
+        :func:`~parallelkit.core.partition.megatron_cnn_rules` for its CNN and
+        :func:`~parallelkit.core.partition.megatron_transformer_rules` for its transformer
         (``pk.models.build("mlp" | "cnn" | "transformer", ...)``); other models need rules.
       devices: which devices; the first ``model`` by default.
 

@@ -1,10 +1,10 @@
 """Gradient synchronisation as figures: per-replica gradients, their spread, a ring all-reduce.
 
-Each function takes data from :mod:`parallelkit.gradsync` and returns a
+Each function takes data from :mod:`parallelkit.measure.gradsync` and returns a
 :class:`matplotlib.figure.Figure` (no pyplot).
 
 >>> import numpy as np
->>> from parallelkit.gradsync import GradSync
+>>> from parallelkit.measure.gradsync import GradSync
 >>> g = np.array([[1.0, 2.0], [3.0, 4.0]])  # 2 replicas, one layer of 2 numbers
 >>> sync = GradSync(("w",), (g,), (np.tile(g.mean(0), (2, 1)),), np.array([0.5, 0.7]))
 >>> fig = gradient_sync_figure(sync, "w")
@@ -19,7 +19,7 @@ from collections.abc import Sequence
 import numpy as np
 from matplotlib.figure import Figure
 
-from ..gradsync import GradSync, RingTrace
+from ..measure.gradsync import GradSync, RingTrace
 
 _CMAP = "RdBu_r"  # gradients are signed: red positive, blue negative, white zero
 
@@ -36,7 +36,7 @@ def gradient_sync_figure(sync: GradSync, layer: int | str = 0, max_elements: int
     """One layer's gradient on every replica, before and after the all-reduce, and their norms.
 
     Args:
-      sync: from :class:`parallelkit.gradsync.GradientProbe`.
+      sync: from :class:`parallelkit.measure.gradsync.GradientProbe`.
       layer: index or name (``sync.layers``).
       max_elements: draw the first this many numbers of the (flattened) layer.
 
@@ -100,7 +100,7 @@ def ring_figure(ring: RingTrace, step: int | None = None) -> Figure:
     with an arrow for every chunk sent to the next replica.
 
     Args:
-      ring: from :func:`parallelkit.gradsync.ring_allreduce`.
+      ring: from :func:`parallelkit.measure.gradsync.ring_allreduce`.
       step: draw only this step (0-based); all steps by default.
 
     Returns:

@@ -1,6 +1,6 @@
 """A pipeline schedule as a Gantt chart: one row per stage, one bar per forward or backward pass.
 
->>> from parallelkit.schedules import gpipe_schedule
+>>> from parallelkit.strategies.pipeline.schedules import gpipe_schedule
 >>> fig = pipeline_gantt_figure(gpipe_schedule(stages=2, microbatches=2))
 >>> [(float(p.get_x()), float(p.get_width())) for p in fig.axes[0].patches[:2]]
 [(0.0, 1.0), (1.0, 1.0)]
@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 
-from ..schedules import Slot, bubble_fraction, makespan
+from ..strategies.pipeline.schedules import Slot, bubble_fraction, makespan
 
 COLORS = {"forward": "tab:blue", "backward": "tab:orange"}
 
@@ -22,8 +22,8 @@ def pipeline_gantt_figure(schedule: Sequence[Slot], title: str = "", *, measured
     """Stages down, time across: who computes what when, and the idle bubble between.
 
     Args:
-      schedule: :class:`~parallelkit.schedules.Slot` rows, ``(stage, microbatch, start,
-        end, kind)``, e.g. from :func:`parallelkit.schedules.gpipe_schedule`, or a pipeline
+      schedule: :class:`~parallelkit.strategies.pipeline.schedules.Slot` rows, ``(stage, microbatch, start,
+        end, kind)``, e.g. from :func:`parallelkit.strategies.pipeline.schedules.gpipe_schedule`, or a pipeline
         step's measured ``step.timeline.slots``.
       title: drawn above the chart (by default the bubble fraction).
       measured: the times are seconds measured from a real run, drawn in milliseconds

@@ -1,7 +1,7 @@
 """Where state lives and what crosses between devices, as matplotlib figures.
 
 The functions take plain data (what :meth:`~parallelkit.Strategy.describe`,
-:meth:`~parallelkit.ParameterServer.partition` and :func:`parallelkit.inspect.collectives`
+:meth:`~parallelkit.ParameterServer.partition` and :func:`parallelkit.measure.inspect.collectives`
 return) and give back a
 :class:`matplotlib.figure.Figure` built without pyplot, so they work headless and
 in notebooks alike (a notebook displays a returned ``Figure`` as an image).
@@ -24,7 +24,7 @@ import numpy as np
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch, Rectangle
 
-from ..inspect import COLLECTIVES, Collective, summarize
+from ..measure.inspect import COLLECTIVES, Collective, summarize
 from ..strategies import LeafPlacement
 from ..strategies.parameter_server import Partition
 
@@ -275,14 +275,14 @@ def collectives_figure(
     """Bytes per collective kind that one step moves (per device), as bars.
 
     Args:
-      found: from :func:`parallelkit.inspect.collectives`.
+      found: from :func:`parallelkit.measure.inspect.collectives`.
       gradient_bytes: draw a dashed line at this height, e.g.
         ``pk.models.param_bytes(params)``: a mirrored step all-reduces that much.
       title: drawn above the bars.
 
     Returns:
       The figure; bar ``k`` of ``fig.axes[0].patches`` has the byte total of the
-      ``k``-th kind, in the order of :data:`parallelkit.inspect.COLLECTIVES`.
+      ``k``-th kind, in the order of :data:`parallelkit.measure.inspect.COLLECTIVES`.
     """
     summary = summarize(list(found))
     ops = [op for op in COLLECTIVES if op in summary] + sorted(set(summary) - set(COLLECTIVES))

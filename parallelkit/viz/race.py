@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 from matplotlib.figure import Figure
 
-from ..devices import device_summary
+from ..core.devices import device_summary
 from .placement import annotate_bar
 
 if TYPE_CHECKING:
@@ -40,7 +40,7 @@ def race_figure(standings: RaceStandings, title: str = "") -> Figure:
 
     Strategies that have not run yet have no bar (``nan``). On simulated devices the
     title says how they use the cores (:attr:`DeviceSummary.simulation
-    <parallelkit.devices.DeviceSummary.simulation>`): sharing them, the times show
+    <parallelkit.core.devices.DeviceSummary.simulation>`): sharing them, the times show
     overhead, not speed-up; one core each, the devices compute in parallel (whether that
     beats one device depends on how many cores the one device is given).
 

@@ -17,8 +17,8 @@ import sys
 import time
 from typing import TextIO
 
-from ..devices import device_summary
-from ..training import Callback, History, RunInfo, StepRecord
+from ..core.devices import device_summary
+from ..run.training import Callback, History, RunInfo, StepRecord
 from .live import LiveTimes, TimingSummary, format_summary, svg_polyline
 
 

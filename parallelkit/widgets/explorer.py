@@ -5,7 +5,7 @@ from __future__ import annotations
 import io
 from collections.abc import Sequence
 
-from ..gradsync import GradSync
+from ..measure.gradsync import GradSync
 from .dashboard import in_notebook
 
 
@@ -21,8 +21,8 @@ def spread_table(syncs: Sequence[GradSync]) -> str:
 class GradSyncExplorer:
     """Per-replica gradients before and after sync, with a step slider and a layer slider.
 
-    A view over a list of :class:`~parallelkit.gradsync.GradSync` (from
-    :func:`parallelkit.gradsync.trace_gradients`): each change redraws
+    A view over a list of :class:`~parallelkit.measure.gradsync.GradSync` (from
+    :func:`parallelkit.measure.gradsync.trace_gradients`): each change redraws
     :func:`parallelkit.viz.gradient_sync_figure` for the chosen step and layer. Outside a
     notebook, displaying it prints the spread table instead.
     """

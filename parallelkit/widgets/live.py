@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..devices import device_summary
-from ..timing import StepTimes, scaling_efficiency
+from ..core.devices import device_summary
+from ..measure.timing import StepTimes, scaling_efficiency
 
 
 @dataclass(frozen=True)
@@ -42,7 +42,7 @@ class TimingSummary:
 @dataclass
 class LiveTimes:
     """Step times and losses of a run as they arrive; :meth:`times` is the same
-    :class:`~parallelkit.timing.StepTimes` that ``History.times`` gives at the end."""
+    :class:`~parallelkit.measure.timing.StepTimes` that ``History.times`` gives at the end."""
 
     strategy: str = ""
     devices: int = 1

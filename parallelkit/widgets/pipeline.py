@@ -9,9 +9,9 @@ from typing import Any
 import jax
 import optax
 
-from ..pipeline import Pipeline, Timeline
-from ..pipeline.stages import HeadLoss, Layer
-from ..strategies.base import Batch, batch_size
+from ..core.contract import Batch, batch_size
+from ..strategies.pipeline import Pipeline, Timeline
+from ..strategies.pipeline.stages import HeadLoss, Layer
 from .dashboard import in_notebook
 
 

@@ -19,10 +19,10 @@ from typing import TextIO
 
 import optax
 
-from ..devices import device_summary
+from ..core.contract import Batch, LossFn, PyTree
+from ..core.devices import device_summary
+from ..run.training import Callback, FitResult, History, RunInfo, StepRecord, fit
 from ..strategies import Strategy
-from ..strategies.base import Batch, LossFn, PyTree
-from ..training import Callback, FitResult, History, RunInfo, StepRecord, fit
 from .dashboard import in_notebook
 from .live import LiveTimes, RaceStandings, format_race, race_rows
 

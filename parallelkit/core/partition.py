@@ -1,0 +1,278 @@
+"""Partition rules: which slice of each parameter lives on which devices.
+
+A rule is a pair ``(regex, PartitionSpec)``. A parameter's path is its keys joined
+by ``/`` (``hidden/0/kernel``); the first rule whose regex ``re.search``-matches the
+path gives its spec. A parameter that no rule matches is an error naming it: end
+the rules with ``(".*", P())`` to replicate everything else. This is the style of
+t5x and levanter; a Flax model that carries its own annotations
+(``nnx.with_partitioning``) gives its specs through :func:`nnx_specs` instead.
+
+The optimizer state follows the parameters: each leaf of ``tx.init(params)`` that
+stands for a parameter (Adam's ``mu`` and ``nu``, momentum's trace) gets that
+parameter's spec, found with ``optax.tree_map_params``; scalars such as Adam's
+step ``count`` are replicated.
+
+>>> import numpy as np
+>>> specs = param_specs({"dense": {"kernel": np.zeros((4, 8)), "bias": np.zeros(8)}},
+...                     [("kernel", P(None, "model")), (".*", P())])
+>>> specs["dense"]["kernel"], specs["dense"]["bias"]
+(P(None, 'model'), P())
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+import optax
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from .axes import MODEL
+
+PyTree = Any
+Rules = Sequence[tuple[str, P]]
+
+
+def path_label(path: tuple) -> str:
+    """A key path in slash form: ``(DictKey('hidden'), DictKey('kernel'))`` -> ``'hidden/kernel'``."""
+    return jax.tree_util.keystr(path, simple=True, separator="/")
+
+
+def param_specs(params: PyTree, rules: Rules | PyTree) -> PyTree:
+    """The ``PartitionSpec`` of every parameter, as a tree shaped like ``params``.
+
+    Args:
+      params: the parameters (arrays, or anything with a ``.shape``).
+      rules: ``(regex, PartitionSpec)`` pairs, first match wins; or a tree of specs
+        shaped like ``params`` (``None`` for replicated), as :func:`nnx_specs` returns.
+
+    Raises:
+      ValueError: parameters that no rule matches (all of them are listed), or a
+        tree of specs that does not have the structure of ``params``.
+    """
+    if _is_rule_list(rules):
+        compiled = [(re.compile(pattern), spec) for pattern, spec in rules]
+        unmatched = []
+
+        def spec_of(path, _leaf):
+            label = path_label(path)
+            for pattern, spec in compiled:
+                if pattern.search(label):
+                    return spec
+            unmatched.append(label)
+            return P()
+
+        specs = jax.tree_util.tree_map_with_path(spec_of, params)
+        if unmatched:
+            raise ValueError(
+                f"No partition rule matches {len(unmatched)} parameter(s): {', '.join(unmatched)}. "
+                'Add rules for them, or end the rules with (".*", P()) to replicate the rest.'
+            )
+        return specs
+    try:
+        return jax.tree.map(lambda _, spec: P() if spec is None else spec, params, rules, is_leaf=_is_spec_leaf)
+    except ValueError as err:
+        raise ValueError(
+            f"The partition specs do not have the structure of the parameters ({err}). "
+            "Give one PartitionSpec (or None) per parameter, or (regex, PartitionSpec) rules."
+        ) from err
+
+
+def logical_rules(rules: Rules | PyTree, spec_of: Callable[[Sequence[str | None]], P]) -> Rules | PyTree:
+    """``rules`` with every spec given as logical axis names turned into a ``PartitionSpec`` by ``spec_of``.
+
+    A rule's spec may be a ``PartitionSpec`` (kept) or a tuple of logical names, one per
+    dimension (``("embed", "mlp")``), which ``spec_of`` (:meth:`parallelkit.core.axes.AxisRules.spec`)
+    maps to mesh axes. A tree of specs is returned as it is.
+
+    >>> from parallelkit.core.axes import AxisRules
+    >>> logical_rules([("kernel", ("embed", "mlp"))], AxisRules((("mlp", "model"),)).spec)
+    [('kernel', P(None, 'model'))]
+    """
+    if not _is_rule_list(rules):
+        return rules
+    return [(pattern, spec if isinstance(spec, P) else spec_of(spec)) for pattern, spec in rules]
+
+
+# Leaves with fewer elements stay replicated under fully sharded training: gathering them would
+# cost a collective's latency for a few bytes. DeepSpeed's stage3_param_persistence_threshold plays
+# this part (100,000 elements by default); this default suits the kit's small teaching models.
+MIN_SHARD_SIZE = 1024
+
+
+def fully_sharded_specs(
+    params: PyTree, axis: str, size: int, *, min_size: int = MIN_SHARD_SIZE, base: PyTree = None
+) -> PyTree:
+    """Add ``axis`` (of ``size`` devices) to the spec of every leaf large enough to shard.
+
+    The stated rule: a leaf of at least ``min_size`` elements is split over ``axis`` along
+    its **largest dimension that is not split already and divides evenly** by ``size``
+    times the devices already splitting it (none here); a smaller leaf, or one with no
+    such dimension, keeps its spec (replicated over ``axis``).
+
+    Args:
+      params: the parameters (anything with ``.shape``).
+      axis: the mesh axis to shard over (``"data"`` for ZeRO / FSDP).
+      size: that axis's size.
+      min_size: the smallest leaf, in elements, that is sharded.
+      base: specs to start from (for example tensor-parallel ones); all replicated by default.
+
+    >>> fully_sharded_specs({"w": np.zeros((6, 64)), "b": np.zeros(64)}, "data", 4, min_size=100)
+    {'b': P(), 'w': P(None, 'data')}
+    """
+    base = jax.tree.map(lambda _: P(), params) if base is None else base
+
+    def add_axis(leaf, spec: P) -> P:
+        shape = np.shape(leaf)
+        entries = list(spec) + [None] * (len(shape) - len(spec))
+        if int(np.prod(shape, dtype=np.int64)) < min_size:
+            return spec
+        free = [d for d, n in enumerate(shape) if entries[d] is None and n % size == 0]
+        if not free:
+            return spec
+        entries[max(free, key=lambda d: shape[d])] = axis  # the largest; the first among equals
+        return P(*entries)
+
+    return jax.tree.map(add_axis, params, base, is_leaf=_is_spec_leaf)
+
+
+def check_specs(params: PyTree, specs: PyTree, mesh: Mesh) -> None:
+    """Raise a ValueError naming the first parameter whose spec does not fit ``mesh`` or its shape.
+
+    A spec fits when every axis it names is one of the mesh's, it has no more
+    entries than the array has dimensions, and each split dimension divides evenly
+    by the product of the sizes of the axes that split it.
+    """
+    leaves = jax.tree_util.tree_leaves_with_path(params)
+    for (path, leaf), spec in zip(leaves, jax.tree.leaves(specs, is_leaf=_is_spec_leaf), strict=True):
+        label, shape = path_label(path), tuple(leaf.shape)
+        if len(spec) > len(shape):
+            raise ValueError(f"{label} has shape {shape}, too few dimensions for the partition spec {spec}.")
+        for dim, entry in enumerate(spec):
+            axes = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+            missing = [axis for axis in axes if axis not in mesh.shape]
+            if missing:
+                raise ValueError(
+                    f"The partition spec {spec} of {label} names mesh axis {missing[0]!r}, but the mesh has only "
+                    f"{tuple(mesh.shape)}. Use those axis names in the rules (or build the mesh with that axis)."
+                )
+            parts = math.prod(mesh.shape[axis] for axis in axes)
+            if shape[dim] % parts:
+                raise ValueError(
+                    f"{label} has shape {shape}: its dimension {dim} ({shape[dim]}) does not split evenly over "
+                    f"{' x '.join(axes)} = {parts} devices. Choose a width divisible by {parts}, "
+                    f"or replicate {label} with a rule ({label!r}, P())."
+                )
+
+
+def state_specs(params_specs: PyTree, tx: optax.GradientTransformation, params: PyTree) -> PyTree:
+    """Specs of ``tx.init(params)``: each leaf that stands for a parameter gets that parameter's spec."""
+    opt_shapes = jax.eval_shape(tx.init, params)
+    return optax.tree_map_params(
+        tx,
+        lambda _, spec: spec,
+        opt_shapes,
+        params_specs,
+        transform_non_params=lambda _: P(),
+        is_leaf=_is_spec_leaf,
+    )
+
+
+def shardings(mesh: Mesh, specs: PyTree) -> PyTree:
+    """``NamedSharding(mesh, spec)`` for every spec of a tree."""
+    return jax.tree.map(lambda spec: NamedSharding(mesh, spec), specs, is_leaf=_is_spec_leaf)
+
+
+def nnx_specs(module: Any) -> PyTree:
+    """The partition specs a Flax NNX module carries (``nnx.with_partitioning``), as a plain nested dict.
+
+    Parameters without an annotation get ``P()`` (replicated). Pass the result as
+    ``rules`` to a strategy that splits parameters. Build the module inside
+    ``with nnx.use_eager_sharding(False):`` so that Flax keeps the annotations as
+    metadata instead of asking for a mesh to place the values at once; the strategy
+    places them.
+    """
+    from flax import nnx
+
+    specs = nnx.get_partition_spec(nnx.state(module, nnx.Param))
+    return nnx.to_pure_dict(specs)
+
+
+def megatron_mlp_rules(hidden_layers: int) -> list[tuple[str, P]]:
+    """Megatron-style rules for :class:`parallelkit.models.MLP` (layers ``hidden/i`` then ``head``).
+
+    Layers alternate: an even layer is split by **columns** (each device computes a
+    slice of the outputs, kernel ``P(None, "model")``, bias ``P("model")``), the next by
+    **rows** (each device holds the input slice it produced and computes a partial
+    sum, kernel ``P("model", None)``). After each row-split layer one all-reduce adds
+    the partial sums, so a column/row pair costs one all-reduce forward and one
+    backward (the backward one only where the block's input has a gradient to pass on,
+    so not for the first block, whose input is the data). The head continues the
+    alternation when it would be a row split, and is replicated otherwise.
+
+    >>> megatron_mlp_rules(1)[-2:]
+    [('^head/kernel$', P('model', None)), ('^head/bias$', P())]
+    """
+    rules = []
+    for i in range(hidden_layers + 1):
+        name = f"hidden/{i}" if i < hidden_layers else "head"
+        if i % 2 == 0 and i < hidden_layers:  # column split; the head is never column split (its outputs are logits)
+            rules += [(f"^{name}/kernel$", P(None, MODEL)), (f"^{name}/bias$", P(MODEL))]
+        elif i % 2:
+            rules += [(f"^{name}/kernel$", P(MODEL, None)), (f"^{name}/bias$", P())]
+        else:
+            rules += [(f"^{name}/kernel$", P()), (f"^{name}/bias$", P())]
+    return rules
+
+
+def megatron_cnn_rules() -> list[tuple[str, P]]:
+    """Megatron's column/row pair on the first two convolutions of :class:`parallelkit.models.CNN`.
+
+    ``convs/0`` is split by output channels (kernel ``P(None, None, None, "model")``),
+    ``convs/1`` by input channels (kernel ``P(None, None, "model", None)``): each device
+    convolves its own channels and one all-reduce adds the partial sums. The rest
+    (later convolutions, BatchNorm, the head) is replicated.
+
+    >>> megatron_cnn_rules()[0]
+    ('^convs/0/kernel$', P(None, None, None, 'model'))
+    """
+    return [
+        ("^convs/0/kernel$", P(None, None, None, MODEL)),
+        ("^convs/0/bias$", P(MODEL)),
+        ("^convs/1/kernel$", P(None, None, MODEL, None)),
+        (".*", P()),
+    ]
+
+
+def megatron_transformer_rules() -> list[tuple[str, P]]:
+    """Megatron-style rules for :class:`parallelkit.models.Transformer`; everything else replicated.
+
+    Attention: ``query``, ``key`` and ``value`` split by columns, which splits the heads
+    (head ``j`` is the ``j``-th block of columns), ``out`` by rows: one all-reduce after
+    attention. The MLP: ``mlp_in`` by columns, ``mlp_out`` by rows: one all-reduce after
+    it. Embedding, position, layer norms and the head stay replicated.
+    """
+    columns, rows = P(None, MODEL), P(MODEL, None)
+    return [
+        (r"/(query|key|value|mlp_in)/kernel$", columns),
+        (r"/(query|key|value|mlp_in)/bias$", P(MODEL)),
+        (r"/(out|mlp_out)/kernel$", rows),
+        (".*", P()),
+    ]
+
+
+def _is_spec_leaf(x: Any) -> bool:
+    return x is None or isinstance(x, P)
+
+
+def _is_rule_list(rules: Any) -> bool:
+    return (
+        isinstance(rules, list | tuple)
+        and len(rules) > 0
+        and all(isinstance(r, tuple) and len(r) == 2 and isinstance(r[0], str) for r in rules)
+    )

@@ -1,0 +1,73 @@
+"""The narrow protocol every strategy keeps: every method and attribute the tools call.
+
+Tools (``pk.fit``, the traffic report, the bench, the race, checkpoints) call a strategy
+only through :class:`StrategyProtocol`; what they need to know beyond it (its name in the
+tour, its Rosetta names, which traffic and cost-model pattern it follows) they read from
+:mod:`parallelkit.strategies.catalog`. :class:`parallelkit.Strategy` is a base class that
+keeps the protocol with defaults; a strategy may also keep it without inheriting.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+import jax
+import optax
+
+from .contract import Batch, LossFn, PyTree
+from .placement import LeafPlacement
+from .state import TrainState
+
+if TYPE_CHECKING:
+    from ..measure.traffic import ExpectedCollective, Sizes, StepTraffic
+    from .step import Step
+
+
+@runtime_checkable
+class StrategyProtocol(Protocol):
+    """Every method and attribute the tools call on a strategy.
+
+    - ``devices``, ``num_replicas``: the devices it uses, and how many slices the global batch is cut into;
+    - ``init(params, tx, opt_state=None, *, model_state=None, rng=None)``: a placed :class:`TrainState`;
+    - ``step(loss_fn)``: a compiled :class:`Step`, ``state, metrics = step(state, batch)``;
+    - ``place_batch(batch)``: the global host batch, placed as the step takes it;
+    - ``unreplicate(tree)``: one host copy; ``logical_shape(leaf)``: a leaf's single-device shape;
+    - ``describe(state)``: where every leaf lives;
+    - ``traffic(loss_fn, state, batch)``, ``expected_collectives(sizes)``, ``traffic_pattern``:
+      the bytes one step moves, the collectives its formulas expect, and the pattern
+      (:class:`parallelkit.measure.traffic.TopologyModel`) its traffic follows;
+    - ``checkpoint_refusal()``: why a checkpoint could not resume its run exactly (None: it can).
+    """
+
+    devices: Sequence[jax.Device]
+    traffic_pattern: str
+
+    @property
+    def num_replicas(self) -> int: ...
+
+    def init(
+        self,
+        params: PyTree,
+        tx: optax.GradientTransformation,
+        opt_state: PyTree = None,
+        *,
+        model_state: PyTree = None,
+        rng: int | jax.Array | None = None,
+    ) -> TrainState: ...
+
+    def step(self, loss_fn: LossFn) -> Step: ...
+
+    def place_batch(self, batch: Batch) -> Any: ...
+
+    def unreplicate(self, tree: PyTree) -> PyTree: ...
+
+    def logical_shape(self, leaf: jax.Array) -> tuple[int, ...]: ...
+
+    def describe(self, state: PyTree) -> list[LeafPlacement]: ...
+
+    def traffic(self, loss_fn: LossFn, state: TrainState, batch: Batch) -> StepTraffic: ...
+
+    def expected_collectives(self, sizes: Sizes) -> Sequence[ExpectedCollective] | None: ...
+
+    def checkpoint_refusal(self) -> str | None: ...

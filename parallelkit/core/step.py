@@ -1,0 +1,142 @@
+"""The training step every strategy shares, and the callable that places the batch and runs it."""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import jax
+
+from .contract import Batch, LossFn, LossInputError, Metrics, PyTree, _loss_with_aux, batch_size, explain_input_error
+from .state import TrainState
+
+if TYPE_CHECKING:
+    from .protocol import StrategyProtocol as Strategy
+
+
+def train_step(
+    loss_fn: LossFn,
+    state: TrainState,
+    batch: Batch,
+    sync: Callable[[PyTree], PyTree] = lambda tree: tree,
+    replica_key: Callable[[jax.Array], jax.Array] = lambda key: key,
+) -> tuple[TrainState, Metrics]:
+    """The single-device step, shared by every strategy.
+
+    ``sync`` is where gradients meet: the identity on one device or under ``jit``
+    with shardings (the compiler inserts the all-reduce), ``lax.pmean`` under ``pmap``.
+    It also averages the metrics and the new model state. ``replica_key`` turns the
+    step's key into this replica's (the identity where the program sees the global batch).
+    """
+    batch_size(batch)  # runs while tracing: arrays of one batch must agree on its size
+    rng, extras = state.rng, {}
+    if rng is not None:
+        rng, key = jax.random.split(rng)
+        extras["rng"] = replica_key(key)
+    if state.model_state is not None:
+        extras["model_state"] = state.model_state
+    (loss, (aux, model_state)), grads = jax.value_and_grad(_loss_with_aux(loss_fn), has_aux=True)(
+        state.params, batch, **extras
+    )
+    grads, metrics, model_state = sync((grads, {"loss": loss, **aux}, model_state))
+    return state.apply_gradients(grads).replace(rng=rng, model_state=model_state), metrics
+
+
+# At most this many steps queued on simulated CPU devices; XLA's own limit is 32 a device,
+# past which a multi-device program can deadlock (see parallelkit.core.devices).
+MAX_STEPS_IN_FLIGHT = 8
+
+
+@dataclass(frozen=True)
+class Placed:
+    """A global batch already placed by ``strategy`` (see :func:`parallelkit.run.prefetch`); ``size``: its examples."""
+
+    batch: Batch
+    size: int
+    strategy: Strategy
+
+
+class Step:
+    """A compiled training step: ``state, metrics = step(state, batch)``.
+
+    Places the global host batch the way its strategy wants, then calls the jitted
+    (or pmapped) function. ``lower(state, batch)`` gives the lowered program, for
+    reading its HLO (see :mod:`parallelkit.measure.inspect`).
+
+    Dispatch stays asynchronous: a call returns before the device finishes, so a
+    plain ``for batch in batches: state, metrics = step(state, batch)`` keeps the
+    devices busy. On several CPU devices the step waits for the one dispatched
+    ``MAX_STEPS_IN_FLIGHT`` calls earlier, so the loop can never queue enough work to
+    deadlock XLA's CPU runtime; on accelerators nothing waits.
+
+    Passing a state that an earlier call already consumed (its buffers are donated
+    to the step) raises a ``ValueError`` that says so.
+    """
+
+    def __init__(self, fn: Callable, place_batch: Callable[[Batch], Batch], strategy: Strategy):
+        self.fn = fn
+        self.place_batch = place_batch
+        self.strategy = strategy
+        devices = strategy.devices
+        paced = len(devices) > 1 and all(d.platform == "cpu" for d in devices)
+        self._in_flight: deque | None = deque() if paced else None
+
+    def __call__(self, state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:
+        # A donated state must never reach the program: pmap crashes the process on one.
+        # Donation deletes every leaf at once, so the step counter tells (a cheap check).
+        if is_deleted(getattr(state, "step", None)):
+            raise ValueError(DONATED_STATE)
+        try:
+            out = self.fn(state, self._placed(batch))
+        except LossInputError as err:  # raised while tracing, at the first call: the steps that run pay nothing
+            raise self._explained(err, state, batch) from err.__cause__
+        except (RuntimeError, ValueError) as err:
+            if "deleted" in str(err) and any(is_deleted(x) for x in jax.tree.leaves(state)):
+                raise ValueError(DONATED_STATE) from err
+            raise
+        if self._in_flight is not None:
+            self._in_flight.append(out[1])
+            if len(self._in_flight) > MAX_STEPS_IN_FLIGHT:
+                jax.block_until_ready(self._in_flight.popleft())
+        return out
+
+    def _placed(self, batch: Batch) -> Batch:
+        """The batch as the program takes it: placed now, or already by :func:`parallelkit.run.prefetch`."""
+        if not isinstance(batch, Placed):
+            return self.place_batch(batch)
+        if batch.strategy is not self.strategy:
+            raise ValueError(
+                f"This batch was placed by {batch.strategy!r}, not by this step's {self.strategy!r}: "
+                "prefetch with the strategy that runs the step, pk.prefetch(batches, strategy)."
+            )
+        return batch.batch
+
+    def lower(self, state: TrainState, batch: Batch):
+        try:
+            return self.fn.lower(state, self._placed(batch))
+        except LossInputError as err:
+            raise self._explained(err, state, batch) from err.__cause__
+
+    def _explained(self, err: LossInputError, state: TrainState, batch: Batch) -> LossInputError:
+        """``err`` again, naming this step's strategy, the global batch's arrays and the parameters' weights."""
+        host = batch.batch if isinstance(batch, Placed) else batch
+        params = self.strategy.unreplicate(state.params)
+        return LossInputError(explain_input_error(err, self.strategy, params, host), missing_key=err.missing_key)
+
+    def __repr__(self) -> str:
+        return f"Step({self.strategy!r})"
+
+
+DONATED_STATE = (
+    "This state was already consumed by a training step: the step donates its input state's buffers "
+    "to the new state, so the old arrays are deleted. Use the state the step (or pk.fit's result) "
+    "returned, as in `state, metrics = step(state, batch)`, or keep a copy made before the step "
+    "(`jax.tree.map(jnp.copy, state)`)."
+)
+
+
+def is_deleted(leaf: Any) -> bool:
+    """Whether ``leaf`` is a JAX array whose buffers were donated or deleted."""
+    return isinstance(leaf, jax.Array) and leaf.is_deleted()

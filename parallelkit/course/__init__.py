@@ -1,0 +1,1 @@
+"""The course: lesson helpers, the tour of every strategy, the benchmark command, and the static course build."""

@@ -1,0 +1,256 @@
+"""The course, read without running: executed notebooks rendered to static HTML pages.
+
+``python -m parallelkit course`` (``make course``) runs every notebook top to bottom
+in a scratch directory, as a learner's fresh kernel would, and writes one page per
+notebook plus an index. Figures are embedded in the pages. A widget has no kernel to
+talk to in a static page, so each is replaced by its final snapshot: the state the
+kernel last sent it (the HTML of a dashboard, a progress bar's value, a slider's or a
+menu's label and value, an output area's contents), rendered as plain HTML. The pages load
+no script from the network.
+"""
+
+from __future__ import annotations
+
+import base64
+import copy
+import html
+import os
+import re
+import tempfile
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import nbformat
+
+if TYPE_CHECKING:
+    from traitlets.config import Config
+
+WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
+WIDGET_STATE = "application/vnd.jupyter.widget-state+json"
+ROOT = Path(__file__).resolve().parents[2]  # the checkout (pip install -e .)
+NOTEBOOKS = ROOT / "notebooks"
+REFERENCES = (ROOT / "docs" / "rosetta.md",)  # Markdown pages of the course, after the notebooks
+
+
+def execute(path: Path, workdir: Path, timeout: int = 600) -> nbformat.NotebookNode:
+    """Run a notebook top to bottom in a fresh kernel whose working directory is ``workdir``.
+
+    The kernel starts without this process's ``XLA_FLAGS`` and ``PJRT_NPROC``, as a
+    learner's would, so the notebook chooses its own devices. The file is not modified;
+    the executed notebook (outputs, and the widgets' final state) is returned.
+
+    Raises:
+      nbclient.exceptions.CellExecutionError: a cell raised; the message shows the cell and its error.
+    """
+    from nbclient import NotebookClient
+
+    nb = nbformat.read(path, as_version=4)
+    saved = {key: os.environ.pop(key) for key in ("XLA_FLAGS", "PJRT_NPROC") if key in os.environ}
+    try:
+        with tempfile.TemporaryDirectory() as sockets:
+            client = NotebookClient(
+                nb,
+                timeout=timeout,
+                kernel_name="python3",
+                store_widget_state=True,
+                resources={"metadata": {"path": str(workdir)}},
+                config=_kernel_transport(Path(sockets)),
+            )
+            client.execute()
+    finally:
+        os.environ.update(saved)
+    return nb
+
+
+def _kernel_transport(sockets: Path) -> Config:
+    """The kernel manager's settings: on Linux and macOS the kernel listens on socket files in
+    ``sockets`` (a private temporary folder) instead of TCP ports on localhost, which any local
+    process can reach and about which ipykernel warns at every start; elsewhere, TCP as by default."""
+    from traitlets.config import Config
+
+    if os.name != "posix":
+        return Config()
+    return Config({"KernelManager": {"transport": "ipc", "ip": str(sockets / "kernel")}})
+
+
+def snapshot_widgets(nb: nbformat.NotebookNode) -> nbformat.NotebookNode:
+    """Replace every widget view in ``nb``'s outputs by HTML of the widget's final state.
+
+    The state is what the executing kernel stored in the notebook's metadata. Returns
+    ``nb``, changed in place; a view whose state was not stored becomes a note saying so.
+    """
+    states = nb.metadata.get("widgets", {}).get(WIDGET_STATE, {}).get("state", {})
+    for cell in nb.cells:
+        for output in cell.get("outputs", []):
+            view = output.get("data", {}).get(WIDGET_VIEW)
+            if view is not None:
+                output["data"] = {"text/html": _widget_html(view["model_id"], states)}
+    nb.metadata.pop("widgets", None)  # nothing left for a widget manager to render
+    return nb
+
+
+def _widget_html(model_id: str, states: Mapping[str, dict]) -> str:
+    model = states.get(model_id)
+    if model is None:
+        return "<p class='pk-widget-missing'><i>(a live widget: run the notebook to see it)</i></p>"
+    name, state = model.get("model_name", ""), model.get("state", {})
+    classes = html.escape(" ".join(["pk-widget", *state.get("_dom_classes", [])]), quote=True)  # the widget's CSS
+    if name in ("HTMLModel", "HTMLMathModel", "LabelModel"):
+        return f"<div class='{classes}'>{_label(state)}{state.get('value', '')}</div>"
+    if name in ("FloatProgressModel", "IntProgressModel"):
+        value, top = state.get("value", 0), state.get("max", 100)
+        return f"<div class='{classes}'>{_label(state)}<progress value='{value}' max='{top}'></progress></div>"
+    if name == "ImageModel":  # the bytes travel as a base64 buffer beside the state
+        buffers = {tuple(b["path"]): b["data"] for b in model.get("buffers", []) if b.get("encoding") == "base64"}
+        data = buffers.get(("value",)) or base64.b64encode(state.get("value") or b"").decode()
+        return f"<img class='{classes}' src='data:image/{state.get('format', 'png')};base64,{data}'>"
+    if name == "OutputModel":
+        outputs = "".join(_output_html(output, states) for output in state.get("outputs", []))
+        return f"<div class='{classes}'>{outputs}</div>"
+    if "children" in state:  # VBox, HBox, Box, Accordion, Tab: their children, in order
+        direction = "row" if name == "HBoxModel" else "column"
+        children = "".join(_widget_html(child.removeprefix("IPY_MODEL_"), states) for child in state["children"])
+        return f"<div class='{classes}' style='display:flex;flex-direction:{direction};gap:4px'>{children}</div>"
+    return f"<div class='{classes} pk-control'>{_label(state)}{_control_value(name, state)}</div>"
+
+
+def _label(state: Mapping) -> str:
+    """A widget's description, shown before it as the live widget does ('' when it has none)."""
+    text = state.get("description") or ""
+    if not text:
+        return ""
+    shown = text if state.get("description_allow_html") else html.escape(text)
+    return f"<span class='pk-control-label' style='margin-right:6px'>{shown}</span>"
+
+
+def _control_value(name: str, state: Mapping) -> str:
+    """A control's final value as text: a slider's readout, the chosen option, a box's text, on or off.
+
+    Toggle buttons and radio buttons show every option, the chosen one in bold, as they do live.
+    """
+    if "_options_labels" in state:  # Dropdown, Select, SelectionSlider, ToggleButtons, ...: options by index
+        labels, index = state["_options_labels"], state.get("index")
+        chosen = {i for i in (index if isinstance(index, list | tuple) else [index]) if i is not None}
+        if name in ("ToggleButtonsModel", "RadioButtonsModel"):
+            return " ".join(
+                f"<b class='pk-control-value'>{html.escape(label)}</b>" if i in chosen else html.escape(label)
+                for i, label in enumerate(labels)
+            )
+        shown = [labels[i] for i in sorted(chosen)]
+    else:
+        value = state.get("value")
+        if isinstance(value, bool):  # Checkbox, ToggleButton
+            shown = ["on" if value else "off"]
+        else:
+            shown = [
+                _readout(v, state.get("readout_format"))
+                for v in (value if isinstance(value, list | tuple) else [value])
+            ]
+    separator = " – " if name.endswith("RangeSliderModel") else ", "
+    return f"<b class='pk-control-value'>{html.escape(separator.join(shown))}</b>"
+
+
+def _readout(value: object, spec: str | None) -> str:
+    """A number as the slider's readout shows it (``readout_format``, e.g. ``.2f``); anything else as text."""
+    if value is None:
+        return ""
+    try:
+        return format(value, spec) if spec and isinstance(value, int | float) else str(value)
+    except ValueError:  # a format Python does not know: the plain number
+        return str(value)
+
+
+def _output_html(output: Mapping, states: Mapping[str, dict]) -> str:
+    """One output of an Output widget, as HTML (the same preference order as a notebook page)."""
+    if output.get("output_type") == "stream":
+        return _text_html(output.get("text", ""))
+    data = output.get("data", {})
+    if WIDGET_VIEW in data:  # a widget displayed inside the output area
+        return _widget_html(data[WIDGET_VIEW]["model_id"], states)
+    if "image/png" in data:
+        return f"<img src='data:image/png;base64,{data['image/png']}'>"
+    if "text/html" in data:
+        return "".join(data["text/html"])
+    if "text/plain" in data:
+        return _text_html("".join(data["text/plain"]))
+    return ""
+
+
+def _text_html(text: str) -> str:
+    """Printed text in the page's monospace text style, so that columns stay aligned."""
+    return f"<div class='jp-RenderedText'><pre>{html.escape(text)}</pre></div>"
+
+
+def render(nb: nbformat.NotebookNode, title: str = "parallelkit") -> str:
+    """An executed notebook as one self-contained HTML page (figures embedded, widgets as snapshots).
+
+    Links from a notebook to a reference page (``../docs/rosetta.md``) point to its page in the course.
+    """
+    from nbconvert import HTMLExporter
+
+    exporter = HTMLExporter(template_name="lab", mathjax_url="", require_js_url="", jquery_url="")
+    page = snapshot_widgets(copy.deepcopy(nb))  # the caller's notebook keeps its widgets' state
+    body, _ = exporter.from_notebook_node(page, resources={"metadata": {"name": title}})
+    for reference in REFERENCES:
+        body = body.replace(f'href="../docs/{reference.name}"', f'href="{reference.stem}.html"')
+    return re.sub(r"<script src=\"\">\s*</script>", "", body)  # the loaders of scripts no page here needs
+
+
+def build(
+    out_dir: Path, executed: Mapping[str, nbformat.NotebookNode] | None = None, notebooks: Sequence[Path] | None = None
+) -> list[Path]:
+    """Write the course to ``out_dir``: ``index.html``, one page per notebook, then the reference pages.
+
+    Args:
+      out_dir: where the pages go (created).
+      executed: notebooks already executed, by file name; the others are run here.
+      notebooks: the notebooks of the course, in order (``notebooks/*.ipynb`` of the checkout by default).
+
+    Returns:
+      The pages written: the index, the notebooks' in order, the references'.
+    """
+    paths = sorted(NOTEBOOKS.glob("*.ipynb")) if notebooks is None else list(notebooks)
+    if not paths:
+        raise FileNotFoundError(f"No notebooks to render: {NOTEBOOKS} has no .ipynb files (build from a checkout).")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    executed = executed or {}
+    pages = []
+    for path in paths:
+        nb = executed.get(path.name)
+        if nb is None:
+            with tempfile.TemporaryDirectory() as workdir:
+                nb = execute(path, Path(workdir))
+        pages.append(_write_page(out_dir / f"{path.stem}.html", nb))
+    for reference in REFERENCES:  # a Markdown page, rendered as a notebook of one cell
+        text = reference.read_text(encoding="utf-8")
+        nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_markdown_cell(text)])
+        pages.append(_write_page(out_dir / f"{reference.stem}.html", nb))
+    index = out_dir / "index.html"
+    index.write_text(_index_html(pages), encoding="utf-8")
+    return [index, *(page for page, _ in pages)]
+
+
+def _write_page(page: Path, nb: nbformat.NotebookNode) -> tuple[Path, str]:
+    """Render ``nb`` to ``page``, titled by its first heading; return the page and the title."""
+    title = _title(nb, page.stem)
+    page.write_text(render(nb, title), encoding="utf-8")
+    return page, title
+
+
+def _title(nb: nbformat.NotebookNode, default: str) -> str:
+    """A notebook's first heading, or ``default``."""
+    for cell in nb.cells:
+        if cell.cell_type == "markdown" and cell.source.startswith("# "):
+            return cell.source.splitlines()[0][2:].strip()
+    return default
+
+
+def _index_html(entries: Iterable[tuple[Path, str]]) -> str:
+    items = "\n".join(f"<li><a href='{page.name}'>{html.escape(title)}</a></li>" for page, title in entries)
+    return (
+        "<!DOCTYPE html>\n<html><head><meta charset='utf-8'><title>parallelkit course</title></head>\n"
+        "<body><h1>parallelkit: the course</h1>\n"
+        "<p>Each page is a notebook as it ran top to bottom; widgets show their final state.</p>\n"
+        f"<ol>\n{items}\n</ol>\n</body></html>\n"
+    )

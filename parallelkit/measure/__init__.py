@@ -1,0 +1,1 @@
+"""Measuring: what a step moves, computes, costs and takes, read from the compiled program, profiler and clock."""

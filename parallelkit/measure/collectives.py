@@ -1,0 +1,364 @@
+"""All-reduce by hand: the algorithms behind ``lax.psum``, written with ``lax.ppermute``.
+
+An all-reduce leaves on every device the sum of every device's array. Libraries
+pick among several algorithms for it (TensorFlow's ``cross_device_ops``:
+``ReductionToOneDevice``, ``HierarchicalCopyAllReduce``, ``NcclAllReduce``); here
+each is a few lines of JAX, called inside ``jax.shard_map`` over named mesh axes,
+returning what ``lax.psum`` returns (up to the order of the additions):
+
+- :func:`reduce_to_one_allreduce`: every device sends its array to device 0, which
+  adds them and sends the sum back, one device at a time;
+- :func:`ring_allreduce`: a reduce-scatter then an all-gather around a ring, each
+  device sending ``1/n`` of the array per round (NCCL's ring);
+- :func:`tree_allreduce`: recursive halving, then recursive doubling, between
+  partners ``2^k`` apart (Rabenseifner's algorithm: a butterfly, the tree's cousin);
+- :func:`hierarchical_allreduce`: a ring inside each group (a machine), a ring
+  across groups on one ``1/g`` slice each, and a ring inside the group again.
+
+Each has a cost in the alpha-beta model (:class:`Cost`: a latency ``alpha`` per
+message in sequence, ``1/beta`` per byte in sequence), and the bytes each device
+sends, which the tests read back from the compiled program's
+``collective-permute`` instructions (:func:`sent_bytes`).
+
+>>> import jax, numpy as np
+>>> from jax.sharding import NamedSharding, PartitionSpec as P
+>>> mesh = jax.make_mesh((2,), ("x",), devices=jax.devices()[:2])
+>>> f = jax.shard_map(lambda v: ring_allreduce(v, "x"), mesh=mesh, in_specs=P("x"), out_specs=P("x"))
+>>> x = jax.device_put(np.arange(8.0, dtype=np.float32), NamedSharding(mesh, P("x")))
+>>> np.asarray(f(x))  # device 0 holds [0 1 2 3], device 1 [4 5 6 7]
+array([ 4.,  6.,  8., 10.,  4.,  6.,  8., 10.], dtype=float32)
+>>> cost = ring_cost(8, 1_000_000)  # 2(n-1) messages; 2(n-1)/n x 1 MB sent by every device
+>>> cost.rounds, cost.wire_bytes, set(cost.sent)
+(14, 1750000.0, {1750000.0})
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from .inspect import Collective
+
+Axis = str | tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Cost:
+    """What one all-reduce costs on one kind of link, in the alpha-beta model.
+
+    Time on a link of latency ``alpha`` (s) and bandwidth ``beta`` (bytes/s) is
+    ``rounds x alpha + wire_bytes / beta``: messages that must follow one another
+    each pay the latency, and bytes that must follow one another on the busiest
+    device's link each pay the bandwidth (links are full duplex: sending and
+    receiving at once do not slow each other).
+    """
+
+    rounds: int  # messages in sequence
+    wire_bytes: float  # bytes in sequence through the busiest device's link
+    sent: tuple[float, ...]  # bytes each device sends, by mesh position
+
+    def seconds(self, alpha: float, bandwidth: float) -> float:
+        """``rounds x alpha + wire_bytes / bandwidth`` (alpha in s, bandwidth in bytes/s)."""
+        return self.rounds * alpha + self.wire_bytes / bandwidth
+
+
+def ring_cost(n: int, nbytes: float) -> Cost:
+    """Ring: ``2(n-1)`` rounds, in each of which every device sends ``nbytes/n`` to its neighbour.
+
+    >>> ring_cost(4, 400).seconds(alpha=1e-6, bandwidth=1e9)  # 6 x 1 us + 600 B / 1 GB/s
+    6.6e-06
+    """
+    share = 2 * (n - 1) / n * nbytes
+    return Cost(2 * (n - 1), share, (share,) * n)
+
+
+def tree_cost(n: int, nbytes: float) -> Cost:
+    """Halving then doubling: ``2 log2(n)`` rounds, sending ``nbytes/2, nbytes/4, ...`` then back up.
+
+    The bytes equal the ring's, ``2(n-1)/n x nbytes``; the latencies drop from ``2(n-1)`` to ``2 log2 n``.
+    """
+    _check_power_of_two(n)
+    share = 2 * (n - 1) / n * nbytes
+    return Cost(2 * int(math.log2(n)), share, (share,) * n)
+
+
+def reduce_to_one_cost(n: int, nbytes: float) -> Cost:
+    """To device 0 and back: ``2(n-1)`` messages of ``nbytes``, all through device 0's link.
+
+    Device 0 sends the sum to the ``n-1`` others; each other device sends its array once.
+    """
+    return Cost(2 * (n - 1), 2 * (n - 1) * nbytes, ((n - 1) * nbytes,) + (float(nbytes),) * (n - 1))
+
+
+def hierarchical_cost(inner: int, outer: int, nbytes: float) -> dict[str, Cost]:
+    """A ring inside each group of ``inner`` devices, and one across the ``outer`` groups on ``nbytes/inner``.
+
+    Inside (fast links): a reduce-scatter and an all-gather, ``2(g-1)`` rounds and
+    ``2(g-1)/g x nbytes``, as a ring of ``g``. Across (slow links): a ring all-reduce of
+    one slice of ``nbytes/g`` over the ``m`` groups, ``2(m-1)`` rounds and
+    ``2(m-1)/m x nbytes/g`` per device.
+
+    In a flat ring over all ``n = g x m`` devices only each group's last device sends to
+    another group, all of its ``2(n-1)/n x nbytes``. What the hierarchy saves on the slow
+    links depends on who shares them: with a link per device, the busiest carries
+    ``(n-1)/(m-1)`` times fewer bytes (``g`` or more); when a group's ``g`` devices share
+    one link (as :mod:`parallelkit.measure.costmodel` assumes), it carries ``2(m-1)/m x nbytes``
+    against ``2(n-1)/n x nbytes``: ``(n-1)/(g(m-1))`` times fewer, under 2.
+
+    >>> {link: cost.wire_bytes for link, cost in hierarchical_cost(4, 2, 800).items()}
+    {'inner': 1200.0, 'outer': 200.0}
+    """
+    inside = ring_cost(inner, nbytes)
+    across = ring_cost(outer, nbytes / inner)
+    return {
+        "inner": Cost(inside.rounds, inside.wire_bytes, inside.sent * outer),
+        "outer": Cost(across.rounds, across.wire_bytes, across.sent[:1] * (inner * outer)),
+    }
+
+
+def _check_power_of_two(n: int) -> None:
+    if n < 1 or n & (n - 1):
+        raise ValueError(
+            f"tree_allreduce pairs devices 1, 2, 4, ... apart, so it needs a power-of-two device count; "
+            f"got {n}. Use ring_allreduce for {n} devices."
+        )
+
+
+def _flat(x: jax.Array, multiple: int) -> tuple[jax.Array, Callable[[jax.Array], jax.Array]]:
+    """``x`` as one vector padded with zeros to a multiple of ``multiple``, and the way back."""
+    flat = x.reshape(-1)
+    pad = -flat.size % multiple
+    padded = jnp.pad(flat, (0, pad)) if pad else flat
+    return padded, lambda y: y[: flat.size].reshape(x.shape)
+
+
+def _position(axis: Axis, rings: Sequence[Sequence[int]]) -> jax.Array:
+    """This device's place in its own ring (rings are lists of linear mesh positions)."""
+    table = [0] * sum(len(r) for r in rings)
+    for ring in rings:
+        for k, device in enumerate(ring):
+            table[device] = k
+    return jnp.asarray(table)[lax.axis_index(axis)]
+
+
+def ring_pairs(rings: Sequence[Sequence[int]]) -> list[tuple[int, int]]:
+    """``(device, next device)`` around every ring: one ring round's messages.
+
+    >>> ring_pairs([[0, 1, 2]])
+    [(0, 1), (1, 2), (2, 0)]
+    """
+    return [(ring[k], ring[(k + 1) % len(ring)]) for ring in rings for k in range(len(ring))]
+
+
+def _reduce_scatter(chunks: jax.Array, axis: Axis, rings: Sequence[Sequence[int]]) -> tuple[jax.Array, jax.Array]:
+    """Ring reduce-scatter of ``chunks`` (g rows): the device at place ``p`` ends with row ``(p+1) % g`` summed.
+
+    Round ``s``: send row ``p - s`` to the next device, add the row that arrives into row ``p - s - 1``.
+    """
+    g = len(rings[0])
+    p = _position(axis, rings)
+    to_next = ring_pairs(rings)
+    for s in range(g - 1):
+        arrived = lax.ppermute(chunks[(p - s) % g], axis, to_next)
+        chunks = chunks.at[(p - s - 1) % g].add(arrived)
+    return chunks[(p + 1) % g], p
+
+
+def _all_gather(row: jax.Array, p: jax.Array, axis: Axis, rings: Sequence[Sequence[int]]) -> jax.Array:
+    """Ring all-gather: the device at place ``p`` holds row ``(p+1) % g``; every device ends with all ``g`` rows."""
+    g = len(rings[0])
+    to_next = ring_pairs(rings)
+    rows = jnp.zeros((g, *row.shape), row.dtype).at[(p + 1) % g].set(row)
+    for s in range(g - 1):
+        rows = rows.at[(p - s) % g].set(lax.ppermute(rows[(p + 1 - s) % g], axis, to_next))
+    return rows
+
+
+def _ring(x: jax.Array, axis: Axis, rings: Sequence[Sequence[int]]) -> jax.Array:
+    g = len(rings[0])
+    flat, back = _flat(x, g)
+    row, p = _reduce_scatter(flat.reshape(g, -1), axis, rings)
+    return back(_all_gather(row, p, axis, rings).reshape(-1))
+
+
+def ring_allreduce(x: jax.Array, axis: Axis) -> jax.Array:
+    """``lax.psum(x, axis)`` as a ring: a reduce-scatter, then an all-gather (cost: :func:`ring_cost`).
+
+    The array is cut into ``n`` chunks (padded with zeros to a multiple of ``n``
+    elements). In each of ``n-1`` rounds every device passes one running chunk sum to
+    its right-hand neighbour, which adds its own; after them every device holds one
+    complete chunk, and ``n-1`` more rounds pass the complete chunks around.
+    """
+    n = lax.axis_size(axis)
+    return _ring(x, axis, [list(range(n))])
+
+
+def tree_allreduce(x: jax.Array, axis: Axis) -> jax.Array:
+    """``lax.psum(x, axis)`` by recursive halving and doubling (cost: :func:`tree_cost`).
+
+    Halving: partners ``n/2`` apart swap halves, each keeping (and summing) the half
+    the other sends; then partners ``n/4`` apart swap halves of that half, and so on,
+    until each device holds ``1/n`` of the sum. Doubling runs the same exchanges
+    backwards, each round doubling what every device holds. Needs ``n`` a power of two.
+    """
+    n = lax.axis_size(axis)
+    _check_power_of_two(n)
+    me = lax.axis_index(axis)
+    part, back = _flat(x, n)
+    distances = [n >> k for k in range(1, int(math.log2(n)) + 1)]  # n/2, n/4, ..., 1
+    for d in distances:  # halving: keep the half of my bit, send the other
+        low, high = jnp.split(part, 2)
+        upper = (me & d) != 0
+        arrived = lax.ppermute(jnp.where(upper, low, high), axis, [(i, i ^ d) for i in range(n)])
+        part = jnp.where(upper, high, low) + arrived
+    for d in reversed(distances):  # doubling: put my part and my partner's side by side
+        arrived = lax.ppermute(part, axis, [(i, i ^ d) for i in range(n)])
+        upper = (me & d) != 0
+        part = jnp.where(upper, jnp.concatenate([arrived, part]), jnp.concatenate([part, arrived]))
+    return back(part)
+
+
+def reduce_to_one_allreduce(x: jax.Array, axis: Axis) -> jax.Array:
+    """``lax.psum(x, axis)`` through device 0 (cost: :func:`reduce_to_one_cost`).
+
+    Devices ``1 .. n-1`` send their arrays to device 0 one at a time; device 0 adds
+    them, then sends the sum to each of them in turn. Device 0's link carries
+    everything: simple, and the slowest as ``n`` grows.
+    """
+    n = lax.axis_size(axis)
+    me = lax.axis_index(axis)
+    total = x
+    for j in range(1, n):  # a device that receives nothing gets zeros
+        total = total + lax.ppermute(x, axis, [(j, 0)])
+    received = jnp.zeros_like(x)
+    for j in range(1, n):
+        received = received + lax.ppermute(total, axis, [(0, j)])
+    return jnp.where(me == 0, total, received)
+
+
+def _hierarchical(x: jax.Array, axis: Axis, inner: int, outer: int) -> jax.Array:
+    """Groups are blocks of ``inner`` consecutive positions along ``axis`` (``outer`` blocks)."""
+    groups = [[o * inner + i for i in range(inner)] for o in range(outer)]
+    across = [[o * inner + i for o in range(outer)] for i in range(inner)]
+    flat, back = _flat(x, inner * outer)
+    row, p = _reduce_scatter(flat.reshape(inner, -1), axis, groups)  # inside each group
+    row = _ring(row, axis, across) if outer > 1 else row  # across groups, one slice each
+    return back(_all_gather(row, p, axis, groups).reshape(-1))  # inside each group again
+
+
+def hierarchical_allreduce(x: jax.Array, inner_axis: str, outer_axis: str) -> jax.Array:
+    """``lax.psum(x, (outer_axis, inner_axis))`` in three rings (cost: :func:`hierarchical_cost`).
+
+    1. inside each group along ``inner_axis`` (one machine: fast links), a ring
+       reduce-scatter leaves each device ``1/g`` of its group's sum;
+    2. across groups along ``outer_axis`` (the network), a ring all-reduce of that slice:
+       each device sends ``2(m-1)/m`` of ``1/g`` of the array;
+    3. inside each group again, a ring all-gather.
+    """
+    inner, outer = lax.axis_size(inner_axis), lax.axis_size(outer_axis)
+    return _hierarchical(x, (outer_axis, inner_axis), inner, outer)
+
+
+ALGORITHMS = ("psum", "ring", "tree", "reduce_to_one", "hierarchical")
+TENSORFLOW_NAMES = {
+    "psum": "NcclAllReduce (the library's own all-reduce)",
+    "reduce_to_one": "ReductionToOneDevice",
+    "hierarchical": "HierarchicalCopyAllReduce",
+    "ring": "NcclAllReduce(all_reduce_alg='ring') / CollectiveCommunication.RING",
+    "tree": "(no TensorFlow counterpart; MPI's Rabenseifner all-reduce)",
+}
+
+
+@dataclass(frozen=True)
+class AllReduce:
+    """Which all-reduce a strategy uses for its gradients (TensorFlow's ``cross_device_ops``).
+
+    ``AllReduce("ring")`` and the other names in :data:`ALGORITHMS`; ``"psum"`` is
+    ``lax.psum``, the compiler's own. ``"hierarchical"`` needs ``group``: how many
+    consecutive devices along the axis share fast links (a machine's GPUs).
+
+    >>> AllReduce("hierarchical", group=4).cost(8, 800)["outer"].wire_bytes  # 2(m-1)/m x 800/4, m = 2
+    200.0
+    """
+
+    algorithm: str = "psum"
+    group: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.algorithm not in ALGORITHMS:
+            raise ValueError(f"AllReduce({self.algorithm!r}): choose one of {ALGORITHMS}.")
+        if (self.algorithm == "hierarchical") != (self.group is not None):
+            raise ValueError(
+                'AllReduce("hierarchical", group=g) needs g, the devices per group (machine), and only '
+                f"the hierarchical algorithm takes one; got {self!r}."
+            )
+        if self.group is not None and not (isinstance(self.group, int) and self.group >= 1):
+            raise ValueError(f"AllReduce(group={self.group!r}): a group is a whole number of devices >= 1.")
+
+    def __call__(self, x: jax.Array, axis: Axis) -> jax.Array:
+        """The sum of ``x`` over ``axis``, by this algorithm (inside ``shard_map`` or ``pmap``)."""
+        if self.algorithm == "psum":
+            return lax.psum(x, axis)
+        if self.algorithm == "hierarchical":
+            n = lax.axis_size(axis)
+            if n % self.group:
+                raise ValueError(f"AllReduce(hierarchical, group={self.group}) needs a multiple of it; got {n}.")
+            return _hierarchical(x, axis, self.group, n // self.group)
+        return {"ring": ring_allreduce, "tree": tree_allreduce, "reduce_to_one": reduce_to_one_allreduce}[
+            self.algorithm
+        ](x, axis)
+
+    def cost(self, n: int, nbytes: float) -> dict[str, Cost]:
+        """The alpha-beta cost over ``n`` devices, per kind of link (``"inner"``, ``"outer"``).
+
+        Flat algorithms send everything over one kind of link, reported as ``"inner"``
+        when ``n`` devices share a machine. ``"psum"`` is costed as a ring (what NCCL
+        and XLA pick for large arrays).
+        """
+        if self.algorithm == "hierarchical":
+            return hierarchical_cost(self.group, n // self.group, nbytes)
+        formula = {"psum": ring_cost, "ring": ring_cost, "tree": tree_cost, "reduce_to_one": reduce_to_one_cost}
+        return {"inner": formula[self.algorithm](n, nbytes)}
+
+
+def mean_tree(tree, axis: Axis, allreduce: AllReduce):
+    """The mean over ``axis`` of every leaf of ``tree``, as one all-reduce of one flat vector.
+
+    Like a gradient bucket in DDP or XLA's all-reduce combiner: the leaves travel
+    together, so one all-reduce carries the parameter bytes plus the metrics.
+    """
+    leaves, treedef = jax.tree.flatten(tree)
+    if not leaves:
+        return tree
+    flat = jnp.concatenate([jnp.ravel(x).astype(jnp.float32) for x in leaves])
+    summed = allreduce(flat, axis) / lax.axis_size(axis)
+    out, start = [], 0
+    for x in leaves:
+        out.append(summed[start : start + x.size].reshape(x.shape).astype(x.dtype))
+        start += x.size
+    return jax.tree.unflatten(treedef, out)
+
+
+def sent_bytes(found: Sequence[Collective], devices: int, group: int | None = None) -> dict[str, list[int]]:
+    """The bytes each device sends, read from a compiled program's ``collective-permute`` instructions.
+
+    A permute's ``source_target_pairs`` say who sends its array to whom. Returns, per
+    mesh position, the bytes it sends: under ``"all"``, and, with ``group``, split into
+    ``"inner"`` (to a device in the same block of ``group`` positions) and ``"outer"``.
+    """
+    out = {"all": [0] * devices}
+    if group:
+        out |= {"inner": [0] * devices, "outer": [0] * devices}
+    for c in found:
+        if c.op != "collective-permute":
+            continue
+        for source, target in c.pairs or ():
+            out["all"][source] += c.bytes
+            if group:
+                out["inner" if source // group == target // group else "outer"][source] += c.bytes
+    return out

@@ -1,0 +1,434 @@
+"""Traffic accounting: the bytes one training step moves, measured, beside the textbook formulas.
+
+Every figure is per replica (per device, where a strategy has one replica) and per
+step, in bytes, on one of three kinds of link:
+
+- ``host->device``: from host memory to a compute device (the batch slice; the pull of
+  parameters kept off the devices);
+- ``device->host``: from a compute device back to host memory;
+- ``device<->device``: between devices (collectives; the push of gradients to the device
+  that updates the state kept off the devices).
+
+Strategies that keep the state off the devices (CentralStorage, ParameterServer) also
+report the transfers at the state's owners, once per step rather than per replica: the
+update programs copy the state in from host memory and write it back (``owner_flows``).
+
+Each strategy reports its own traffic (``strategy.traffic(loss_fn, state, batch)``;
+:func:`step_traffic` is the same call). Where the numbers come from:
+
+- collectives: the compiled program's own collectives (:func:`parallelkit.measure.inspect.collectives`),
+  as the *payload* each device contributes (the size of the all-reduced array, of the
+  gathered result, of the scattered shard); the strategy's formulas say what the payload
+  should be (:meth:`Strategy.expected_collectives <parallelkit.Strategy.expected_collectives>`);
+- pulls and pushes (CentralStorage, ParameterServer): the arrays the strategy really
+  moves, pulled and computed once here, measured on each device; the state's round trip:
+  the host-memory arguments and results of the compiled update programs
+  (:func:`parallelkit.measure.inspect.host_memory_bytes`);
+- the batch: the placed batch, measured on each device.
+
+What a collective sends over the wire depends on its algorithm. ``bus_bytes`` is a
+*derived* figure, NCCL's algorithm-independent "bus bandwidth" convention applied to
+the measured payloads: an all-reduce of ``S`` bytes over ``n`` devices counts
+``2(n-1)/n x S``, what each device sends in a ring.
+
+The formulas, with ``P`` the parameter bytes (a gradient has the same size) and ``n``
+replicas: mirrored, an all-reduce of ``P`` (plus the scalar metrics, ``M`` bytes, which
+XLA fuses into it); central storage ``P`` out to and ``P`` back from every replica, and the
+state (``S``: parameters, optimizer state ``O``, counters) into and out of host memory at
+the owner; parameter servers a pull and a push of ``P`` per worker, each split over the
+``k`` shards, and each shard's state round trip.
+
+:class:`TopologyModel` turns these bytes into a rough communication time per step, under
+assumptions it states, to ask when central storage beats mirroring.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import jax
+import numpy as np
+
+from ..core.contract import Batch, LossFn, _loss_with_aux, batch_size
+from .inspect import Collective, collectives
+
+if TYPE_CHECKING:
+    from ..core.protocol import StrategyProtocol as Strategy
+    from ..core.state import TrainState
+
+H2D, D2H, D2D = "host->device", "device->host", "device<->device"
+LINKS = (H2D, D2H, D2D)
+
+
+@dataclass(frozen=True)
+class Flow:
+    """One kind of transfer in a step: bytes per replica, measured and by the formula."""
+
+    link: str  # one of LINKS
+    what: str  # e.g. "parameters (pull)"
+    measured: float  # bytes per replica per step
+    expected: float | None  # the formula's value, bytes per replica per step (None: no formula known)
+    formula: str  # e.g. "P + M"
+    source: str  # where ``measured`` comes from
+
+
+@dataclass(frozen=True)
+class ExpectedCollective:
+    """A collective a strategy's step needs by the book: its payload per device, and the formula."""
+
+    op: str  # one of parallelkit.measure.inspect.COLLECTIVES
+    what: str  # e.g. "gradients and metrics"
+    bytes: float
+    formula: str
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """What the traffic formulas are written in."""
+
+    params: int  # P: parameter bytes
+    metrics: int  # M: the scalar metrics one replica reports
+    batch: int  # the global batch's examples
+    replicas: int  # n
+    params_tree: object = None  # the parameters themselves (host copies), for formulas that need their shapes
+    optimizer: int = 0  # bytes of the optimizer state
+
+
+def gradient_all_reduce(sizes: Sizes) -> ExpectedCollective:
+    """Data parallelism's collective: every gradient and the scalar metrics, all-reduced (``P + M``)."""
+    return ExpectedCollective("all-reduce", "gradients and metrics", sizes.params + sizes.metrics, "P + M")
+
+
+@dataclass(frozen=True)
+class StepTraffic:
+    """What one step of one strategy moves, flow by flow (bytes per replica).
+
+    ``owner_bytes`` is the load on each central owner of the state (CentralStorage's
+    storage, each PS shard): gradient bytes it receives per step from all replicas,
+    which equals the parameter bytes it sends. ``owner_flows`` are the transfers at the
+    owners, all owners together, once per step (not per replica): the state's round trip
+    between host memory and the device that updates it. Replicated strategies have neither.
+    """
+
+    strategy: str
+    pattern: str  # "local", "all-reduce", "central" or "sharded"
+    replicas: int
+    param_bytes: int  # P
+    metric_bytes: int  # M: the scalar metrics one replica reports
+    flows: tuple[Flow, ...]
+    owner_bytes: tuple[int, ...] = ()
+    bus_bytes: float = 0.0  # derived: NCCL's bus-bandwidth convention on the measured collectives
+    owner_flows: tuple[Flow, ...] = ()  # bytes per step at the owners, all of them together
+
+    def total(self, link: str, expected: bool = False) -> float:
+        """Bytes per replica per step on ``link`` (measured, or by the formulas; NaN where one has none)."""
+        if link not in LINKS:
+            raise ValueError(f"Unknown link {link!r}: choose one of {LINKS}.")
+        values = [f.expected if expected else f.measured for f in self.flows if f.link == link]
+        return sum(np.nan if v is None else v for v in values)
+
+    @property
+    def host_to_device(self) -> float:
+        return self.total(H2D)
+
+    @property
+    def device_to_host(self) -> float:
+        return self.total(D2H)
+
+    @property
+    def between_devices(self) -> float:
+        return self.total(D2D)
+
+    def flow(self, what: str) -> Flow:
+        """The flow (per replica, or at the owners) whose ``what`` starts with ``what``."""
+        for f in (*self.flows, *self.owner_flows):
+            if f.what.startswith(what):
+                return f
+        known = [f.what for f in (*self.flows, *self.owner_flows)]
+        raise KeyError(f"{self.strategy} has no flow {what!r}; it has {known}.")
+
+    def table(self) -> str:
+        """The flows as a text table, measured beside the formula."""
+        head = f"{self.strategy}: {self.replicas} replica(s), P = {self.param_bytes:,} B, M = {self.metric_bytes} B"
+        lines = [
+            head,
+            f"  {'link':<17}{'what':<36}{'measured B':>11}{'formula B':>11}  formula  [measured from]",
+        ]
+        row = "  {:<17}{:<36}{:>11,.0f}{:>11}  {}  [{}]"
+        for f in self.flows:
+            lines.append(row.format(f.link, f.what, f.measured, _figure(f.expected), f.formula, f.source))
+        if self.owner_flows:
+            lines.append("  at the owner(s), once per step (not per replica):")
+        for f in self.owner_flows:
+            lines.append(row.format(f.link, f.what, f.measured, _figure(f.expected), f.formula, f.source))
+        if self.bus_bytes:
+            lines.append(f"  bus bytes per device (derived by NCCL's bus-bandwidth convention, not measured): "
+                         f"{self.bus_bytes:,.0f}")  # fmt: skip
+        if self.owner_bytes:
+            loads = ", ".join(f"{b:,}" for b in self.owner_bytes)
+            lines.append(f"  owner load (gradient bytes in = parameter bytes out, per step): {loads}")
+        return "\n".join(lines)
+
+
+def _figure(expected: float | None) -> str:
+    return "n/a" if expected is None else f"{expected:,.0f}"
+
+
+def compare_table(traffics: Sequence[StepTraffic]) -> str:
+    """One line per strategy: bytes per replica per step on each link, measured (formula in brackets).
+
+    The owners' state round trip (CentralStorage, ParameterServer) is not per replica,
+    so it is left out here: each strategy's :meth:`StepTraffic.table` shows it.
+    """
+    width = max([len("strategy"), *(len(t.strategy) for t in traffics)]) + 2
+    head = f"{'strategy':<{width}}{'host->device':>20}{'device->host':>20}{'device<->device':>20}"
+    lines = [head, "-" * len(head)]
+    for t in traffics:
+        cells = "".join(f"{f'{t.total(k):,.0f} ({t.total(k, expected=True):,.0f})':>20}" for k in LINKS)
+        lines.append(f"{t.strategy:<{width}}{cells}")
+    return "\n".join(lines)
+
+
+def ring_factor(n: int) -> float:
+    """``2(n-1)/n``: the share of an all-reduced array each replica sends in a ring all-reduce.
+
+    >>> ring_factor(1), ring_factor(2), ring_factor(8)
+    (0.0, 1.0, 1.75)
+    """
+    return 2 * (n - 1) / n
+
+
+def _bytes_per_device(tree) -> dict[int, int]:
+    """Bytes of ``tree`` on each device holding part of it."""
+    held: dict[int, int] = {}
+    for leaf in jax.tree.leaves(tree):
+        for shard in leaf.addressable_shards:
+            held[shard.device.id] = held.get(shard.device.id, 0) + shard.data.nbytes
+    return held
+
+
+def per_replica_bytes(tree, devices: Sequence[jax.Device]) -> int:
+    """Bytes of ``tree`` that each of ``devices`` holds (the same on every one, else an error)."""
+    held = _bytes_per_device(tree)
+    values = {held.get(d.id, 0) for d in devices}
+    if len(values) != 1:
+        raise RuntimeError(f"Replicas hold different amounts of one flow: {held}; expected equal shares.")
+    return values.pop()
+
+
+def bus_bytes(found: Sequence[Collective]) -> float:
+    """Derived, not measured: NCCL's bus-bandwidth convention on each collective's payload ``S``.
+
+    all-reduce ``2(g-1)/g x S``; all-gather and all-to-all ``(g-1)/g x S`` (``S`` the full
+    result); reduce-scatter ``(g-1) x S`` (``S`` the scattered shard); a permute ``S``;
+    ``g`` the group size the program states.
+
+    >>> from parallelkit.measure.inspect import Collective
+    >>> bus_bytes([Collective("all-reduce", ("f32[100]",), 100, 400, 4)])
+    600.0
+    """
+    factors = {
+        "all-reduce": lambda g: 2 * (g - 1) / g,
+        "all-gather": lambda g: (g - 1) / g,
+        "all-to-all": lambda g: (g - 1) / g,
+        "reduce-scatter": lambda g: g - 1,
+        "collective-permute": lambda g: 1,
+    }
+    return float(sum(factors[c.op](c.group_size or 1) * c.bytes for c in found))
+
+
+def _batch_bytes(strategy: Strategy, batch: Batch) -> tuple[int, int]:
+    """(bytes of the global batch, bytes one replica receives) after the strategy places it."""
+    total = sum(np.asarray(x).nbytes for x in jax.tree.leaves(batch))
+    placed = strategy.place_batch(batch)
+    leaves = jax.tree.leaves(placed)
+    if all(isinstance(x, jax.Array) for x in leaves):
+        held = _bytes_per_device(placed)
+        return total, max(held.values())  # devices that only split the model hold the same batch
+    # pmap's layout: host arrays of shape (replicas, per_replica, ...); row i goes to device i
+    return total, sum(np.asarray(x)[0].nbytes for x in leaves)
+
+
+def sizes(strategy: Strategy, loss_fn: LossFn, state: TrainState, batch: Batch) -> Sizes:
+    """The sizes the formulas use: parameter bytes, metric bytes, batch and replicas."""
+    n = strategy.num_replicas
+    params = strategy.unreplicate(state.params)
+    local = jax.tree.map(lambda x: jax.ShapeDtypeStruct((x.shape[0] // n, *x.shape[1:]), x.dtype), batch)
+    extras = {"model_state": strategy.unreplicate(state.model_state)} if state.model_state is not None else {}
+    if state.rng is not None:
+        extras["rng"] = jax.random.PRNGKey(0)
+    loss, (aux, _) = jax.eval_shape(_loss_with_aux(loss_fn), params, local, **extras)
+    metric_bytes = sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves((loss, aux)))
+    opt_leaves = jax.tree.leaves(state.opt_state)
+    optimizer = sum(int(np.prod(strategy.logical_shape(x))) * x.dtype.itemsize for x in opt_leaves)
+    return Sizes(_param_bytes(params), metric_bytes, batch_size(batch), n, params, optimizer)
+
+
+def batch_flow(strategy: Strategy, batch: Batch) -> Flow:
+    """The batch slice each replica receives, measured after placement, beside ``B/n``."""
+    total, per_replica = _batch_bytes(strategy, batch)
+    return Flow(H2D, "batch slice", per_replica, total / strategy.num_replicas, "B/n", "placed batch, per device")
+
+
+def compiled_traffic(strategy: Strategy, loss_fn: LossFn, state: TrainState, batch: Batch) -> StepTraffic:
+    """The traffic of a step that is one compiled program: its batch slice and its collectives.
+
+    Each collective kind the strategy expects (:meth:`~parallelkit.Strategy.expected_collectives`)
+    becomes a flow whose measured payload is read from the compiled program; kinds it does
+    not expect are listed as "other collectives" (expected 0, or no formula when the
+    strategy has none for this model).
+    """
+    size = sizes(strategy, loss_fn, state, batch)
+    found = collectives(strategy.step(loss_fn), state, batch)
+    measured: dict[str, float] = {}
+    for c in found:
+        measured[c.op] = measured.get(c.op, 0) + c.bytes
+    expected = strategy.expected_collectives(size)
+    flows = [batch_flow(strategy, batch)]
+    for e in expected or ():
+        flows.append(Flow(D2D, f"{e.what} ({e.op})", measured.pop(e.op, 0), e.bytes, e.formula, "compiled HLO"))
+    known = expected is not None  # without formulas, what the program moves is reported as it is
+    others = [Flow(D2D, f"other collectives ({op})", b, 0 if known else None, "0" if known else "no formula",
+                   "compiled HLO") for op, b in measured.items()]  # fmt: skip
+    flows += others or ([Flow(D2D, "other collectives", 0, 0, "0", "compiled HLO")] if known else [])
+    return StepTraffic(repr(strategy), strategy.traffic_pattern, size.replicas, size.params, size.metrics,
+                       tuple(flows), bus_bytes=bus_bytes(found))  # fmt: skip
+
+
+def step_traffic(strategy: Strategy, loss_fn: LossFn, state: TrainState, batch: Batch) -> StepTraffic:
+    """Measure the bytes one step of ``strategy`` moves, beside the textbook formulas.
+
+    The same as ``strategy.traffic(loss_fn, state, batch)``: every strategy reports its own.
+    It compiles the step (or, for CentralStorage and ParameterServer, runs one pull and
+    the workers' gradient computation, without touching ``state``); it does not train.
+
+    Returns:
+      A :class:`StepTraffic`; ``print(traffic.table())`` shows it.
+    """
+    return strategy.traffic(loss_fn, state, batch)
+
+
+def _param_bytes(params) -> int:
+    return sum(int(np.asarray(x).nbytes) for x in jax.tree.leaves(params))
+
+
+@dataclass(frozen=True)
+class TopologyModel:
+    """A back-of-the-envelope model of one step's communication time (latency-bandwidth, "alpha-beta").
+
+    It is a model, not a measurement. Its assumptions, all of them:
+
+    - sending ``b`` bytes over a link costs ``latency + b / bandwidth``; links are full
+      duplex (sending and receiving at once do not slow each other);
+    - each device has its own link of ``host_link_GBps`` (one direction) to host memory
+      (PCIe); the host side that every device's transfers cross (its PCIe root, its
+      memory) carries at most ``host_total_GBps`` in each direction (``None``: no limit);
+    - devices talk to each other over links of ``device_link_GBps`` (NVLink, PCIe
+      peer-to-peer), or, with ``device_link_GBps=None``, not directly at all: a message
+      then goes up to host memory and down again, costing two latencies and crossing
+      the shared host side;
+    - mirrored: a ring all-reduce of ``P`` bytes over ``n`` devices runs ``2(n-1)`` rounds,
+      in each of which every device sends ``P/n`` bytes to the next, all at once;
+    - central storage: every device pulls ``P`` before it computes and pushes ``P`` after,
+      all devices at once, all through the one host;
+    - parameter servers: ``k`` shards, each with a host side of ``host_total_GBps`` of its
+      own (separate machines), each serving its ``P/k`` to every worker;
+    - compute, the optimizer update, the batch and any overlap of communication with
+      compute are left out (real systems overlap: the ring can start during the backward
+      pass, a pull cannot start before the previous update ends).
+
+    >>> nvlink = TopologyModel(device_link_GBps=300, host_link_GBps=25, host_total_GBps=50, latency_us=5)
+    >>> round(nvlink.mirrored_seconds(400e6, 8) * 1e3, 2), round(nvlink.central_seconds(400e6, 8) * 1e3, 1)
+    (2.4, 128.0)
+    """
+
+    device_link_GBps: float | None
+    host_link_GBps: float
+    host_total_GBps: float | None = None
+    latency_us: float = 0.0
+
+    def __post_init__(self) -> None:
+        for name in ("device_link_GBps", "host_link_GBps", "host_total_GBps"):
+            value = getattr(self, name)
+            if (value is not None or name == "host_link_GBps") and not (isinstance(value, int | float) and value > 0):
+                raise ValueError(f"TopologyModel({name}={value!r}): a bandwidth must be a number > 0 (GB/s).")
+        if self.latency_us < 0:
+            raise ValueError(f"TopologyModel(latency_us={self.latency_us!r}): a latency must be >= 0 (microseconds).")
+
+    def _per_byte(self, per_device: float, through_host: float) -> float:
+        """Seconds per byte when each device moves ``per_device`` bytes and the host side ``through_host``."""
+        own = per_device / (self.host_link_GBps * 1e9)
+        shared = through_host / (self.host_total_GBps * 1e9) if self.host_total_GBps else 0.0
+        return max(own, shared)
+
+    def _ring_round(self, n: int) -> tuple[float, float]:
+        """(latency, seconds per byte of ``P``) of one ring round: every device sends ``P/n`` to the next."""
+        alpha = self.latency_us * 1e-6
+        if self.device_link_GBps is None:  # up to the host and down again: n messages of P/n cross it
+            return 2 * alpha, self._per_byte(1 / n, 1.0)
+        return alpha, 1 / (n * self.device_link_GBps * 1e9)
+
+    def mirrored_seconds(self, param_bytes: float, n: int) -> float:
+        """Ring all-reduce: ``2(n-1)`` rounds, each moving ``P/n`` per device."""
+        if n <= 1:
+            return 0.0
+        alpha, per_byte = self._ring_round(n)
+        return 2 * (n - 1) * (alpha + param_bytes * per_byte)
+
+    def central_seconds(self, param_bytes: float, n: int) -> float:
+        """A pull of ``P`` to every device, then a push of ``P`` from every device, all through one host."""
+        return 2 * (self.latency_us * 1e-6 + param_bytes * self._per_byte(1.0, n))
+
+    def parameter_server_seconds(self, param_bytes: float, n: int, shards: int) -> float:
+        """A pull and a push of ``P`` per worker, ``P/k`` from each shard; the ``k`` shards serve in parallel."""
+        return 2 * (self.latency_us * 1e-6 + param_bytes * self._per_byte(1.0, n / shards))
+
+    def seconds(self, traffic: StepTraffic) -> float:
+        """The model's communication time for a measured step, by its traffic pattern (see :data:`TOPOLOGY`)."""
+        if traffic.pattern not in TOPOLOGY:
+            raise ValueError(
+                f"TopologyModel has no model for {traffic.strategy}'s traffic (pattern {traffic.pattern!r}); it models "
+                f"the patterns {list(TOPOLOGY)}. Use the measured bytes in traffic.flows, or register_topology one."
+            )
+        return TOPOLOGY[traffic.pattern](self, traffic)
+
+    def crossover_bytes(self, n: int) -> float:
+        """The parameter bytes below which central storage is faster than mirrored (0: never; inf: always).
+
+        Both times are ``latency terms + P x per-byte cost``, so they cross at most once:
+        mirrored pays ``2(n-1)`` round latencies, central storage 2.
+        """
+        if n <= 1:
+            return 0.0  # one device: mirrored sends nothing
+        alpha, per_byte = self._ring_round(n)
+        extra_latency = (n - 1) * alpha - self.latency_us * 1e-6  # mirrored's, beyond central's
+        cheaper = self._per_byte(1.0, n) - (n - 1) * per_byte  # central's bytes cost this much more
+        if cheaper <= 0:
+            return float("inf") if extra_latency >= 0 else 0.0
+        return max(extra_latency / cheaper, 0.0)
+
+
+# How TopologyModel times each traffic pattern (a strategy's ``traffic_pattern``, the catalog's
+# ``traffic_pattern``): from a measured step's parameter bytes, replicas and owners.
+TOPOLOGY: dict[str, Callable[[TopologyModel, StepTraffic], float]] = {}
+
+
+def register_topology(pattern: str, seconds: Callable[[TopologyModel, StepTraffic], float]) -> None:
+    """Let :meth:`TopologyModel.seconds` time steps of ``pattern`` as ``seconds(model, traffic)`` says.
+
+    Raises:
+      ValueError: ``pattern`` has a model already.
+    """
+    if pattern in TOPOLOGY:
+        raise ValueError(f"TopologyModel already models the traffic pattern {pattern!r}.")
+    TOPOLOGY[pattern] = seconds
+
+
+register_topology("local", lambda model, t: 0.0)
+register_topology("all-reduce", lambda model, t: model.mirrored_seconds(t.param_bytes, t.replicas))
+register_topology("central", lambda model, t: model.central_seconds(t.param_bytes, t.replicas))
+register_topology(
+    "sharded", lambda model, t: model.parameter_server_seconds(t.param_bytes, t.replicas, len(t.owner_bytes))
+)

@@ -1,0 +1,203 @@
+"""What ``fit`` tells its callbacks, the :class:`Callback` hooks, and the callbacks ``fit`` installs itself.
+
+A callback sees the run through four hooks, in this order::
+
+    on_train_begin(info)                   # once, before the first step
+    on_step_end(record)                    # after each step, its time read once the work is done
+    on_train_error(history, error)         # only if the run stops with an exception
+    on_train_end(history, interrupted)     # once, unless the run stopped with an exception
+
+``fit`` puts its own callbacks first, then the user's: :class:`NonFiniteCheck` (stop on
+a NaN or infinite loss), then :class:`Checkpointing` (save every K steps, at the end and
+on an error). Live views (``pk.widgets.TimingDashboard``,
+``pk.distributed.ReportProgress``) are callbacks of the same kind.
+
+>>> class Losses(Callback):
+...     def on_step_end(self, record):
+...         print(record.step, record.loss)
+>>> Losses().on_step_end(StepRecord(1, {"loss": 2.0}, 0.5, compiled=True))
+1 2.0
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import jax
+import numpy as np
+import optax
+
+from ..core.contract import PyTree
+from ..core.state import TrainState
+from ..measure.timing import StepTimes
+from ..strategies.base import Strategy
+from .checkpoint import Checkpoints
+
+
+@dataclass(frozen=True)
+class RunInfo:
+    """What a run is, told to callbacks before its first step."""
+
+    strategy: str
+    devices: int
+    steps: int | None  # None when the batches are an open-ended iterator
+    simulated: bool
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """One finished step: its metrics as floats and its wall-clock time."""
+
+    step: int  # 1-based
+    metrics: dict[str, float]
+    seconds: float
+    compiled: bool  # True for the first step, which includes tracing and compiling
+
+    @property
+    def loss(self) -> float:
+        return self.metrics["loss"]
+
+
+@dataclass
+class History:
+    """Everything ``fit`` recorded, step by step."""
+
+    records: list[StepRecord] = field(default_factory=list)
+    batch_size: int = 0
+
+    def metric(self, name: str) -> np.ndarray:
+        return np.array([r.metrics[name] for r in self.records])
+
+    @property
+    def losses(self) -> np.ndarray:
+        return self.metric("loss")
+
+    @property
+    def times(self) -> StepTimes:
+        if not self.records:
+            raise ValueError("No step has run yet.")
+        seconds = [r.seconds for r in self.records]
+        return StepTimes(seconds[0], tuple(seconds[1:]), self.batch_size)
+
+
+class Callback:
+    """Hooks into ``fit``; override what you need. Keep them cheap: they run between steps.
+
+    An exception raised by a hook stops the run like one from the data: ``fit`` raises
+    it with the state of the last completed step attached as ``err.fit_result``.
+    """
+
+    def on_train_begin(self, info: RunInfo) -> None: ...
+
+    def on_step_end(self, record: StepRecord) -> None: ...
+
+    def on_train_error(self, history: History, error: Exception) -> None:
+        """The run stopped with ``error`` (raised once every callback has seen it)."""
+
+    def on_train_end(self, history: History, interrupted: bool) -> None: ...
+
+
+class NonFiniteLossError(FloatingPointError):
+    """The loss became NaN or infinite during :func:`fit` (turn the check off with ``check_finite=False``)."""
+
+
+class NonFiniteCheck(Callback):
+    """Stops the run with :class:`NonFiniteLossError` when a step's loss is NaN or infinite.
+
+    Args:
+      first: the step the run started from (a resumed run's), so the message names the run's step.
+    """
+
+    def __init__(self, first: int = 0):
+        self.first = first
+
+    def on_step_end(self, record: StepRecord) -> None:
+        if not math.isfinite(record.loss):
+            raise NonFiniteLossError(
+                f"The loss became {record.loss} at step {self.first + record.step} of the run. Lower the learning "
+                "rate, check the data for NaN or infinite values, or pass check_finite=False to keep going."
+            )
+
+
+class Checkpointing(Callback):
+    """Saves the run's state every ``ckpt.every`` steps, after its last step, and when it stops with an error.
+
+    Saving happens after the step's clock is read, so it is not in the step's time. A
+    run stopped by :class:`NonFiniteLossError` is not saved again: its state is what went wrong.
+
+    Args:
+      ckpt: where to save.
+      strategy: the strategy that placed the state.
+      state: returns the state of the last completed step (``fit`` rebinds it every step).
+      first: the state's step when the run began.
+      consumed: how many batches earlier runs had consumed (a resumed run's).
+      saved: the newest step already checkpointed, if any.
+    """
+
+    def __init__(
+        self,
+        ckpt: Checkpoints,
+        strategy: Strategy,
+        state: Callable[[], TrainState],
+        *,
+        first: int = 0,
+        consumed: int = 0,
+        saved: int | None = None,
+    ):
+        self.ckpt, self.strategy, self.state = ckpt, strategy, state
+        self.first, self.consumed, self.saved = first, consumed, saved
+
+    def _save(self, done: int, force: bool) -> None:
+        """Save the state after ``done`` steps of this run, unless that step is saved already."""
+        if self.saved != self.first + done:
+            self.ckpt.save(self.state(), self.strategy, batches=self.consumed + done, force=force)
+            self.saved = self.first + done
+
+    def on_step_end(self, record: StepRecord) -> None:
+        if self.ckpt.should_save(self.first + record.step):
+            self._save(record.step, force=False)
+
+    def on_train_error(self, history: History, error: Exception) -> None:
+        if not isinstance(error, NonFiniteLossError):
+            self._save(len(history.records), force=True)
+        if self.saved:
+            error.add_note(f"The newest checkpoint is step {self.saved} in {self.ckpt.directory}.")
+
+    def on_train_end(self, history: History, interrupted: bool) -> None:
+        self._save(len(history.records), force=True)  # the final state too, whatever its step
+
+
+def restore_or_check(
+    ckpt: Checkpoints,
+    resume: bool,
+    strategy: Strategy,
+    params: PyTree,
+    tx: optax.GradientTransformation,
+    model_state: PyTree = None,
+    rng: int | jax.Array | None = None,
+) -> tuple[TrainState, int, int] | None:
+    """With ``resume``: (restored state, batches it had consumed, its step). Without: None, if the directory is new.
+
+    Raises:
+      ValueError: the strategy cannot be checkpointed, or, without ``resume``, the
+        directory already holds another run's checkpoints.
+      FileNotFoundError: ``resume`` but the directory holds no checkpoint.
+    """
+    if refusal := strategy.checkpoint_refusal():
+        raise ValueError(refusal)
+    if not resume:
+        if ckpt.steps():
+            raise ValueError(
+                f"{ckpt.directory} already holds checkpoints (steps {ckpt.steps()}) of an earlier run. "
+                "Pass resume=True to continue that run, or give an empty checkpoint_dir for a new one."
+            )
+        return None
+    if ckpt.latest_step() is None:
+        raise FileNotFoundError(
+            f"resume=True, but {ckpt.directory} holds no checkpoint yet. Start the run without resume "
+            f"(it saves every {ckpt.every} steps), or point checkpoint_dir at the interrupted run's."
+        )
+    restored = ckpt.restore(strategy, params, tx, model_state=model_state, rng=rng)
+    return restored.state, restored.batches, restored.step

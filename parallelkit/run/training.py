@@ -1,0 +1,267 @@
+"""``fit``: a small training loop over any strategy; what it does besides stepping, callbacks do.
+
+Conceptually, ``fit`` is::
+
+    state = strategy.init(params, tx)
+    step = strategy.step(loss_fn)
+    for batch in batches:
+        state, metrics = step(state, batch)
+        for cb in callbacks:
+            cb.on_step_end(record)  # the step's metrics and time, read after the work is done
+
+The loop itself times each step (the compiling first step kept apart) and, when
+asked (``prefetch=2``), has a background thread place the next batches on the
+devices while a step runs (:func:`parallelkit.run.prefetch`). The rest are callbacks
+(:mod:`parallelkit.run.callbacks`): the non-finite-loss check, checkpoints, and the
+live views that dashboards hang on.
+
+Resuming after a crash. With ``checkpoint_dir``, ``fit`` saves the state every
+``checkpoint_every`` steps and at the end. ``fit(..., resume=True)`` restores the
+newest checkpoint and continues. The data contract that makes the resumed run end
+with exactly the parameters of an uninterrupted one: pass the *same* batches as the
+interrupted run, from its beginning (a deterministic iterator such as
+``pk.data.batches(dataset, size, steps=N, seed=0)`` made anew), and the same
+``steps``; ``fit`` skips the batches already trained on (the checkpoint records how
+many) and ``steps`` still counts from the start of the run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import signal
+import threading
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from itertools import islice
+from pathlib import Path
+
+import jax
+import optax
+
+from ..core.contract import Batch, LossFn, PyTree, batch_size
+from ..core.devices import device_summary
+from ..core.state import TrainState
+from ..core.step import DONATED_STATE, Placed, is_deleted
+from ..strategies.base import Strategy
+from .callbacks import (
+    Callback,
+    Checkpointing,
+    History,
+    NonFiniteCheck,
+    NonFiniteLossError,
+    RunInfo,
+    StepRecord,
+    restore_or_check,
+)
+from .checkpoint import Checkpoints, host_step
+from .prefetch import prefetch as prefetch_batches
+
+__all__ = ["Callback", "FitResult", "History", "NonFiniteLossError", "RunInfo", "StepRecord", "fit"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class FitResult:
+    """The final (placed) state, what was recorded, and whether the run was interrupted."""
+
+    state: TrainState
+    history: History
+    strategy: Strategy
+    interrupted: bool = False
+    resumed_from: int | None = None  # the checkpointed step this run continued from
+
+    @property
+    def params(self) -> PyTree:
+        """One host copy of the trained parameters."""
+        return self.strategy.unreplicate(self.state.params)
+
+
+def fit(
+    strategy: Strategy,
+    loss_fn: LossFn,
+    params: PyTree,
+    tx: optax.GradientTransformation,
+    batches: Iterable[Batch],
+    *,
+    steps: int | None = None,
+    callbacks: Sequence[Callback] = (),
+    state: TrainState | None = None,
+    checkpoint_dir: str | Path | None = None,
+    checkpoint_every: int = 100,
+    checkpoint_keep: int | None = 3,
+    resume: bool = False,
+    check_finite: bool = True,
+    model_state: PyTree = None,
+    rng: int | jax.Array | None = None,
+    prefetch: int = 0,
+) -> FitResult:
+    """Train ``params`` with ``strategy`` on global ``batches``; record loss, metrics and timing.
+
+    Args:
+      strategy: any parallelkit strategy.
+      loss_fn: ``loss_fn(params, batch) -> loss`` or ``(loss, dict of scalar metrics)``.
+      params, tx: initial parameters and the Optax optimizer.
+      batches: global batches (dicts of host arrays); the strategy splits them. When
+        resuming, the same batches as the interrupted run, from its start.
+      steps: stop after this many steps of the run, counted from its start (default:
+        when ``batches`` ends).
+      callbacks: :class:`Callback` objects, told of every step after ``fit``'s own check and
+        checkpoint (:mod:`parallelkit.run.callbacks`).
+      state: continue from this placed state instead of ``strategy.init(params, tx)``.
+      checkpoint_dir: save checkpoints here (see :mod:`parallelkit.run.checkpoint`); on a
+        cluster, a directory every process sees.
+      checkpoint_every: save every this many steps (and always after the last one).
+      checkpoint_keep: how many checkpoints to keep (``None``: all).
+      resume: restore the newest checkpoint in ``checkpoint_dir`` onto ``strategy``
+        and continue from it, skipping the batches it had consumed.
+      check_finite: stop with :class:`NonFiniteLossError` when the loss becomes NaN or infinite.
+      model_state, rng: mutable model state (BatchNorm statistics) and a PRNG seed or key
+        (dropout) for the state, as for ``strategy.init``; ``loss_fn`` then receives them
+        (see :class:`parallelkit.TrainState`).
+      prefetch: how many batches a background thread places on the devices ahead of
+        the step that needs them (:func:`parallelkit.run.prefetch`), so that copying a batch
+        overlaps the step before it and is not in the step's time; 0 (the default)
+        places each batch inside its step. Off by default because the one measurement
+        here, on a 2-core CPU, found it slower (``benchmarks/prefetch.py``: the copy is a
+        fraction of a millisecond and the thread competes with the step for the cores).
+        On a GPU try 2: Flax's ``flax.jax_utils.prefetch_to_device`` documentation
+        recommends 2 there, to overlap a step on the GPU with the next batch's copy; this
+        project has not measured it.
+
+    Returns:
+      A :class:`FitResult`. Interrupting the kernel (KeyboardInterrupt) ends the run
+      early and returns what was trained so far with ``interrupted=True``, so no
+      work is lost (and saves a checkpoint of it, with ``checkpoint_dir``). The
+      interrupt is held back while a step is being dispatched, so the state returned
+      is always the complete result of the last step.
+
+    An exception from a callback or from the data ends the run too: it is raised as
+    it was, with the state of the last completed step checkpointed (with
+    ``checkpoint_dir``) and attached as ``err.fit_result`` (a :class:`FitResult`).
+
+    The ``state`` passed in is consumed: its buffers are donated to the first step.
+    Continue from ``result.state``; passing a consumed state again is a ``ValueError``.
+
+    Raises:
+      ValueError: ``resume`` without ``checkpoint_dir`` or together with ``state``;
+        ``batches`` shorter than what the checkpoint had consumed; or, without
+        ``resume``, a ``checkpoint_dir`` that already holds another run's checkpoints.
+      FileNotFoundError: ``resume=True`` but ``checkpoint_dir`` holds no checkpoint.
+      NonFiniteLossError: the loss became NaN or infinite (the message names the step).
+    """
+    _check_resume(resume, checkpoint_dir, state)
+    ckpt = Checkpoints(checkpoint_dir, every=checkpoint_every, keep=checkpoint_keep) if checkpoint_dir else None
+    with ckpt or contextlib.nullcontext():  # closed also on a crash: what was saved stays saved
+        restored = restore_or_check(ckpt, resume, strategy, params, tx, model_state, rng) if ckpt else None
+        state, consumed, resumed_from = (state, 0, None) if restored is None else restored
+        batches, total = _remaining(batches, steps, consumed)
+        if state is not None and any(is_deleted(x) for x in jax.tree.leaves(state)):
+            raise ValueError(f"fit(state=...): {DONATED_STATE}")
+        info = RunInfo(repr(strategy), len(strategy.devices), total, device_summary().simulated)
+        state = strategy.init(params, tx, model_state=model_state, rng=rng) if state is None else state
+        step, history = strategy.step(loss_fn), History()
+        first = host_step(strategy, state) if ckpt else 0
+        hooks = [NonFiniteCheck(first)] if check_finite else []
+        if ckpt:  # reads `state` as the loop rebinds it
+            hooks.append(
+                Checkpointing(ckpt, strategy, lambda: state, first=first, consumed=consumed, saved=resumed_from)
+            )
+        hooks += callbacks
+        feed = prefetch_batches(batches, strategy, prefetch) if prefetch else iter(batches)
+        interrupted, pending = False, None  # pending: the step whose state is bound but not yet recorded
+        try:
+            for cb in hooks:
+                cb.on_train_begin(info)
+            for i, batch in enumerate(feed, start=1):
+                start = time.perf_counter()
+                with _interrupts_deferred():  # between the old state's donation and the new one's binding
+                    state, metrics = step(state, batch)
+                    pending = (i, start, metrics, batch.size if isinstance(batch, Placed) else batch_size(batch))
+                record, pending = _record(pending, state, history), None
+                for cb in hooks:
+                    cb.on_step_end(record)
+        except KeyboardInterrupt:
+            interrupted = True
+            if pending is not None:  # interrupted while waiting for a step: its state is the one we hold
+                _record(pending, state, history)
+            log.warning("fit interrupted after %d steps; returning the state so far.", len(history.records))
+        except Exception as err:
+            # The state of the last completed step is intact (the step rebinds it at once): hand it over with the error.
+            if pending is not None:
+                with contextlib.suppress(Exception):  # a step that failed on the device leaves nothing to keep
+                    _record(pending, state, history)
+            err.fit_result = FitResult(state, history, strategy, True, resumed_from)
+            err.add_note(
+                f"pk.fit stopped after {len(history.records)} completed steps; the state after the last one is in "
+                "this exception's `fit_result` attribute."
+            )
+            for cb in hooks:
+                cb.on_train_error(history, err)
+            raise
+        finally:  # the prefetching thread ends, also on a crash
+            if prefetch:
+                feed.close()
+        for cb in hooks:
+            cb.on_train_end(history, interrupted)
+    return FitResult(state, history, strategy, interrupted, resumed_from)
+
+
+def _check_resume(resume: bool, checkpoint_dir: str | Path | None, state: TrainState | None) -> None:
+    if resume and checkpoint_dir is None:
+        raise ValueError(
+            "resume=True needs checkpoint_dir: the directory the interrupted run saved its checkpoints to."
+        )
+    if resume and state is not None:
+        raise ValueError("Give state or resume=True, not both: resuming restores the state from checkpoint_dir.")
+
+
+def _record(pending: tuple, state: TrainState, history: History) -> StepRecord:
+    """Wait for the dispatched step, then record it: its state is the run's state from here on."""
+    i, start, metrics, size = pending
+    jax.block_until_ready((state, metrics))
+    record = StepRecord(i, {k: float(v) for k, v in metrics.items()}, time.perf_counter() - start, i == 1)
+    history.batch_size = size
+    history.records.append(record)
+    return record
+
+
+@contextlib.contextmanager
+def _interrupts_deferred():
+    """Hold back a KeyboardInterrupt (SIGINT) until the block ends, then raise it.
+
+    Around the step call: an interrupt between the step consuming the old state and
+    the new state being bound would leave nothing usable. Dispatch is quick, so the
+    interrupt is late by milliseconds (by the compile time on the first step).
+    Signal handlers belong to the main thread; elsewhere nothing changes.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    caught: list[int] = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: caught.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if caught:
+        raise KeyboardInterrupt
+
+
+def _remaining(batches: Iterable[Batch], steps: int | None, consumed: int) -> tuple[Iterable[Batch], int | None]:
+    """The batches still to train on (skipping the ``consumed`` ones), and how many there are if known."""
+    known = len(batches) if hasattr(batches, "__len__") else None
+    if consumed:
+        batches = iter(batches)
+        skipped = sum(1 for _ in islice(batches, consumed))
+        if skipped < consumed:
+            raise ValueError(
+                f"The checkpoint was saved after {consumed} batches, but the batches given end after {skipped}. "
+                "Pass the same batches as the interrupted run, from its start: fit skips those already trained on."
+            )
+    if steps is not None:
+        left = max(steps - consumed, 0)
+        return islice(batches, left), left if known is None else min(left, known - consumed)
+    return batches, None if known is None else known - consumed

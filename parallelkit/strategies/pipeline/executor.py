@@ -1,0 +1,158 @@
+"""Run a schedule for real: one host thread per stage, each working through its own passes in order.
+
+A stage's thread takes its next pass from the schedule, waits until the pass it depends
+on (the forward pass above, the backward pass below) has handed over its output, runs
+it, blocks until the device has finished, and hands its own output on. The times around
+each pass are recorded as :class:`~parallelkit.strategies.pipeline.schedules.Slot` rows: a measured
+timeline in seconds from the start of the step, drawn and checked like a computed one.
+
+After every pass the timeline also keeps two figures about memory, which are different
+things: the executor's own count of the activations it keeps for the backward passes
+(the stash: bookkeeping of the arrays it holds, not a reading of device memory), and,
+where the backend reports it, the device's own bytes in use (``jax.Device.memory_stats()``:
+GPUs and TPUs do; the CPU backend reports nothing, so on simulated devices there is no
+such reading).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import jax
+
+from .schedules import Slot, _depends_on, bubble_fraction, peak_in_flight, stage_orders
+
+# task(kind, stage, microbatch, received) -> what the next pass needs; returns once the device is done.
+Task = Callable[[str, int, int, Any], Any]
+
+
+@dataclass
+class Timeline:
+    """What one executed step did: every pass's start and end, and the activations each stage held.
+
+    Attributes:
+      slots: one measured :class:`~parallelkit.strategies.pipeline.schedules.Slot` per pass, in seconds from
+        the step's start (``start``: the pass's inputs were there and its stage was free;
+        ``end``: its outputs were computed and sent).
+      stashed: ``(time, stage, bytes)`` after every pass: the bytes of the activations the
+        executor keeps for the stage's backward passes, on each of the stage's devices. This
+        is bookkeeping (the sizes of the arrays in its stash, added up), not a reading of
+        device memory.
+      in_use: ``(time, stage, bytes)`` after every pass: the bytes in use on the stage's
+        first device, as the device reports them (``memory_stats()["bytes_in_use"]``: all of
+        its arrays, parameters and gradients included). Empty where the backend reports no
+        memory statistics, as the CPU backend does.
+      moved: ``(what, stage, microbatch, bytes)`` for every array handed to a stage's devices:
+        ``what`` is ``"batch"`` (the microbatch, to the first and last stage), ``"activations"``
+        (from the stage above) or ``"gradients"`` (from the stage below); ``bytes`` are those
+        of the array as placed, on each receiving device. Recorded by the caller's task:
+        :func:`execute` leaves it empty.
+    """
+
+    slots: list[Slot] = field(default_factory=list)
+    stashed: list[tuple[float, int, int]] = field(default_factory=list)
+    in_use: list[tuple[float, int, int]] = field(default_factory=list)
+    moved: list[tuple[str, int, int, int]] = field(default_factory=list)
+
+    def orders(self) -> list[list[tuple[str, int]]]:
+        """Per stage, the passes in the order they ran (compare with :func:`~.schedules.stage_orders`)."""
+        return stage_orders(self.slots)
+
+    def bubble_fraction(self) -> float:
+        """The measured share of stage-time spent idle (see :func:`.schedules.bubble_fraction`)."""
+        return bubble_fraction(self.slots)
+
+    def peak_in_flight(self) -> dict[int, int]:
+        """Per stage, the most microbatches between their forward and backward pass, from the recorded ends."""
+        return peak_in_flight(self.slots)
+
+    def peak_stashed_bytes(self) -> dict[int, int]:
+        """Per stage, the most bytes of activations the executor's stash kept at once (per device; bookkeeping)."""
+        return _peaks(self.stashed)
+
+    def peak_in_use_bytes(self) -> dict[int, int] | None:
+        """Per stage, the most bytes in use its first device reported after a pass; None where none are reported."""
+        return _peaks(self.in_use) if self.in_use else None
+
+
+def _peaks(rows: Sequence[tuple[float, int, int]]) -> dict[int, int]:
+    peaks: dict[int, int] = {}
+    for _, stage, nbytes in rows:
+        peaks[stage] = max(peaks.get(stage, 0), nbytes)
+    return dict(sorted(peaks.items()))
+
+
+def device_bytes_in_use(device: jax.Device) -> int | None:
+    """The bytes in use on ``device`` as its backend reports them; None where it reports none (the CPU backend)."""
+    stats = device.memory_stats()
+    return None if not stats or "bytes_in_use" not in stats else int(stats["bytes_in_use"])
+
+
+def execute(
+    orders: Sequence[Sequence[tuple[str, int]]],
+    task: Task,
+    stashed_bytes: Callable[[int], int],
+    devices: Sequence[jax.Device] | None = None,
+) -> Timeline:
+    """Run every stage's passes in its given order, one thread per stage; return the timeline.
+
+    Args:
+      orders: per stage, ``(kind, microbatch)`` in the order to run (from
+        :func:`~.schedules.stage_orders`).
+      task: runs one pass and blocks until it is done; it receives what the pass it depends
+        on returned (None for a first-stage forward pass) and returns what to hand on.
+      stashed_bytes: ``stashed_bytes(stage)``, the bytes the stage's stash keeps after a pass,
+        for :attr:`Timeline.stashed`.
+      devices: each stage's first device, whose own memory reading goes into
+        :attr:`Timeline.in_use` after every pass (where its backend reports one).
+
+    Raises:
+      Whatever a pass raised: the other stages stop at their next wait instead of hanging.
+    """
+    stages = len(orders)
+    # Each hand-over is a box emptied by its reader, so no array outlives its use here.
+    handed: dict[tuple[str, int, int], Future] = {
+        (kind, s, m): Future() for s, order in enumerate(orders) for kind, m in order
+    }
+    timeline = Timeline()
+    start_of_step = time.perf_counter()
+    failures: list[BaseException] = []  # in the order they happened: the first is the step's error
+
+    def run_stage(stage: int) -> None:
+        try:
+            for kind, microbatch in orders[stage]:
+                after = _depends_on(kind, stage, microbatch, stages)
+                received = None if after is None else handed[after].result().pop()
+                start = time.perf_counter() - start_of_step
+                out = task(kind, stage, microbatch, received)
+                end = time.perf_counter() - start_of_step
+                timeline.slots.append(Slot(stage, microbatch, start, end, kind))  # list.append is thread-safe
+                timeline.stashed.append((end, stage, stashed_bytes(stage)))
+                if devices is not None and (in_use := device_bytes_in_use(devices[stage])) is not None:
+                    timeline.in_use.append((end, stage, in_use))
+                try:
+                    handed[kind, stage, microbatch].set_result([out])
+                except InvalidStateError:  # another stage failed and closed every box: stop here
+                    return
+        except BaseException as err:
+            failures.append(err)
+            for box in list(handed.values()):  # wake every stage waiting on a pass that will never come
+                try:
+                    box.set_exception(err)
+                except InvalidStateError:  # already handed over
+                    pass
+            raise
+
+    with ThreadPoolExecutor(stages, thread_name_prefix="pipeline-stage") as pool:
+        for run in [pool.submit(run_stage, s) for s in range(stages)]:
+            run.exception()  # wait; a stage's error is in failures
+    if failures:  # the first failure; the stages that waited on it received the same error
+        raise failures[0]
+    timeline.slots.sort(key=lambda s: s.start)
+    timeline.stashed.sort()
+    timeline.in_use.sort()
+    return timeline

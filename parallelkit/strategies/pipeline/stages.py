@@ -1,0 +1,137 @@
+"""A model as a list of layers, cut into stages, and the three compiled programs of one stage.
+
+A layer is ``apply(params, x) -> y``; the first receives the batch as given (so it picks
+its own inputs, e.g. ``batch["x"]``), each later one the previous output, and
+``head_loss(output, batch)`` turns the last output into the loss. A stage is a run of
+neighbouring layers. Its programs are compiled once per stage and shared by every
+schedule: a schedule changes only the order in which they are called.
+
+- :func:`forward`: the stage's layers on one microbatch (the last stage ends with the loss);
+- :func:`backward`: the same layers again under :func:`jax.vjp`, adding the parameter
+  gradients of one microbatch to the stage's running sum and returning the gradient for
+  the stage below. The forward pass is recomputed here from the stage's input, so
+  between its forward and backward pass a microbatch costs its stage only that input
+  (GPipe's re-materialisation, Huang et al. 2019);
+- :func:`update`: one optimizer update of the stage's own parameters (and :func:`next_step`,
+  the step counter).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from functools import partial
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from ...core.contract import Batch, PyTree, _loss_with_aux
+
+Layer = Callable[[PyTree, Any], Any]
+HeadLoss = Callable[[Any, Batch], Any]  # -> loss, or (loss, aux dict)
+
+
+def sequential_loss(layers: Sequence[Layer], head_loss: HeadLoss) -> Callable[[list, Batch], Any]:
+    """The single-device ``loss_fn(params, batch)`` of a layer list: every layer in turn, then ``head_loss``.
+
+    ``params`` is the list of per-layer parameters. This is what :class:`~parallelkit.Pipeline`
+    computes, spread over stages; give it to :class:`~parallelkit.SingleDevice` (or any
+    other strategy) to train the same model without a pipeline.
+
+    >>> loss_fn = sequential_loss([lambda p, b: b["x"] * p, lambda p, x: x + p], lambda y, b: (y - b["y"]) ** 2)
+    >>> float(loss_fn([2.0, 1.0], {"x": 3.0, "y": 4.0}))
+    9.0
+    """
+    layers = tuple(layers)
+
+    def loss_fn(params: list, batch: Batch):
+        return head_loss(run_layers(layers, params, batch), batch)
+
+    return loss_fn
+
+
+def run_layers(layers: Sequence[Layer], params: Sequence[PyTree], x: Any) -> Any:
+    """``x`` through each layer in turn."""
+    for apply, layer_params in zip(layers, params, strict=True):
+        x = apply(layer_params, x)
+    return x
+
+
+def split_layers(num_layers: int, stages: int, layers_per_stage: Sequence[int] | None = None) -> list[range]:
+    """Which layers each stage runs: ``layers_per_stage`` if given, else as even as possible (earlier stages first).
+
+    >>> split_layers(5, 2)
+    [range(0, 3), range(3, 5)]
+
+    Raises:
+      ValueError: more stages than layers, or ``layers_per_stage`` that does not cover every
+        layer with ``stages`` counts of at least 1.
+    """
+    if stages > num_layers:
+        raise ValueError(
+            f"A pipeline of {stages} stages needs at least {stages} layers, but the model has {num_layers}. "
+            f"Use at most {num_layers} stages, or split the model into more layers."
+        )
+    if layers_per_stage is None:
+        layers_per_stage = [num_layers // stages + (s < num_layers % stages) for s in range(stages)]
+    counts = list(layers_per_stage)
+    if len(counts) != stages or sum(counts) != num_layers or min(counts) < 1:
+        raise ValueError(
+            f"layers_per_stage={counts} must give each of the {stages} stages at least one layer "
+            f"and add up to the model's {num_layers} layers."
+        )
+    bounds = [sum(counts[:s]) for s in range(stages + 1)]
+    return [range(a, b) for a, b in zip(bounds, bounds[1:], strict=False)]
+
+
+def _stage_output(layers, head_loss, first, last, params, x, batch):
+    """The stage's layers on its input (the batch on the first stage); on the last stage, ``(loss, (aux, _))``."""
+    y = run_layers(layers, params, batch if first else x)
+    return _loss_with_aux(head_loss)(y, batch) if last else y
+
+
+_STATIC = ("layers", "head_loss", "first", "last")
+
+
+@partial(jax.jit, static_argnames=_STATIC)
+def forward(params, x, batch, *, layers, head_loss, first, last):
+    """One microbatch through the stage: its output for the next stage, or ``(loss, aux)`` on the last."""
+    out = _stage_output(layers, head_loss, first, last, params, x, batch)
+    return (out[0], out[1][0]) if last else out
+
+
+@partial(jax.jit, static_argnames=_STATIC, donate_argnames=("grads",))
+def backward(params, x, batch, cotangent, grads, *, layers, head_loss, first, last):
+    """Recompute the stage's forward pass under ``jax.vjp``; return ``(grads + this microbatch's, input gradient)``.
+
+    ``cotangent`` is the gradient of the step's loss with respect to the stage's output:
+    from the stage below, or on the last stage ``1 / microbatches`` (the step's loss is the
+    mean of the microbatches' losses). The first stage returns no input gradient (its
+    input is the batch).
+    """
+
+    def output(p, inputs):
+        out = _stage_output(layers, head_loss, first, last, p, inputs, batch)
+        return out[0] if last else out
+
+    if first:
+        _, pullback = jax.vjp(lambda p: output(p, None), params)
+        (param_grads,), input_grad = pullback(cotangent), None
+    else:
+        _, pullback = jax.vjp(output, params, x)
+        param_grads, input_grad = pullback(cotangent)
+    return jax.tree.map(jnp.add, grads, param_grads), input_grad
+
+
+@partial(jax.jit, donate_argnums=0)
+def next_step(step: jax.Array) -> jax.Array:
+    """The step counter plus one; the old counter is donated, which marks the old state as consumed."""
+    return step + 1
+
+
+@partial(jax.jit, static_argnames=("tx",), donate_argnames=("params", "opt_state"))
+def update(params, opt_state, grads, *, tx: optax.GradientTransformation):
+    """One optimizer update of a stage's parameters from its summed gradients."""
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state

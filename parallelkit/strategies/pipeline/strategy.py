@@ -1,0 +1,479 @@
+"""``pk.Pipeline``: the layers cut into stages on their own devices, the batch into microbatches."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from functools import cached_property, lru_cache, partial
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from ...core.axes import DATA
+from ...core.contract import Batch, PyTree, batch_size, guard_inputs
+from ...core.devices import DeviceCountError, first_devices
+from ...core.mesh import is_count, make_mesh
+from ...core.state import TrainState, check_same_tree
+from ...core.step import Step
+from ...measure.inspect import Collective, parse_collectives
+from ...measure.traffic import D2D, H2D, Flow, StepTraffic, bus_bytes, per_replica_bytes
+from ..base import Strategy
+from ..split_update import check_update_splits
+from . import schedules
+from . import stages as programs
+from .executor import Timeline, execute
+from .stages import HeadLoss, Layer, split_layers
+
+SCHEDULES: dict[str, Callable[[int, int], list[schedules.Slot]]] = {
+    "gpipe": schedules.gpipe_schedule,
+    "1f1b": schedules.one_f_one_b_schedule,
+}
+
+
+class Pipeline(Strategy):
+    """Pipeline parallelism: stage ``s`` runs its run of layers on its own devices, microbatch by microbatch.
+
+    Conceptually, one step on a global batch cut into ``m`` microbatches::
+
+        for each (stage, microbatch, forward or backward) in the schedule's order:
+            forward:  x = stage's layers(x received from the stage above); send x below
+            backward: grads[stage] += d loss / d params; send d loss / d x above
+        each stage: params[stage] = optimizer update(grads[stage])    # one update per step
+
+    which equals the single-device step on :func:`~parallelkit.strategies.pipeline.sequential_loss`
+    (the loss of a step is the mean of its microbatches' losses). Each stage's parameters
+    and optimizer state live on its own devices only; activations and their gradients
+    are copied between the stages' devices. ``schedule`` decides only the order:
+    ``"gpipe"`` runs every forward pass, then every backward pass; ``"1f1b"`` alternates
+    them, so a stage holds the inputs of at most ``stages - stage`` microbatches instead
+    of all ``m``. With ``data > 1`` each stage is a group of ``data`` devices that split
+    every microbatch, their gradients all-reduced inside the stage's backward program.
+
+    What a pipeline here does not do, each refused with an error that says so:
+
+    - the optimizer runs stage by stage on that stage's parameters, which equals one update
+      of all of them for optimizers whose update of a parameter needs nothing from another
+      stage (SGD, momentum, Adam, AdamW; LAMB and LARS too, their norms being per parameter),
+      but not for ``optax.clip_by_global_norm``, which would clip each stage by its own norm:
+      :meth:`init` probes the optimizer and refuses it
+      (:func:`~parallelkit.strategies.split_update.check_update_splits`);
+    - no dropout key and no mutable model state (BatchNorm statistics): a layer is
+      ``apply(params, x) -> y``, so :meth:`init` refuses ``rng`` and ``model_state``, and
+      :func:`~parallelkit.models.as_layers` gives the kit's transformer without dropout;
+    - no single compiled program: :meth:`PipelineStep.lower` and the compiler's memory
+      analysis have nothing to read, while :meth:`traffic` measures the arrays one step
+      hands between stages.
+
+    Args:
+      layers: ``[apply_0, ..., apply_{L-1}]``, each ``apply_i(params_i, x) -> y``; the first
+        receives the (micro)batch as given, each later one the previous output.
+        :func:`parallelkit.models.as_layers` gives the kit's MLP and transformer in this form.
+      stages: how many stages (groups of devices) the layers are cut into, at most ``L``.
+      microbatches: how many microbatches the global batch is cut into; it must divide the batch.
+      schedule: ``"gpipe"``, ``"1f1b"``, or a function ``(stages, microbatches) -> list[Slot]``.
+      data: devices per stage that split each microbatch (data parallelism on a second axis).
+      layers_per_stage: how many layers each stage runs (as even as possible by default).
+      devices: ``stages x data`` devices; the first ``stages x data`` by default. Stage ``s``
+        gets the ``stage = s`` column of the ``data x stage`` mesh.
+
+    Raises:
+      ValueError: counts below 1, an unknown schedule, more stages than layers.
+      DeviceCountError: devices that are not ``stages x data`` in number.
+
+    Warns:
+      DeviceSubsetWarning: without ``devices``, when ``stages x data`` is fewer than all the devices.
+    """
+
+    def __init__(
+        self,
+        layers: Sequence[Layer],
+        stages: int,
+        microbatches: int = 1,
+        schedule: str | Callable[[int, int], list[schedules.Slot]] = "gpipe",
+        *,
+        data: int = 1,
+        layers_per_stage: Sequence[int] | None = None,
+        devices: Sequence[jax.Device] | None = None,
+    ):
+        for name, size in (("stages", stages), ("microbatches", microbatches), ("data", data)):
+            if not is_count(size):
+                raise ValueError(f"Pipeline({name}={size!r}): it must be a whole number >= 1.")
+        if not callable(schedule) and schedule not in SCHEDULES:
+            raise ValueError(f"Unknown schedule {schedule!r}: use one of {sorted(SCHEDULES)} or a schedule function.")
+        self.layers = tuple(layers)
+        self.stage_layers = split_layers(len(self.layers), stages, layers_per_stage)
+        # The first layer reads the batch: a batch it cannot read or fit raises a clear error.
+        self.layers = (_guarded(self.layers[0]), *self.layers[1:])
+        wanted = stages * data
+        if devices is not None and len(devices) != wanted:
+            raise DeviceCountError(
+                f"Pipeline(stages={stages}, data={data}) runs on stages x data = {wanted} devices, "
+                f"but {len(devices)} were given. Pass {wanted} devices (e.g. jax.devices()[:{wanted}]), "
+                "or change stages or data so that they multiply to the device count."
+            )
+        if devices is None:  # the first stages x data devices, with a warning if that leaves some idle
+            total = len(jax.devices())
+            every = f"data={total // stages}" if total % stages == 0 else f"stages x data = {total}"
+            devices = first_devices(wanted, f"Pipeline(stages={stages}, data={data})", every)
+        super().__init__(devices)
+        self.mesh = make_mesh(self.devices, data=data, stage=stages)
+        self.microbatches, self.data = microbatches, data
+        self.schedule_name = schedule if isinstance(schedule, str) else getattr(schedule, "__name__", "custom")
+        self.schedule = SCHEDULES[schedule] if isinstance(schedule, str) else schedule
+
+    @property
+    def stages(self) -> int:
+        return len(self.stage_layers)
+
+    @property
+    def num_replicas(self) -> int:
+        return self.data
+
+    @cached_property
+    def stage_meshes(self) -> list[Mesh]:
+        """Stage ``s``'s devices as a one-axis (``data``) mesh."""
+        return [Mesh(self.mesh.devices[:, s], (DATA,)) for s in range(self.stages)]
+
+    def stage_devices(self, stage: int) -> list[jax.Device]:
+        """Stage ``stage``'s devices (the ``stage`` column of the ``data x stage`` mesh)."""
+        return list(self.mesh.devices[:, stage])
+
+    def replicated(self, stage: int) -> NamedSharding:
+        """Where stage ``stage``'s parameters and optimizer state live: a full copy on each of its devices."""
+        return NamedSharding(self.stage_meshes[stage], P())
+
+    def split(self, stage: int) -> NamedSharding:
+        """Where stage ``stage``'s microbatches and activations live: split over its devices along the batch."""
+        return NamedSharding(self.stage_meshes[stage], P(DATA))
+
+    def planned(self) -> list[schedules.Slot]:
+        """The computed schedule this pipeline runs (in units of one forward pass), checked."""
+        plan = self.schedule(self.stages, self.microbatches)
+        schedules.check_schedule(plan)
+        return plan
+
+    def stage_params(self, params: Sequence[PyTree]) -> list[list[PyTree]]:
+        """The per-layer parameter list cut into per-stage lists."""
+        return [list(params[i] for i in layers) for layers in self.stage_layers]
+
+    @staticmethod
+    def layer_params(per_stage: Sequence[Sequence[PyTree]]) -> list[PyTree]:
+        """The per-stage lists joined back into the per-layer list (stages hold neighbouring layers, in order)."""
+        return [p for stage in per_stage for p in stage]
+
+    def init(
+        self,
+        params: Sequence[PyTree],
+        tx: optax.GradientTransformation,
+        opt_state: Sequence[PyTree] | None = None,
+        *,
+        model_state: PyTree = None,
+        rng: int | jax.Array | None = None,
+    ) -> TrainState:
+        """Place each stage's parameters and optimizer state on that stage's devices only.
+
+        Args:
+          params: the list of per-layer parameters, one entry per layer.
+          tx: the optimizer; each stage gets ``tx.init`` of its own parameters.
+          opt_state: a list of per-stage optimizer states (as this method builds, e.g. from
+            a checkpoint), checked and placed; built from ``tx`` when None.
+
+        Raises:
+          ValueError: ``params`` that is not one entry per layer, an ``opt_state`` that does not
+            fit, ``model_state`` / ``rng`` (which pipelines do not take), or an optimizer whose
+            update differs when run stage by stage (such as ``optax.clip_by_global_norm``).
+        """
+        if model_state is not None or rng is not None:
+            raise ValueError(
+                "Pipeline takes no model_state or rng: its layers are apply(params, x) -> y, without "
+                "BatchNorm statistics or dropout keys. Leave them out (pk.models.as_layers gives the kit's MLP, and "
+                "its transformer without dropout), or train a model that needs them with another strategy."
+            )
+        if not isinstance(params, Sequence) or len(params) != len(self.layers):
+            got = f"{len(params)} entries" if isinstance(params, Sequence) else type(params).__name__
+            raise ValueError(
+                f"Pipeline.init needs a list of per-layer parameters, one for each of the {len(self.layers)} "
+                f"layers, got {got}. pk.models.as_layers returns the layers and this list together."
+            )
+        check_update_splits(
+            tx, params, self.stage_params, self.layer_params, strategy=repr(self),
+            how=f"runs the optimizer on each of its {self.stages} stages separately",
+            layout=("pipeline", tuple((r.start, r.stop) for r in self.stage_layers)),
+            what_to_do="Use an optimizer that updates each parameter from its own gradient (optax.sgd, momentum, "
+            "adam, adamw), or train pk.pipeline.sequential_loss(layers, head_loss) with SingleDevice, Mirrored "
+            "or FullySharded, which update every parameter at once.",
+        )  # fmt: skip
+        per_stage = self.stage_params(params)
+        if opt_state is not None:
+            expected = [jax.eval_shape(tx.init, p) for p in per_stage]
+            check_same_tree(expected, list(opt_state), what="opt_state", against="[tx.init(stage params), ...]")
+        placed, opt_states = [], []
+        for s in range(self.stages):
+            where = self.replicated(s)
+            stage = _placed_copy(per_stage[s], where)
+            placed.append(stage)
+            if opt_state is None:
+                opt_states.append(jax.jit(tx.init, out_shardings=where)(stage))
+            else:
+                opt_states.append(_placed_copy(opt_state[s], where))
+        step = jax.device_put(jnp.zeros((), jnp.int32), self.replicated(0))
+        return TrainState(step=step, params=self.layer_params(placed), opt_state=opt_states, tx=tx)
+
+    def place_batch(self, batch: Batch) -> list[Batch]:
+        """The global batch as ``microbatches`` host slices (each stage places its own); a clear error if not."""
+        pipe, size = self, batch_size(batch)
+        if size % pipe.microbatches:
+            raise ValueError(
+                f"A batch of {size} examples does not split into {pipe.microbatches} equal microbatches. "
+                f"Use a batch size divisible by {pipe.microbatches}, or another microbatch count."
+            )
+        micro = size // pipe.microbatches
+        if micro % pipe.data:
+            raise ValueError(
+                f"A microbatch of {micro} examples does not split over the {pipe.data} devices of a stage. "
+                f"Use a batch size divisible by microbatches x data = {pipe.microbatches * pipe.data}."
+            )
+        return [jax.tree.map(lambda x, m=m: x[m * micro : (m + 1) * micro], batch) for m in range(pipe.microbatches)]
+
+    def step(self, head_loss: HeadLoss) -> PipelineStep:
+        """The training step for ``head_loss(output, batch) -> loss or (loss, aux)`` on the last layer's output."""
+        return PipelineStep(self, head_loss)
+
+    def traffic(self, loss_fn: HeadLoss, state: TrainState, batch: Batch) -> StepTraffic:
+        """The bytes one step moves, per replica: one device of each stage (a row of the ``data x stage`` mesh).
+
+        ``loss_fn`` is the ``head_loss`` the step takes. This runs every forward and backward
+        pass of one step, as :meth:`step` does, and measures the arrays handed to each stage's
+        devices; it neither updates nor changes ``state``. The formulas, for ``m``
+        microbatches, ``d`` devices per stage, a global batch of ``B`` bytes and ``A_s`` the
+        bytes of one microbatch's output of stage ``s`` (from :func:`jax.eval_shape` of its
+        layers, not from the run):
+
+        - host->device: the microbatches to the first stage (``B/d``) and again to the last,
+          which reads the labels (``B/d``);
+        - device<->device, at each boundary between stages ``s`` and ``s + 1``: the activations
+          down and their gradients up, ``m x A_s / d`` each, so ``2 x m x A_s / d`` in all;
+        - with ``d > 1``, the collectives each stage's programs run, read from their compiled
+          HLO and counted once per call (``m`` calls a step): the backward program all-reduces
+          each microbatch's parameter gradients (``m x P_s``, ``P_s`` the stage's parameter
+          bytes), and the last stage's forward program its loss and metrics (``m x M``).
+
+        Returns:
+          A :class:`~parallelkit.measure.traffic.StepTraffic`; ``print(traffic.table())`` shows it.
+        """
+        step = PipelineStep(self, loss_fn)
+        microbatches = self.place_batch(batch)
+        moved: dict[tuple[str, int], int] = {}
+        for what, stage, _, nbytes in step.passes(self.stage_params(state.params), microbatches)[2].moved:
+            moved[what, stage] = moved.get((what, stage), 0) + nbytes
+        m, d, last = self.microbatches, self.data, self.stages - 1
+        outputs = step.output_shapes(self.stage_params(state.params), microbatches[0])
+        metric_bytes = _nbytes(outputs[last])
+        total = sum(np.asarray(x).nbytes for x in jax.tree.leaves(batch))
+        flows = [Flow(H2D, "batch, to stage 0", moved["batch", 0], total / d, "B/d", "placed microbatches")]
+        if last > 0:
+            flows.append(Flow(H2D, f"batch, to stage {last} (labels)", moved["batch", last], total / d, "B/d",
+                              "placed microbatches"))  # fmt: skip
+        for s in range(last):
+            boundary = _nbytes(outputs[s]) / d
+            for what, to in (("activations", s + 1), ("gradients", s)):
+                arrow = f"{s} -> {s + 1}" if what == "activations" else f"{s + 1} -> {s}"
+                flows.append(Flow(D2D, f"{what}, stage {arrow}", moved[what, to], m * boundary, f"m x A_{s}/d",
+                                  "arrays handed over"))  # fmt: skip
+        found = step.stage_collectives(state, microbatches[0]) if d > 1 else []
+        flows += _collective_flows(found, m, metric_bytes, state, self)
+        every_call = [c for _, _, c in found for _ in range(m)]
+        return StepTraffic(repr(self), self.traffic_pattern, d, _nbytes(state.params), metric_bytes, tuple(flows),
+                           bus_bytes=bus_bytes(every_call))  # fmt: skip
+
+    traffic_pattern = "pipeline"
+
+    def expected_collectives(self, sizes) -> None:
+        return None
+
+    def __repr__(self) -> str:
+        data = f", data={self.data}" if self.data > 1 else ""
+        schedule = f"schedule={self.schedule_name!r}"
+        return f"Pipeline(stages={self.stages}, microbatches={self.microbatches}, {schedule}{data})"
+
+
+# One guarded function per layer function, so that pipelines of the same layers share compiled programs.
+_guarded = lru_cache(maxsize=256)(guard_inputs)
+
+
+def _nbytes(tree: Any) -> int:
+    """Bytes of every array (or shape) in ``tree``."""
+    return sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
+
+
+def _collective_flows(
+    found: Sequence[tuple[int, str, Collective]], m: int, metric_bytes: int, state: TrainState, pipe: Pipeline
+) -> list[Flow]:
+    """The stages' collectives as flows, ``m`` calls each: gradient all-reduces, the metrics', and any other."""
+    stage_params, last = pipe.stage_params(state.params), pipe.stages - 1
+    totals: dict[tuple[int, str, str], int] = {}
+    for s, kind, c in found:
+        totals[s, kind, c.op] = totals.get((s, kind, c.op), 0) + m * c.bytes
+    flows = []
+    for s in range(pipe.stages if found else 0):
+        measured = totals.pop((s, "backward", "all-reduce"), 0)
+        flows.append(Flow(D2D, f"gradients of stage {s} (all-reduce)", measured, m * _nbytes(stage_params[s]),
+                          f"m x P_{s}", "compiled HLO, x m calls"))  # fmt: skip
+    if found:
+        measured = totals.pop((last, "forward", "all-reduce"), 0)
+        flows.append(Flow(D2D, f"loss and metrics, stage {last} (all-reduce)", measured, m * metric_bytes, "m x M",
+                          "compiled HLO, x m calls"))  # fmt: skip
+    for (s, kind, op), measured in totals.items():
+        flows.append(Flow(D2D, f"other collectives, stage {s} {kind} ({op})", measured, 0, "0", "compiled HLO"))
+    return flows
+
+
+def _placed_copy(tree: PyTree, sharding: NamedSharding) -> PyTree:
+    """A copy of ``tree`` on ``sharding``, never sharing a buffer with the caller's arrays (the step donates it).
+
+    ``jax.device_put(..., may_alias=False)`` is not enough: replicating an array onto
+    several devices, its own among them, reuses its buffer there (JAX 0.10.2).
+    """
+    return jax.device_put(jax.tree.map(lambda x: jnp.array(x, copy=True), tree), sharding)
+
+
+class PipelineStep(Step):
+    """A pipeline's training step: ``state, metrics = step(state, batch)``, and the timeline it ran.
+
+    Each call runs the pipeline's schedule on the global batch (see :class:`Pipeline`),
+    one host thread per stage, and returns when every stage has updated its parameters;
+    ``timeline`` then holds what that call recorded (:class:`~parallelkit.strategies.pipeline.Timeline`).
+    The first call's timeline includes compiling the stages' programs.
+    """
+
+    def __init__(self, pipeline: Pipeline, head_loss: HeadLoss):
+        super().__init__(self._run, pipeline.place_batch, pipeline)
+        self.pipeline, self.head_loss = pipeline, head_loss
+        self.orders = schedules.stage_orders(pipeline.planned())
+        last = pipeline.stages - 1
+        # The static arguments of each stage's programs: its layers, and whether it is first or last.
+        self.statics = [
+            dict(layers=tuple(pipeline.layers[i] for i in layers), head_loss=head_loss, first=s == 0, last=s == last)
+            for s, layers in enumerate(pipeline.stage_layers)
+        ]
+        self.timeline: Timeline | None = None
+
+    def _run(self, state: TrainState, microbatches: list[Batch]) -> tuple[TrainState, dict[str, jax.Array]]:
+        pipe = self.pipeline
+        params = pipe.stage_params(state.params)
+        grads, outputs, self.timeline = self.passes(params, microbatches)
+        new_params, opt_states = zip(
+            *(programs.update(params[s], state.opt_state[s], grads[s], tx=state.tx) for s in range(pipe.stages)),
+            strict=True,
+        )
+        losses, auxes = zip(*outputs, strict=True)
+        metrics = {"loss": jnp.mean(jnp.stack(losses)), **jax.tree.map(lambda *v: jnp.mean(jnp.stack(v)), *auxes)}
+        # Donating the old step counter marks the old state as consumed, which Step checks on every call.
+        step = programs.next_step(state.step)
+        return state.replace(step=step, params=pipe.layer_params(new_params), opt_state=list(opt_states)), metrics
+
+    def passes(self, params: list[list[PyTree]], microbatches: list[Batch]) -> tuple[list, list[tuple], Timeline]:
+        """Every forward and backward pass of one step, in the schedule's order, without the update.
+
+        Args:
+          params: per stage, its parameters as placed (``pipeline.stage_params(state.params)``);
+            read, never donated.
+          microbatches: the host slices of :meth:`Pipeline.place_batch`.
+
+        Returns:
+          ``(grads, outputs, timeline)``: per stage, its gradients summed over the microbatches;
+          per microbatch, ``(loss, aux)`` from the last stage; and what the passes recorded.
+        """
+        pipe, statics = self.pipeline, self.statics
+        last = pipe.stages - 1
+        grads = [jax.tree.map(jnp.zeros_like, p) for p in params]
+        stash: list[dict[int, Any]] = [{} for _ in range(pipe.stages)]  # each stage's inputs kept for its backward
+        outputs: dict[int, tuple] = {}  # microbatch -> (loss, aux) on the last stage
+        moved: list[tuple[str, int, int, int]] = []
+        seed = jax.device_put(jnp.float32(1 / pipe.microbatches), pipe.replicated(last))
+
+        def send(what: str, tree: Any, stage: int, m: int) -> Any:
+            """``tree`` placed on ``stage``'s devices, split along the batch, and its bytes there recorded."""
+            placed = jax.device_put(tree, pipe.split(stage))
+            moved.append((what, stage, m, per_replica_bytes(placed, pipe.stage_devices(stage))))
+            return placed
+
+        def task(kind: str, stage: int, m: int, received: Any) -> Any:
+            ends = stage in (0, last)  # the first stage reads the batch, the last its labels
+            if kind == "forward":
+                batch = send("batch", microbatches[m], stage, m) if ends else None
+                stash[stage][m] = (received, batch)
+                out = programs.forward(params[stage], received, batch, **statics[stage])
+                if stage == last:
+                    outputs[m] = out
+                else:
+                    out = send("activations", out, stage + 1, m)  # activations move to the next stage
+            else:
+                x, batch = stash[stage].pop(m)
+                cotangent = seed if stage == last else received
+                grads[stage], out = programs.backward(
+                    params[stage], x, batch, cotangent, grads[stage], **statics[stage]
+                )
+                if stage > 0:
+                    out = send("gradients", out, stage - 1, m)  # gradients move back up
+            jax.block_until_ready((out, grads[stage]))
+            return out
+
+        def stashed_bytes(stage: int) -> int:
+            return per_replica_bytes(list(stash[stage].values()), pipe.stage_devices(stage))
+
+        watched = [pipe.stage_devices(s)[0] for s in range(pipe.stages)]  # whose own memory reading is kept
+        timeline = execute(self.orders, task, stashed_bytes, watched)
+        timeline.moved = sorted(moved)
+        return grads, [outputs[m] for m in range(pipe.microbatches)], timeline
+
+    def output_shapes(self, params: list[list[PyTree]], microbatch: Batch) -> list[Any]:
+        """Per stage, the shapes of its forward pass's output for one microbatch (``(loss, aux)`` on the last).
+
+        From :func:`jax.eval_shape`: nothing runs.
+        """
+        shapes, x = [], None
+        for s, statics in enumerate(self.statics):
+            batch = microbatch if s in (0, self.pipeline.stages - 1) else None
+            x = jax.eval_shape(partial(programs.forward, **statics), params[s], x, batch)
+            shapes.append(x)
+        return shapes
+
+    def stage_collectives(self, state: TrainState, microbatch: Batch) -> list[tuple[int, str, Collective]]:
+        """``(stage, "forward" or "backward", collective)`` for each collective in each stage's compiled programs.
+
+        Each program is lowered for one microbatch as the step places it, and compiled; each
+        collective runs once per call, so ``microbatches`` times a step.
+        """
+        pipe = self.pipeline
+        params, last = pipe.stage_params(state.params), pipe.stages - 1
+        shapes = self.output_shapes(params, microbatch)
+
+        def on(tree: Any, sharding: NamedSharding) -> Any:
+            return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=sharding), tree)
+
+        found = []
+        for s, statics in enumerate(self.statics):
+            x = None if s == 0 else on(shapes[s - 1], pipe.split(s))
+            batch = on(jax.eval_shape(lambda b: b, microbatch), pipe.split(s)) if s in (0, last) else None
+            cotangent = on(jnp.float32(0), pipe.replicated(s)) if s == last else on(shapes[s], pipe.split(s))
+            lowered = {
+                "forward": programs.forward.lower(params[s], x, batch, **statics),
+                "backward": programs.backward.lower(params[s], x, batch, cotangent, params[s], **statics),
+            }
+            for kind, program in lowered.items():
+                found += [(s, kind, c) for c in parse_collectives(program.compile().as_text())]
+        return found
+
+    def lower(self, state: TrainState, batch: Batch):
+        raise NotImplementedError(
+            "A pipeline step is several compiled programs per stage, called from the host in the schedule's "
+            "order, not one program to lower: see parallelkit.strategies.pipeline.stages for them, and step.timeline."
+        )
+
+    def __repr__(self) -> str:
+        return f"PipelineStep({self.pipeline!r})"

@@ -1,0 +1,90 @@
+"""Measured ceilings: quick, positive, with units; a matmul figure a direct timing confirms; a per-machine cache."""
+
+from __future__ import annotations
+
+import math
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from parallelkit.measure import ceilings
+
+UNITS = {"matmul_f32": "FLOP/s", "matmul_bf16": "FLOP/s", "memory": "B/s"}
+UNITS |= {"allreduce_latency": "s", "allreduce_bandwidth": "B/s"}
+
+
+@pytest.fixture(scope="module")
+def measured(tmp_path_factory):
+    """Ceilings of 2 simulated devices, measured once into a temporary cache, and the seconds it took."""
+    folder = tmp_path_factory.mktemp("cache")
+    start = time.perf_counter()
+    found = ceilings.measure_ceilings(jax.devices()[:2], directory=folder)
+    return found, time.perf_counter() - start, folder
+
+
+def test_quick_measurement_takes_seconds_and_gives_positive_figures_with_units(measured):
+    found, seconds, _ = measured
+    assert seconds < 10, f"quick ceilings took {seconds:.1f} s"
+    figures = found.figures()
+    assert set(figures) == set(UNITS)
+    for name, figure in figures.items():
+        assert math.isfinite(figure.value) and figure.value > 0, (name, figure)
+        assert figure.unit == UNITS[name] and figure.method
+        assert f" {figure.unit}  (" in str(figure)
+    assert "psum over 2 devices" in figures["allreduce_bandwidth"].method
+    assert found.key.startswith("cpu-cpu-2dev-jax") and found.key.endswith("-quick")
+
+
+def test_matmul_figure_matches_a_direct_timing(measured):
+    found, _, _ = measured
+    n = 512
+    x = jax.device_put(jnp.ones((n, n), jnp.float32), jax.devices()[0])
+    dot = jax.jit(jnp.dot)
+    dot(x, x).block_until_ready()
+    times = []
+    for _ in range(7):
+        start = time.perf_counter()
+        dot(x, x).block_until_ready()
+        times.append(time.perf_counter() - start)
+    direct = 2 * n**3 / np.median(times)
+    assert 0.5 < found.matmul_f32.value / direct < 2, (found.matmul_f32, direct)
+
+
+def test_second_call_reads_the_cache_refresh_measures_again(measured):
+    found, _, folder = measured
+    path = folder / f"ceilings-{found.key}.json"
+    assert path.exists()
+    start = time.perf_counter()
+    assert ceilings.measure_ceilings(jax.devices()[:2], directory=folder) == found
+    assert time.perf_counter() - start < 0.5  # read, not measured
+    before = path.stat().st_mtime_ns
+    again = ceilings.measure_ceilings(jax.devices()[:2], directory=folder, refresh=True)
+    assert path.stat().st_mtime_ns > before and again.key == found.key
+
+
+def test_one_device_has_no_allreduce_and_cache_false_writes_nothing(tmp_path):
+    found = ceilings.measure_ceilings(jax.devices()[:1], cache=False, directory=tmp_path)
+    assert found.allreduce_latency is None and found.allreduce_bandwidth is None
+    assert set(found.figures()) == {"matmul_f32", "matmul_bf16", "memory"}
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_cache_folder_from_the_environment(tmp_path, monkeypatch):
+    monkeypatch.setenv(ceilings.CACHE_ENV, str(tmp_path))
+    assert ceilings.cache_dir() == tmp_path
+
+
+def test_alpha_beta_fit_hand_worked():
+    # t = 1 s + bytes x 1 ms: sizes 0, 1000 and 3000 bytes take 1, 2 and 4 seconds
+    alpha, beta = ceilings.fit_alpha_beta([0, 1000, 3000], [1.0, 2.0, 4.0])
+    assert alpha == pytest.approx(1.0) and beta == pytest.approx(1e-3)
+
+
+def test_bad_input_is_explained():
+    with pytest.raises(ValueError, match="at least one device"):
+        ceilings.measure_ceilings([])
+    with pytest.raises(ValueError, match="at least two different sizes"):
+        ceilings.fit_alpha_beta([8, 8], [1.0, 1.0])
