@@ -60,8 +60,10 @@ def _overhead() -> list[str]:
     return [
         *rows,
         f"`benchmarks/results/overhead.json`: {steps:,} interleaved steps per variant",
-        "The jit backend is at the 1.02 target on 2 and 8 devices and just above it on 4; the pmap "
-        "backend misses it on every count, by the most on 2 devices.",
+        "The jit backend is at the 1.02 target on 2 and 8 devices and just above it on 4 "
+        f"({ratios[4]['jit']['per_round_median_ratio']:.4f}, which the table rounds to "
+        f"{ratios[4]['jit']['per_round_median_ratio']:.3f}); the pmap backend meets it on 8 devices and misses it on "
+        "2 and 4, by the most on 4 devices.",
     ]
 
 
@@ -242,8 +244,8 @@ def test_what_the_prose_says_of_the_records_holds():
     """The claims beside the figures: which targets were met, what was slower, what a record lacks."""
     ratios = {r["devices"]: r["ratios"] for r in load("overhead.json")["results"]}
     assert [ratios[n]["jit"]["within_target"] for n in (2, 4, 8)] == [True, False, True]  # "at the target on 2 and 8"
-    assert not any(ratios[n]["pmap"]["within_target"] for n in (2, 4, 8))  # "misses it on every count"
-    assert max(ratios, key=lambda n: ratios[n]["pmap"]["per_round_median_ratio"]) == 2  # "by the most on 2"
+    assert [ratios[n]["pmap"]["within_target"] for n in (2, 4, 8)] == [False, False, True]  # "meets it on 8"
+    assert max(ratios, key=lambda n: ratios[n]["pmap"]["per_round_median_ratio"]) == 4  # "by the most on 4"
     slower = [r for r in load("bench.json")["rows"] if r["strategy"] != "SingleDevice" and r["devices"] > 1]
     assert slower and all(r["speedup"] < 1 for r in slower)  # "every multi-device strategy is slower"
     assert load("bench.json")["date"][:10] == load("bench_cores.json")["date"][:10]  # "Both were recorded on"

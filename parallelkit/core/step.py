@@ -67,9 +67,9 @@ class Step:
 
     Dispatch stays asynchronous: a call returns before the device finishes, so a
     plain ``for batch in batches: state, metrics = step(state, batch)`` keeps the
-    devices busy. On several CPU devices the step waits for the one dispatched
-    ``MAX_STEPS_IN_FLIGHT`` calls earlier, so the loop can never queue enough work to
-    deadlock XLA's CPU runtime; on accelerators nothing waits.
+    devices busy. On several CPU devices, once more than ``MAX_STEPS_IN_FLIGHT`` calls
+    are queued the step waits for the oldest half of them, so the loop can never queue
+    enough work to deadlock XLA's CPU runtime; on accelerators nothing waits.
 
     Passing a state that an earlier call already consumed (its buffers are donated
     to the step) raises a ``ValueError`` that says so.
@@ -99,7 +99,11 @@ class Step:
         if self._in_flight is not None:
             self._in_flight.append(out[1])
             if len(self._in_flight) > MAX_STEPS_IN_FLIGHT:
-                jax.block_until_ready(self._in_flight.popleft())
+                # Wait for the oldest half at once: each step's program follows the one before it on
+                # every device, so the newest of them done means all are. One wait every few steps.
+                for _ in range(MAX_STEPS_IN_FLIGHT // 2):
+                    oldest = self._in_flight.popleft()
+                jax.block_until_ready(oldest)
         return out
 
     def _placed(self, batch: Batch) -> Batch:

@@ -67,7 +67,7 @@ class SPMD(Strategy):
         self.axis_rules.check(mesh)
         self.param_rules = param_rules
 
-    @property
+    @cached_property
     def num_replicas(self) -> int:
         """How many slices the global batch is cut into: the product of the mesh axes ``batch`` maps to."""
         entry = self.batch_sharding.spec[0]
