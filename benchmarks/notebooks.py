@@ -10,7 +10,9 @@ Run it when nothing else uses the cores (other work slows the notebooks with it)
 
     .venv/bin/python benchmarks/notebooks.py        # about ten minutes on 2 cores
 
-It prints one line per notebook and writes ``benchmarks/results/notebooks.json``.
+It prints one line per notebook and writes ``benchmarks/results/notebooks.json``. With
+``--only``, the notebooks named are timed again and the other notebooks' times are kept
+from the file already there (the record's ``date`` is then the latest run's).
 """
 
 from __future__ import annotations
@@ -48,6 +50,8 @@ def main(argv: list[str] | None = None) -> int:
             execute(path, Path(workdir), timeout=args.timeout)
             seconds[path.name] = time.perf_counter() - start
         print(f"{path.name:<40}{seconds[path.name]:>8.1f} s", flush=True)
+    if args.only and Path(args.out).exists():
+        seconds = json.loads(Path(args.out).read_text())["seconds"] | seconds  # the others, as recorded
     slowest = max(seconds, key=seconds.get)
     print(f"slowest: {slowest}, {seconds[slowest]:.1f} s; all: {sum(seconds.values()):.0f} s")
     record = {

@@ -28,6 +28,8 @@ from .measure import costmodel as costmodel
 from .measure import gradsync as gradsync
 from .measure import inspect as inspect
 from .measure import traffic as traffic
+from .measure.ceilings import measure_ceilings as measure_ceilings
+from .measure.profile import profile as profile
 from .measure.timing import StepTimes as StepTimes
 from .measure.timing import scaling_efficiency as scaling_efficiency
 from .run import checkpoint as checkpoint

@@ -189,12 +189,36 @@ def _layouts(doc) -> list[str]:
     ]
 
 
+COUNT = {10: "ten", 11: "eleven", 12: "twelve", 13: "thirteen", 14: "fourteen", 15: "fifteen", 16: "sixteen"}
+
+
 def _notebooks(doc) -> list[str]:
     d = load("notebooks.json")
     slowest = f"the slowest, `{d['slowest'].removesuffix('.ipynb')}`,"
+    every = f"all {COUNT[len(d['seconds'])]} {round(d['total_s'])} s"
     if doc is README:
-        return [f"{slowest} took {round(d['max_s'])} s, and all ten {round(d['total_s'])} s"]
-    return [f"{slowest} {round(d['max_s'])} s; all ten {round(d['total_s'])} s"]
+        return [f"{slowest} took {round(d['max_s'])} s, and {every}"]
+    return [f"{slowest} {round(d['max_s'])} s; {every}"]
+
+
+def test_every_notebook_has_a_recorded_time():
+    """ "all N": the record times every notebook of the course, no more."""
+    assert sorted(load("notebooks.json")["seconds"]) == sorted(p.name for p in (ROOT / "notebooks").glob("*.ipynb"))
+
+
+def _roofline(doc) -> list[str]:
+    d = load("roofline.json")
+    if doc is README:
+        return [f"measured / predicted {d['ratio']:.0f}"]
+    return [
+        f"{d['flops']:,.0f} FLOPs on {d['bytes_accessed']:,.0f} bytes ({d['intensity']:.2f} FLOPs per byte, "
+        f"{d['regime']})",
+        f"{d['peak_flops'] / 1e9:.0f} GFLOP/s float32 matmul and {d['memory_bandwidth'] / 1e9:.0f} GB/s memory",
+        f"predicted {d['predicted_s'] * 1e6:.1f} us (the roofline's bound, bytes included: "
+        f"{d['roofline_s'] * 1e6:.1f} us), measured {d['measured_s'] * 1e6:.0f} us: measured / predicted "
+        f"{d['ratio']:.0f}, an efficiency of {d['implied_efficiency']:.1%}".replace("%", " %"),
+        f"load average {d['load_average'][0]:.2f}",
+    ]
 
 
 def _central(doc) -> list[str]:
@@ -225,7 +249,7 @@ def _central(doc) -> list[str]:
 
 
 QUOTES = [
-    *((doc, q) for doc in (README, BENCH_README) for q in _notebooks(doc) + _central(doc)),
+    *((doc, q) for doc in (README, BENCH_README) for q in _notebooks(doc) + _central(doc) + _roofline(doc)),
     *((BENCH_README, q) for q in _overhead() + _cpu_pool() + _strategies() + _dashboard()),
     *((BENCH_README, q) for q in _bench(BENCH_README) + _prefetch(BENCH_README) + _layouts(BENCH_README)),
     *((README, q) for q in _bench(README) + _prefetch(README) + _layouts(README)),
@@ -249,6 +273,7 @@ def test_what_the_prose_says_of_the_records_holds():
     slower = [r for r in load("bench.json")["rows"] if r["strategy"] != "SingleDevice" and r["devices"] > 1]
     assert slower and all(r["speedup"] < 1 for r in slower)  # "every multi-device strategy is slower"
     assert load("bench.json")["date"][:10] == load("bench_cores.json")["date"][:10]  # "Both were recorded on"
+    assert load("roofline.json")["ratio"] > 1  # "the FLOPs at the peak are a floor"
     layouts = load("layouts.json")  # "the hierarchical formula fit 2x2 better"
     assert layouts["better_fit"] == "hierarchical"
     assert layouts["layouts"]["2x2"]["error_hierarchical"] < layouts["layouts"]["2x2"]["error_ring"]

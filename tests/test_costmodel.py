@@ -273,3 +273,38 @@ def test_fit_link_refuses_what_it_cannot_fit():
         fit_link(4, [1e3, 1e6], [2e-3, 1e-3])
     with pytest.raises(ValueError, match="2 or more devices"):
         fit_link(1, [1e3, 1e6], [1e-3, 2e-3])
+
+
+# Compute from FLOPs: a peak FLOP/s (measured or published) and the share of it a step reaches.
+
+
+def test_compute_from_flops_by_hand():
+    # 2 GFLOPs a sample x 32 samples at 40% of 100 TFLOP/s: 64e9 / 40e12 = 1.6 ms
+    work = Workload(P, batch_per_device=32, flops_per_sample=2e9, peak_flops=100e12, efficiency=0.4)
+    assert work.sample_seconds == pytest.approx(2e9 / 40e12) and work.compute_s == pytest.approx(1.6e-3)
+    four = predict(work, Cluster(1, 4, FAST), "mirrored")
+    assert four.compute_s == pytest.approx(1.6e-3)
+    assert four.step_s == pytest.approx(1.6e-3 + allreduce_seconds(Cluster(1, 4, FAST), P))
+
+
+def test_flops_and_seconds_per_sample_give_the_same_prediction():
+    by_flops = Workload(P, batch_per_device=16, flops_per_sample=1e9, peak_flops=1e12)  # 1 ms a sample
+    by_time = Workload(P, 1e-3, 16)
+    cluster = Cluster(2, 4, FAST, SLOW)
+    assert predict(by_flops, cluster, "mirrored") == predict(by_time, cluster, "mirrored")
+
+
+def test_seconds_per_sample_overrides_the_flops():
+    work = Workload(P, 2e-3, 8, flops_per_sample=1e9, peak_flops=1e12)  # the FLOPs alone would give 1 ms a sample
+    assert work.sample_seconds == 2e-3 and predict(work, Cluster(1, 1, FAST), "single").step_s == pytest.approx(16e-3)
+
+
+def test_workload_without_its_compute_or_batch_is_explained():
+    with pytest.raises(ValueError, match="flops_per_sample and peak_flops"):
+        Workload(P, batch_per_device=8, flops_per_sample=1e9)
+    with pytest.raises(ValueError, match="batch_per_device=0"):
+        Workload(P, 1e-3)
+    with pytest.raises(ValueError, match="efficiency=0"):
+        Workload(P, batch_per_device=8, flops_per_sample=1e9, peak_flops=1e12, efficiency=0)
+    with pytest.raises(ValueError, match="a peak > 0"):
+        Workload(P, batch_per_device=8, flops_per_sample=1e9, peak_flops=0.0)

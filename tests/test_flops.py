@@ -19,7 +19,11 @@ def _widths(params) -> tuple[int, ...]:
 def _step_cost(strategy, mlp, digits, batch_size: int) -> flops.StepCost:
     loss_fn, params = mlp
     batch = next(pk.data.batches(digits, batch_size, steps=1))
-    return flops.flops(strategy.step(loss_fn), strategy.init(params, optax.sgd(0.1)), batch)
+    return pk.inspect.flops(strategy.step(loss_fn), strategy.init(params, optax.sgd(0.1)), batch)
+
+
+def test_inspect_reads_the_flops_of_this_module():
+    assert pk.inspect.flops is flops.flops and pk.inspect.StepCost is flops.StepCost
 
 
 def test_mlp_step_equals_hand_count_of_matmuls_within_ten_percent(mlp, digits):

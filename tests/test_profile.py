@@ -7,17 +7,18 @@ import json
 
 import optax
 import pytest
-from matplotlib import pyplot as plt
+from matplotlib.colors import to_rgba
 from matplotlib.figure import Figure
 
 import parallelkit as pk
+import parallelkit.viz as viz
 from parallelkit.measure import profile
 from parallelkit.measure.profile import Event
 
 
 def _profiled(strategy, mlp, batch, tmp_path):
     loss_fn, params = mlp
-    return profile.profile(strategy.step(loss_fn), strategy.init(params, optax.sgd(0.1)), batch, logdir=tmp_path)
+    return pk.profile(strategy.step(loss_fn), strategy.init(params, optax.sgd(0.1)), batch, logdir=tmp_path)
 
 
 def test_mirrored_on_two_devices_shows_all_reduces(mlp, batch, tmp_path):
@@ -73,18 +74,23 @@ def test_kind_of_operation_names(name, kind):
     assert profile.kind_of(name) == kind
 
 
-def test_draw_trace_one_row_per_device(mlp, batch, tmp_path):
+def test_trace_figure_one_row_per_device(mlp, batch, tmp_path):
     _, summary = _profiled(pk.Mirrored(2), mlp, batch, tmp_path)
-    fig = profile.draw_trace(summary)
-    try:
-        assert isinstance(fig, Figure)
-        labels = [t.get_text() for t in fig.axes[0].get_yticklabels()]
-        assert labels == ["host", "device 0", "device 1"]
-        assert len(fig.axes[0].collections) == sum(
-            any(e.device == d and e.kind == k for e in summary.events) for d in (None, 0, 1) for k in profile.KINDS
-        )
-    finally:
-        plt.close(fig)
+    fig = viz.trace_figure(summary)
+    assert isinstance(fig, Figure)
+    labels = [t.get_text() for t in fig.axes[0].get_yticklabels()]
+    assert labels == ["host", "device 0", "device 1"]
+    assert len(fig.axes[0].collections) == sum(
+        any(e.device == d and e.kind == k for e in summary.events) for d in (None, 0, 1) for k in profile.KINDS
+    )
+    colors = {tuple(c.get_facecolor()[0]) for c in fig.axes[0].collections}
+    assert colors == {to_rgba(viz.trace.COLORS[k]) for k in profile.KINDS if summary.seconds(k) > 0}
+
+
+def test_trace_figure_draws_on_a_given_axes(mlp, batch, tmp_path):
+    _, summary = _profiled(pk.SingleDevice(), mlp, batch, tmp_path)
+    ax = Figure().subplots()
+    assert viz.trace_figure(summary, ax=ax) is ax.figure and ax.get_title() == "Where the time goes: 3 traced steps"
 
 
 def test_steps_must_be_a_positive_int(mlp, batch):

@@ -145,7 +145,8 @@ def test_figures_render_to_png(tmp_path, small_params):
 def test_import_parallelkit_does_not_import_matplotlib():
     result = run_python(
         "import sys, parallelkit\n"
-        "assert 'matplotlib' not in sys.modules, 'import parallelkit pulled in matplotlib'\n"
+        "from parallelkit.measure import ceilings, flops, hardware, profile, roofline\n"
+        "assert 'matplotlib' not in sys.modules, 'import parallelkit (or its measure/) pulled in matplotlib'\n"
         "import parallelkit.viz\n"
         "assert 'matplotlib.pyplot' not in sys.modules, 'viz must not import pyplot'\n"
     )
@@ -290,3 +291,26 @@ def test_memory_figure_stacks_each_strategys_parts_with_the_formula_and_budget()
     assert [line.get_ydata()[0] for line in ax.lines] == [1000]
     assert [t.get_text() for t in ax.texts] == ["1.2 KiB", "100 B"]
     assert [t.get_text() for t in ax.get_xticklabels()] == ["Mirrored", "ZeRO-3"]
+
+
+def test_trace_figure_draws_each_event_where_and_as_long_as_it_ran(tmp_path):
+    from parallelkit.measure.profile import Event, TraceSummary, device_times
+
+    events = (
+        Event(None, "DevicePut", "transfer", 0.0, 0.001),
+        Event(0, "dot", "compute", 0.001, 0.002),
+        Event(0, "all-reduce", "collective", 0.003, 0.0005),
+        Event(1, "dot", "compute", 0.0015, 0.002),
+    )
+    summary = TraceSummary(tmp_path / "trace.json.gz", 1, events, device_times(events))
+    ax = viz.trace_figure(summary).axes[0]
+    assert [t.get_text() for t in ax.get_yticklabels()] == ["host", "device 0", "device 1"]
+    bars = [(tuple(np.round(b.get_paths()[0].get_extents().bounds, 6)), to_rgba(b.get_facecolor()[0]))
+            for b in ax.collections]  # fmt: skip
+    # (start ms, row - 0.4, duration ms, 0.8) of each bar, in rows' order and kinds' order, coloured by kind
+    assert bars == [
+        ((0.0, -0.4, 1.0, 0.8), to_rgba("tab:green")),
+        ((1.0, 0.6, 2.0, 0.8), to_rgba("tab:blue")),
+        ((3.0, 0.6, 0.5, 0.8), to_rgba("tab:red")),
+        ((1.5, 1.6, 2.0, 0.8), to_rgba("tab:blue")),
+    ]

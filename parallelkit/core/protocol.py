@@ -30,7 +30,8 @@ class StrategyProtocol(Protocol):
 
     - ``devices``, ``num_replicas``: the devices it uses, and how many slices the global batch is cut into;
     - ``init(params, tx, opt_state=None, *, model_state=None, rng=None)``: a placed :class:`TrainState`;
-    - ``step(loss_fn)``: a compiled :class:`Step`, ``state, metrics = step(state, batch)``;
+    - ``step(loss_fn, accumulate=1)``: a compiled :class:`Step`, ``state, metrics = step(state, batch)``
+      (``accumulate=K``: ``K`` microbatches, the gradients synchronised once, where the strategy can);
     - ``place_batch(batch)``: the global host batch, placed as the step takes it;
     - ``unreplicate(tree)``: one host copy; ``logical_shape(leaf)``: a leaf's single-device shape;
     - ``describe(state)``: where every leaf lives;
@@ -56,7 +57,7 @@ class StrategyProtocol(Protocol):
         rng: int | jax.Array | None = None,
     ) -> TrainState: ...
 
-    def step(self, loss_fn: LossFn) -> Step: ...
+    def step(self, loss_fn: LossFn, accumulate: int = 1) -> Step: ...
 
     def place_batch(self, batch: Batch) -> Any: ...
 

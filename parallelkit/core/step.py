@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 import jax
 
+from .accumulate import Accumulation
 from .contract import Batch, LossFn, LossInputError, Metrics, PyTree, _loss_with_aux, batch_size, explain_input_error
 from .state import TrainState
 
@@ -22,6 +23,7 @@ def train_step(
     batch: Batch,
     sync: Callable[[PyTree], PyTree] = lambda tree: tree,
     replica_key: Callable[[jax.Array], jax.Array] = lambda key: key,
+    accumulate: Accumulation | None = None,
 ) -> tuple[TrainState, Metrics]:
     """The single-device step, shared by every strategy.
 
@@ -29,6 +31,8 @@ def train_step(
     with shardings (the compiler inserts the all-reduce), ``lax.pmean`` under ``pmap``.
     It also averages the metrics and the new model state. ``replica_key`` turns the
     step's key into this replica's (the identity where the program sees the global batch).
+    ``accumulate`` (:class:`~parallelkit.core.accumulate.Accumulation`) runs the batch as
+    microbatches and averages their gradients before ``sync``; None: one pass over the batch.
     """
     batch_size(batch)  # runs while tracing: arrays of one batch must agree on its size
     rng, extras = state.rng, {}
@@ -37,9 +41,11 @@ def train_step(
         extras["rng"] = replica_key(key)
     if state.model_state is not None:
         extras["model_state"] = state.model_state
-    (loss, (aux, model_state)), grads = jax.value_and_grad(_loss_with_aux(loss_fn), has_aux=True)(
-        state.params, batch, **extras
-    )
+    grad_fn = jax.value_and_grad(_loss_with_aux(loss_fn), has_aux=True)
+    if accumulate is None:
+        (loss, (aux, model_state)), grads = grad_fn(state.params, batch, **extras)
+    else:
+        (loss, (aux, model_state)), grads = accumulate(grad_fn, state.params, batch, extras)
     grads, metrics, model_state = sync((grads, {"loss": loss, **aux}, model_state))
     return state.apply_gradients(grads).replace(rng=rng, model_state=model_state), metrics
 

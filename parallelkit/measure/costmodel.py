@@ -1,9 +1,9 @@
 """A cost model for training steps: compute plus communication, every assumption stated.
 
 It predicts a step's time and a strategy's scaling efficiency from three things: the
-workload (parameter bytes, compute seconds per sample, batch per device), the
-cluster (devices per machine, the links inside a machine and the network between
-machines, each a :class:`Link` with a published bandwidth and its source) and the
+workload (parameter bytes, compute per sample as FLOPs at a peak FLOP/s or as seconds,
+batch per device), the cluster (devices per machine, the links inside a machine and the
+network between machines, each a :class:`Link` with a published bandwidth and its source) and the
 strategy. It is the alpha-beta model of the collectives literature (Thakur,
 Rabenseifner and Gropp, 2005) applied round by round. Its assumptions, all of them:
 
@@ -16,10 +16,11 @@ Rabenseifner and Gropp, 2005) applied round by round. Its assumptions, all of th
   total (all its network cards together);
 - an all-reduce runs in rounds (:func:`allreduce_rounds`); a round lasts as long as
   its slowest message, and the next round starts when it ends;
-- compute is ``seconds_per_sample x batch_per_device``, the same on every device (a
-  model-parallel group of ``k`` devices takes ``k x batch_per_device`` samples and each
-  device does ``1/k`` of the work, so the global batch is always ``devices x
-  batch_per_device``); gradient communication can run during the last ``overlap`` of
+- compute is ``flops_per_sample x batch_per_device / (efficiency x peak_flops)`` (or
+  ``seconds_per_sample x batch_per_device`` when a time per sample is given instead), the
+  same on every device (a model-parallel group of ``k`` devices takes ``k x
+  batch_per_device`` samples and each device does ``1/k`` of the work, so the global
+  batch is always ``devices x batch_per_device``); gradient communication can run during the last ``overlap`` of
   it (0 by default: nothing hidden; frameworks that all-reduce during the backward
   pass, about two thirds of the compute, hide up to that much);
 - activations are on the critical path and are never hidden: tensor parallelism's
@@ -201,25 +202,73 @@ def allreduce_seconds(cluster: Cluster, nbytes: float, algorithm: str = "ring") 
 
 @dataclass(frozen=True)
 class Workload:
-    """What one training step needs, per device."""
+    """What one training step needs, per device.
+
+    Compute comes from FLOPs: ``flops_per_sample`` (one sample's forward and backward on one
+    device, e.g. a single-device step's ``pk.inspect.flops(...).flops`` over its batch) at
+    ``efficiency x peak_flops`` FLOP/s, with ``peak_flops`` measured (``pk.measure_ceilings()``'s
+    ``matmul_f32.value``) or published (``hardware.PUBLISHED[...].bf16_flops``) and
+    ``efficiency`` the share of it a step reaches (its MFU; 1.0, the default, assumes the
+    peak). A compiled step's count includes its optimizer update, which divided by the
+    batch becomes part of each sample's FLOPs. ``seconds_per_sample``, when given,
+    overrides the FLOPs: a measured or assumed time.
+
+    >>> Workload(4e6, batch_per_device=32, flops_per_sample=2e9, peak_flops=100e12, efficiency=0.4).compute_s
+    0.0016
+    >>> Workload(4e6, 1e-3, 32, flops_per_sample=2e9, peak_flops=100e12).compute_s  # the override wins
+    0.032
+    """
 
     param_bytes: float  # P: the gradient has as many bytes
-    seconds_per_sample: float  # forward and backward of one sample on one device
-    batch_per_device: int
+    seconds_per_sample: float | None = None  # forward and backward of one sample on one device; overrides FLOPs
+    batch_per_device: int = 0  # samples each device takes per step (required: >= 1)
     overlap: float = 0.0  # the fraction of compute during which gradient communication can already run
     name: str = ""
     # bytes per sample of each all-reduce tensor parallelism makes in one step (forward and
     # backward): for the kit's MLP, ``megatron_mlp_allreduces(1, widths)`` x the item size
     activation_allreduces: tuple[float, ...] = ()
     boundary_bytes: float = 0.0  # bytes per sample of the activation a pipeline stage sends the next
+    flops_per_sample: float | None = None  # one sample's forward and backward, the whole model on one device
+    peak_flops: float | None = None  # one device's FLOP/s: measured (ceilings) or published (hardware)
+    efficiency: float = 1.0  # the fraction of peak_flops a step reaches (its MFU), in (0, 1]
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.overlap <= 1.0:
             raise ValueError(f"Workload(overlap={self.overlap}): a fraction between 0 and 1.")
-        if self.param_bytes < 0 or self.seconds_per_sample < 0 or self.batch_per_device < 1:
+        if not self.batch_per_device >= 1:
+            raise ValueError(f"Workload(batch_per_device={self.batch_per_device!r}): the samples a device takes, >= 1.")
+        if self.param_bytes < 0 or (self.seconds_per_sample is not None and self.seconds_per_sample < 0):
             raise ValueError("Workload: param_bytes and seconds_per_sample >= 0, batch_per_device >= 1.")
         if self.boundary_bytes < 0 or any(b < 0 for b in self.activation_allreduces):
             raise ValueError("Workload: activation_allreduces and boundary_bytes are byte counts >= 0.")
+        if not 0.0 < self.efficiency <= 1.0:
+            raise ValueError(f"Workload(efficiency={self.efficiency}): the share of the peak reached, in (0, 1].")
+        if self.seconds_per_sample is None:
+            self._check_flops()
+
+    def _check_flops(self) -> None:
+        if self.flops_per_sample is None or self.peak_flops is None:
+            raise ValueError(
+                "Workload needs its compute: give flops_per_sample and peak_flops (e.g. pk.inspect.flops(...) over "
+                "the batch, and pk.measure_ceilings().matmul_f32.value), or seconds_per_sample."
+            )
+        if self.flops_per_sample < 0 or not self.peak_flops > 0:
+            raise ValueError(
+                f"Workload(flops_per_sample={self.flops_per_sample}, peak_flops={self.peak_flops}): "
+                "FLOPs >= 0 and a peak > 0 FLOP/s."
+            )
+
+    @property
+    def sample_seconds(self) -> float:
+        """One sample's compute on one device: ``seconds_per_sample``, else FLOPs over the FLOP/s reached."""
+        if self.seconds_per_sample is not None:
+            return self.seconds_per_sample
+        return self.flops_per_sample / (self.efficiency * self.peak_flops)
+
+    @property
+    def compute_s(self) -> float:
+        """One device's compute for one step: ``sample_seconds x batch_per_device``."""
+        return self.sample_seconds * self.batch_per_device
 
 
 @dataclass(frozen=True)
@@ -496,7 +545,7 @@ def predict(
     >>> round(p.idle_s * 1e3, 3), round(p.communication_s * 1e3, 3), round(p.efficiency, 3)
     (6.0, 0.112, 0.567)
     """
-    compute = workload.seconds_per_sample * workload.batch_per_device
+    compute = workload.compute_s
     hideable, critical = _communication(workload, cluster, strategy, allreduce, shards, model, microbatches)
     stages = _model_size(cluster, strategy, model) if _pattern(strategy).model == "stages" else 1
     idle = (stages - 1) / microbatches * compute  # the bubble: (s-1)/(m+s-1) of the pipeline's time

@@ -1,7 +1,9 @@
-"""Read the compiled program: which collectives a step runs and how many bytes they move.
+"""Read the compiled program: which collectives a step runs, how many bytes they move, how many FLOPs it does.
 
 Teaching claims such as "mirrored training all-reduces every gradient once per
 step" are shown from the compiler's own output (the optimized HLO), not asserted.
+:func:`flops` and :class:`StepCost` are those of :mod:`parallelkit.measure.flops`,
+kept here too so that ``pk.inspect`` reads every count of the compiled program.
 """
 
 from __future__ import annotations
@@ -12,6 +14,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import jax
+
+from .flops import StepCost as StepCost
+from .flops import flops as flops
 
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all")
 

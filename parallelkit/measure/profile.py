@@ -201,7 +201,7 @@ def _latest_run(logdir: Path) -> Path:
 
 def profile(
     step: Any, state: Any, batch: Any, steps: int = 3, logdir: str | Path | None = None, *, warmup: bool = True
-):
+) -> tuple[Any, TraceSummary]:
     """Run ``steps`` steps under the JAX profiler and summarize where each device's time went.
 
     Each step is waited for before the next starts (``jax.block_until_ready``), so the
@@ -239,35 +239,3 @@ def profile(
         trace_path=run / "perfetto_trace.json.gz", steps=steps, events=tuple(events), devices=device_times(events)
     )
     return state, summary
-
-
-COLORS = {COMPUTE: "tab:blue", COLLECTIVE: "tab:red", TRANSFER: "tab:green"}
-
-
-def draw_trace(summary: TraceSummary, ax: Any = None):
-    """A timeline, one row per device (and one for the host's transfers), bars coloured by kind.
-
-    Args:
-        summary: what :func:`profile` returned.
-        ax: a matplotlib ``Axes`` to draw on (default: a new figure).
-
-    Returns:
-        The matplotlib ``Figure``.
-    """
-    import matplotlib.pyplot as plt
-    from matplotlib.patches import Patch
-
-    if ax is None:
-        _, ax = plt.subplots(figsize=(10, 1 + 0.5 * len(summary.devices)), layout="constrained")
-    rows = [d.device for d in summary.devices]
-    for row, device in enumerate(rows):
-        for kind in KINDS:
-            bars = [(e.start_s * 1e3, e.seconds * 1e3) for e in summary.events if e.device == device and e.kind == kind]
-            if bars:
-                ax.broken_barh(bars, (row - 0.4, 0.8), facecolors=COLORS[kind])
-    ax.set_yticks(range(len(rows)), ["host" if d is None else f"device {d}" for d in rows])
-    ax.invert_yaxis()
-    ax.set_xlabel("milliseconds since the first traced operation")
-    ax.set_title(f"Where the time goes: {summary.steps} traced steps")
-    ax.legend(handles=[Patch(color=COLORS[k], label=k) for k in KINDS], loc="upper left", bbox_to_anchor=(1.0, 1.0))
-    return ax.figure

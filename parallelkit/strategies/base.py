@@ -4,7 +4,7 @@ A strategy decides *where state lives* and *how gradients meet*; the model, the
 loss, the optimizer and the data stay plain JAX, Flax and Optax. Every strategy:
 
 - ``init(params, tx)`` places parameters and optimizer state, returning a :class:`~parallelkit.TrainState`;
-- ``step(loss_fn)`` returns a :class:`~parallelkit.Step`: ``state, metrics = step(state, batch)``,
+- ``step(loss_fn, accumulate=1)`` returns a :class:`~parallelkit.Step`: ``state, metrics = step(state, batch)``,
   where ``batch`` is the *global* batch as host arrays and the loss is its mean;
 - ``unreplicate(tree)`` brings one host (NumPy) copy back, for inspection and checkpoints;
 - ``place_batch(batch)`` places the global host batch as the step takes it;
@@ -66,8 +66,13 @@ class Strategy(abc.ABC):
         """
 
     @abc.abstractmethod
-    def step(self, loss_fn: LossFn) -> Step:
-        """Compile-once training step for ``loss_fn(params, batch) -> loss or (loss, aux)``."""
+    def step(self, loss_fn: LossFn, accumulate: int = 1) -> Step:
+        """Compile-once training step for ``loss_fn(params, batch) -> loss or (loss, aux)``.
+
+        ``accumulate=K`` runs each replica's slice of the batch as ``K`` microbatches and
+        synchronises the gradients once (:mod:`parallelkit.core.accumulate`), where the
+        strategy can; 1 (the default) is one pass over the batch.
+        """
 
     @abc.abstractmethod
     def place_batch(self, batch: Batch) -> Any:

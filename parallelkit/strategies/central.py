@@ -33,6 +33,7 @@ from flax import struct
 from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 
+from ..core.accumulate import refuse_accumulation
 from ..core.axes import DATA
 from ..core.contract import Batch, LossFn, PyTree, _loss_with_aux, put_batch
 from ..core.mesh import make_mesh
@@ -337,7 +338,10 @@ class CentralStorage(OffDeviceStrategy):
         state = create_state(params, tx, opt_state, model_state=model_state, rng=rng)
         return jax.device_put(state, self.storage)
 
-    def step(self, loss_fn: LossFn) -> Step:
+    def step(self, loss_fn: LossFn, accumulate: int = 1) -> Step:
+        """Pull, compute, push and update; ``accumulate > 1`` is not supported yet (NotImplementedError)."""
+        refuse_accumulation(repr(self), accumulate)
+
         def pull(state: TrainState):
             return jax.device_put((state.params, state.rng, state.model_state), self.replicated)
 

@@ -12,7 +12,10 @@ from collections.abc import Callable
 
 import jax
 
+from ..core.accumulate import Accumulation, check_accumulate
 from ..core.axes import DATA
+from ..core.contract import LossFn
+from ..core.step import train_step
 from ..measure.collectives import AllReduce, mean_tree
 from ..measure.traffic import ExpectedCollective, Sizes, gradient_all_reduce
 
@@ -40,6 +43,16 @@ def replica_sync(allreduce: AllReduce | None) -> Callable:
     if allreduce is None:
         return functools.partial(jax.lax.pmean, axis_name=DATA)
     return functools.partial(mean_tree, axis=DATA, allreduce=allreduce)
+
+
+def replica_step(loss_fn: LossFn, allreduce: AllReduce | None, accumulate: int = 1) -> Callable:
+    """The per-device training step (``pmap``, ``shard_map``): this replica's slice, then one sync.
+
+    With ``accumulate > 1`` the slice runs as that many microbatches in a scan on the
+    device, and the gradients meet once, after it.
+    """
+    extra = {} if check_accumulate(accumulate) == 1 else {"accumulate": Accumulation(accumulate)}
+    return functools.partial(train_step, loss_fn, sync=replica_sync(allreduce), replica_key=own_key, **extra)
 
 
 def own_key(key: jax.Array) -> jax.Array:

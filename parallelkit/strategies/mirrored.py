@@ -22,17 +22,17 @@ or ``AllReduce("hierarchical", group=g)`` run the hand-written algorithms of
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Sequence
 
 import jax
 from jax.sharding import PartitionSpec as P
 
+from ..core.accumulate import accumulated_placement
 from ..core.axes import DATA
 from ..core.contract import LossFn
 from ..core.devices import resolve_devices
 from ..core.mesh import make_mesh
-from ..core.step import Step, train_step
+from ..core.step import Step
 from ..measure.collectives import AllReduce
 from ..measure.traffic import ExpectedCollective, Sizes
 from . import data_parallel
@@ -91,13 +91,11 @@ class MirroredJit(SPMD):
         super().__init__(make_mesh(chosen, data=len(chosen)), rules=BATCH_ON_DATA)
         self.allreduce = data_parallel.parse_allreduce(allreduce, len(chosen), "Mirrored")
 
-    def step(self, loss_fn: LossFn) -> Step:
+    def step(self, loss_fn: LossFn, accumulate: int = 1) -> Step:
         if self.allreduce is None:
-            return super().step(loss_fn)  # the compiler inserts the all-reduce
+            return super().step(loss_fn, accumulate)  # the compiler inserts the all-reduce
         body = jax.shard_map(
-            functools.partial(
-                train_step, loss_fn, sync=data_parallel.replica_sync(self.allreduce), replica_key=data_parallel.own_key
-            ),
+            data_parallel.replica_step(loss_fn, self.allreduce, accumulate),
             mesh=self.mesh,
             in_specs=(P(), P(DATA)),
             out_specs=(P(), P()),
@@ -105,7 +103,7 @@ class MirroredJit(SPMD):
         )
         state, batch = self.replicated, self.batch_sharding
         fn = jax.jit(body, in_shardings=(state, batch), out_shardings=(state, state), donate_argnums=0)
-        return Step(fn, self.place_batch, self)
+        return Step(fn, accumulated_placement(self.place_batch, accumulate, self.num_replicas), self)
 
     @property
     def traffic_pattern(self) -> str:

@@ -79,6 +79,11 @@ class MultiWorkerMirrored(SPMD):
             batch,
         )
 
+    @property
+    def fed_replicas(self) -> int:
+        """The replicas the batch each process passes is cut into: all of them, or with ``"local"`` its own."""
+        return self.num_replicas if self.feed == "global" else len(self.mesh.local_devices)
+
     def unreplicate(self, tree: PyTree) -> PyTree:
         """One host copy, read from this process's own replica (the state is replicated everywhere)."""
         return jax.tree.map(lambda x: np.asarray(x.addressable_data(0)), tree)

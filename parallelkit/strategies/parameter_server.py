@@ -37,6 +37,7 @@ import optax
 from flax import struct
 from jax.sharding import SingleDeviceSharding
 
+from ..core.accumulate import refuse_accumulation
 from ..core.contract import Batch, LossFn, PyTree
 from ..core.devices import warn_if_shared
 from ..core.state import TrainState, check_same_tree, prng_key
@@ -364,7 +365,10 @@ class ParameterServer(OffDeviceStrategy):
         params = Sharded(tuple(p for p, _ in placed), part)
         return TrainState(step, params, tuple(o for _, o in placed), tx, rng=rng, model_state=model_state)
 
-    def step(self, loss_fn: LossFn) -> Step:
+    def step(self, loss_fn: LossFn, accumulate: int = 1) -> Step:
+        """Pull, compute, push and update (sync or async); ``accumulate > 1`` is not supported yet."""
+        refuse_accumulation(repr(self), accumulate)
+
         def flat_loss(shards: Sharded, batch: Batch, **extras):
             return loss_fn(shards.partition.join(shards.shards), batch, **extras)
 

@@ -11,7 +11,6 @@ strategy as one ``jax.jit`` with shardings.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Sequence
 
 import jax
@@ -21,11 +20,12 @@ from flax import jax_utils
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from ..core.accumulate import accumulated_placement
 from ..core.axes import DATA
 from ..core.contract import Batch, LossFn, PyTree, check_divisible
 from ..core.mesh import make_mesh
 from ..core.state import TrainState, create_state
-from ..core.step import Step, train_step
+from ..core.step import Step
 from ..measure.collectives import AllReduce
 from ..measure.traffic import ExpectedCollective, Sizes
 from . import data_parallel
@@ -73,17 +73,16 @@ class MirroredPmap(Strategy):
             check_divisible(batch, n)  # explains the error; the check is off the per-step path
             raise
 
-    def step(self, loss_fn: LossFn) -> Step:
+    def step(self, loss_fn: LossFn, accumulate: int = 1) -> Step:
+        """The pmapped step; ``accumulate=K`` scans ``K`` microbatches on each device, then one ``pmean``."""
         fn = jax.pmap(
-            functools.partial(
-                train_step, loss_fn, sync=data_parallel.replica_sync(self.allreduce), replica_key=data_parallel.own_key
-            ),
+            data_parallel.replica_step(loss_fn, self.allreduce, accumulate),
             axis_name=DATA,
             devices=self.devices,
             out_axes=(0, None),  # metrics are equal on every device after pmean: return one copy
             donate_argnums=0,
         )
-        return Step(fn, self.place_batch, self)
+        return Step(fn, accumulated_placement(self.place_batch, accumulate, self.num_replicas), self)
 
     def unreplicate(self, tree: PyTree) -> PyTree:
         return jax.device_get(jax_utils.unreplicate(tree))

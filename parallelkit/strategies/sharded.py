@@ -10,7 +10,9 @@ device only ever receives its own slices (no device holds the whole state first)
 The training step is still the single-device step under ``jax.jit``; the shardings
 of its inputs and outputs are the per-leaf ones, and XLA's SPMD partitioner inserts
 the communication they imply (the all-reduces of tensor parallelism, the
-all-gathers and reduce-scatters of fully sharded training).
+all-gathers and reduce-scatters of fully sharded training). With ``accumulate=K`` the
+step scans ``K`` microbatches (several replicas mapped as an explicit ``vmap`` axis), so the
+gradients meet once, after the loop (:mod:`parallelkit.core.accumulate`).
 """
 
 from __future__ import annotations
@@ -20,8 +22,11 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import jax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from ..core import partition
+from ..core.accumulate import Accumulation
 from ..core.contract import Batch, LossFn, PyTree
 from ..core.state import TrainState
 from ..core.step import train_step
@@ -38,8 +43,8 @@ class _CompiledOnFirstCall:
     reused for every later call (the same shapes and shardings: nothing recompiles).
     """
 
-    def __init__(self, strategy: SPMD, loss_fn: LossFn):
-        self.strategy, self.loss_fn = strategy, loss_fn
+    def __init__(self, strategy: SPMD, loss_fn: LossFn, accumulate: int = 1):
+        self.strategy, self.loss_fn, self.accumulate = strategy, loss_fn, accumulate
         self.fn: Callable | None = None
 
     def compiled(self, state: TrainState) -> Callable:
@@ -48,8 +53,11 @@ class _CompiledOnFirstCall:
             shardings = self.strategy.state_shardings(
                 state.params, state.tx, model_state=state.model_state, rng=state.rng
             )
+            extra = {} if self.accumulate == 1 else {"accumulate": self._accumulation(state.params)}
             self.fn = jax.jit(
-                functools.partial(self._traced(train_step), self.loss_fn, sync=self._gradient_layout(state.params)),
+                functools.partial(
+                    self._traced(train_step), self.loss_fn, sync=self._gradient_layout(state.params), **extra
+                ),
                 in_shardings=(shardings, self.strategy.batch_sharding),
                 out_shardings=(shardings, self.strategy.replicated),
                 donate_argnums=0,
@@ -79,8 +87,52 @@ class _CompiledOnFirstCall:
 
         return constrain
 
+    def _accumulation(self, params: PyTree) -> Accumulation:
+        """``accumulate`` microbatches with the replicas an explicit axis, each replica's gradients its own row.
+
+        Under ``jit`` with shardings the compiler would all-reduce the gradients of every
+        microbatch inside the loop; mapped over the replicas (``vmap`` on the batch's mesh
+        axes), each device sums its own row of gradients in the carry, and the mean over
+        the rows after the loop is the step's one all-reduce (or reduce-scatter).
+        """
+        strategy, replicas = self.strategy, self.strategy.num_replicas
+        if replicas == 1:
+            return Accumulation(self.accumulate)
+        mesh, axes = strategy.mesh, strategy.batch_sharding.spec[0]
+        group = {axes} if isinstance(axes, str) else set(axes)
+        rows = partition.shardings(
+            mesh,
+            jax.tree.map(
+                lambda spec: P(axes, *_without(spec, group)),
+                strategy.partition_specs(params),
+                is_leaf=lambda x: isinstance(x, P),
+            ),
+        )
+        micro = NamedSharding(mesh, P(None, axes))
+        return Accumulation(
+            self.accumulate,
+            replicas,
+            axes,
+            place_microbatches=lambda batch: jax.lax.with_sharding_constraint(batch, micro),
+            place_rows=lambda grads: jax.lax.with_sharding_constraint(grads, rows),
+            within_replica=strategy.replica_tracing,
+        )
+
     def __call__(self, state: TrainState, batch: Batch):
         return self.compiled(state)(state, batch)
 
     def lower(self, state: TrainState, batch: Batch):
         return self.compiled(state).lower(state, batch)
+
+
+def _without(spec: P, axes: set[str]) -> tuple:
+    """``spec``'s entries with ``axes`` taken out (a dimension they alone split becomes replicated).
+
+    >>> _without(P("data", ("data", "model"), None), {"data"})
+    (None, 'model', None)
+    """
+    entries = []
+    for entry in spec:
+        kept = tuple(a for a in ((entry,) if isinstance(entry, str) else entry or ()) if a not in axes)
+        entries.append(None if not kept else kept[0] if len(kept) == 1 else kept)
+    return tuple(entries)

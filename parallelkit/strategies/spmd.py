@@ -28,6 +28,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from ..core import partition
+from ..core.accumulate import accumulated_placement, check_accumulate
 from ..core.axes import DATA, AxisRules, MeshAxes, active_rules
 from ..core.contract import Batch, LossFn, PyTree, put_batch
 from ..core.state import TrainState, create_state, prng_key
@@ -74,6 +75,11 @@ class SPMD(Strategy):
         axes = () if entry is None else (entry,) if isinstance(entry, str) else entry
         return math.prod(self.mesh.shape[axis] for axis in axes)
 
+    @property
+    def fed_replicas(self) -> int:
+        """How many slices the batch a caller passes is cut into: all the replicas (it is the global batch)."""
+        return self.num_replicas
+
     @cached_property
     def replicated(self) -> NamedSharding:
         return NamedSharding(self.mesh, P())
@@ -112,6 +118,10 @@ class SPMD(Strategy):
     def tracing(self) -> contextlib.AbstractContextManager:
         """While the step traces, :func:`parallelkit.core.axes.constrain` lays activations out by these rules."""
         return active_rules(self.mesh, self.axis_rules)
+
+    def replica_tracing(self) -> contextlib.AbstractContextManager:
+        """:meth:`tracing` for one replica's loss, mapped over the replicas (``accumulate > 1``): ``batch`` unsplit."""
+        return active_rules(self.mesh, AxisRules(((BATCH, None), *self.axis_rules.rules)))
 
     def state_shardings(
         self,
@@ -155,8 +165,12 @@ class SPMD(Strategy):
 
         return jax.jit(build, out_shardings=target)(params, opt_state, model_state, rng)
 
-    def step(self, loss_fn: LossFn) -> Step:
-        return Step(_CompiledOnFirstCall(self, loss_fn), self.place_batch, self)
+    def step(self, loss_fn: LossFn, accumulate: int = 1) -> Step:
+        """The compiled step; ``accumulate=K`` runs each replica's slice as ``K`` microbatches, synchronised once
+        (:mod:`parallelkit.core.accumulate`)."""
+        check_accumulate(accumulate)
+        place = accumulated_placement(self.place_batch, accumulate, self.fed_replicas)
+        return Step(_CompiledOnFirstCall(self, loss_fn, accumulate), place, self)
 
     traffic_pattern = "spmd"
 

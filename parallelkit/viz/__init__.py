@@ -21,3 +21,4 @@ from .placement import partition_figure as partition_figure
 from .placement import placement_figure as placement_figure
 from .placement import slice_label as slice_label
 from .race import race_figure as race_figure
+from .trace import trace_figure as trace_figure

@@ -13,6 +13,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from ...core.accumulate import refuse_accumulation
 from ...core.axes import DATA
 from ...core.contract import Batch, PyTree, batch_size, guard_inputs
 from ...core.devices import DeviceCountError, first_devices
@@ -239,8 +240,18 @@ class Pipeline(Strategy):
             )
         return [jax.tree.map(lambda x, m=m: x[m * micro : (m + 1) * micro], batch) for m in range(pipe.microbatches)]
 
-    def step(self, head_loss: HeadLoss) -> PipelineStep:
-        """The training step for ``head_loss(output, batch) -> loss or (loss, aux)`` on the last layer's output."""
+    def step(self, head_loss: HeadLoss, accumulate: int = 1) -> PipelineStep:
+        """The training step for ``head_loss(output, batch) -> loss or (loss, aux)`` on the last layer's output.
+
+        ``accumulate > 1`` raises NotImplementedError: the pipeline already cuts the batch into
+        microbatches and applies one update a step (``Pipeline(..., microbatches=K)``).
+        """
+        refuse_accumulation(
+            repr(self),
+            accumulate,
+            "The pipeline already cuts each batch into microbatches and applies one update a step: "
+            "use Pipeline(..., microbatches=...).",
+        )
         return PipelineStep(self, head_loss)
 
     def traffic(self, loss_fn: HeadLoss, state: TrainState, batch: Batch) -> StepTraffic:
