@@ -88,3 +88,27 @@ def test_transformer_trains_with_its_tokens_split_over_seq(digits):
     assert "f32[16,4,32]" in split  # (batch / data, length / seq, embed): an activation's shard
     batch_only, step_batch_only = _train(pk.SPMD(mesh, rules=(("batch", pk.DATA),)), apply, params, batches[:1])
     assert "f32[16,4,32]" not in _compiled_text(step_batch_only, batch_only, batches[0])
+
+
+def test_batch_axes_lay_the_input_tokens_over_seq(digits):
+    """batch_axes: the input's rows (its tokens) split over seq as it is placed; still equal to one device."""
+    apply, params = pk.models.build("transformer", digits.input_shape, digits.num_classes)
+    batches = list(pk.data.batches(digits, 32, steps=3))
+    mesh = pk.mesh.make_mesh(jax.devices()[:4], data=2, seq=2)
+    strategy = pk.SPMD(mesh, rules=SEQ_RULES, batch_axes={"x": ("batch", "length", None, None)})
+    placed = strategy.place_batch(batches[0])
+    assert placed["x"].sharding.spec == P("data", "seq", None, None) and placed["y"].sharding.spec == P("data")
+    assert {shard.data.shape for shard in placed["x"].addressable_shards} == {(16, 4, 8, 1)}
+    assert strategy.batch_shardings(batches[1]) is strategy.batch_shardings(batches[0])  # made once
+    state, _ = _train(strategy, apply, params, batches)
+    expected, _ = _train(pk.SingleDevice(), apply, params, batches)
+    tree_allclose(state.params, expected.params)
+
+
+def test_batch_axes_start_with_the_batch_axis_and_need_named_arrays():
+    mesh = pk.mesh.make_mesh(jax.devices()[:4], data=2, seq=2)
+    with pytest.raises(ValueError, match="first axis is the logical axis 'batch'"):
+        pk.SPMD(mesh, rules=SEQ_RULES, batch_axes={"x": ("length", "batch")})
+    strategy = pk.SPMD(mesh, rules=SEQ_RULES, batch_axes={"x": ("batch", "length")})
+    with pytest.raises(ValueError, match="pass a dict of arrays"):
+        strategy.place_batch([np.zeros((4, 8))])

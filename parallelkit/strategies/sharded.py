@@ -47,8 +47,8 @@ class _CompiledOnFirstCall:
         self.strategy, self.loss_fn, self.accumulate = strategy, loss_fn, accumulate
         self.fn: Callable | None = None
 
-    def compiled(self, state: TrainState) -> Callable:
-        """The jitted step for ``state``'s layout, built the first time."""
+    def compiled(self, state: TrainState, batch: Batch) -> Callable:
+        """The jitted step for ``state``'s and ``batch``'s layouts, built the first time."""
         if self.fn is None:
             shardings = self.strategy.state_shardings(
                 state.params, state.tx, model_state=state.model_state, rng=state.rng
@@ -58,7 +58,7 @@ class _CompiledOnFirstCall:
                 functools.partial(
                     self._traced(train_step), self.loss_fn, sync=self._gradient_layout(state.params), **extra
                 ),
-                in_shardings=(shardings, self.strategy.batch_sharding),
+                in_shardings=(shardings, self.strategy.batch_shardings(batch)),
                 out_shardings=(shardings, self.strategy.replicated),
                 donate_argnums=0,
             )
@@ -119,10 +119,10 @@ class _CompiledOnFirstCall:
         )
 
     def __call__(self, state: TrainState, batch: Batch):
-        return self.compiled(state)(state, batch)
+        return self.compiled(state, batch)(state, batch)
 
     def lower(self, state: TrainState, batch: Batch):
-        return self.compiled(state).lower(state, batch)
+        return self.compiled(state, batch).lower(state, batch)
 
 
 def _without(spec: P, axes: set[str]) -> tuple:

@@ -2,7 +2,8 @@
 
 ``jax.jit`` of the single-device step with a ``NamedSharding`` for every leaf
 (:mod:`parallelkit.strategies.sharded` explains how): the batch split as the rules
-place the logical axis ``batch`` (its leading axis), the parameters by
+place the logical axis ``batch`` (every array's leading axis; ``batch_axes`` names the other
+axes of an array, such as a token axis ``length``, to lay them out too), the parameters by
 ``param_rules``, and the activations where the model calls
 :func:`parallelkit.core.axes.constrain`, which becomes ``with_sharding_constraint`` while
 this strategy traces its step. XLA's SPMD partitioner inserts the communication
@@ -19,7 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from functools import cached_property
 
 import jax
@@ -50,10 +51,13 @@ class SPMD(Strategy):
       param_rules: the parameters' layout: ``(regex, spec)`` pairs over parameter paths, where a
         spec is a ``PartitionSpec`` or a tuple of logical names (resolved by ``rules``), or a tree of
         specs (as :func:`parallelkit.core.partition.nnx_specs` gives); every parameter replicated by default.
+      batch_axes: the logical names of a batch array's axes, by its key, ``batch`` first:
+        ``{"x": ("batch", "length", None)}`` lays the tokens of ``x`` over the mesh axes of
+        ``length`` as it is placed; an array not named is split on its leading axis only.
 
     Raises:
-      ValueError: a rule that names a mesh axis ``mesh`` lacks; at ``init``, a parameter
-        no rule matches or a spec that does not fit its shape.
+      ValueError: a rule that names a mesh axis ``mesh`` lacks; batch axes that do not start
+        with ``batch``; at ``init``, a parameter no rule matches or a spec that does not fit its shape.
     """
 
     def __init__(
@@ -61,12 +65,22 @@ class SPMD(Strategy):
         mesh: Mesh,
         rules: AxisRules | Sequence[tuple[str, MeshAxes]] = (),
         param_rules: partition.Rules | PyTree | None = None,
+        *,
+        batch_axes: Mapping[str, Sequence[str | None]] | None = None,
     ):
         super().__init__(list(mesh.devices.flat))
         self.mesh = mesh
         self.axis_rules = rules if isinstance(rules, AxisRules) else AxisRules(tuple(rules))
         self.axis_rules.check(mesh)
         self.param_rules = param_rules
+        self.batch_axes = {key: tuple(names) for key, names in (batch_axes or {}).items()}
+        for key, names in self.batch_axes.items():
+            if not names or names[0] != BATCH:
+                raise ValueError(
+                    f"SPMD(batch_axes={{{key!r}: {names!r}}}): every batch array's first axis is the logical axis "
+                    f"{BATCH!r}; name its other axes after it, for example ('batch', 'length')."
+                )
+        self._batch_layouts: dict[tuple[str, ...], dict[str, NamedSharding]] = {}
 
     @cached_property
     def num_replicas(self) -> int:
@@ -94,9 +108,30 @@ class SPMD(Strategy):
         """Every batch leaf's leading axis split over the mesh axes the rules give ``batch``."""
         return NamedSharding(self.mesh, self.axis_rules.spec((BATCH,)))
 
+    def batch_shardings(self, batch: Batch) -> NamedSharding | dict[str, NamedSharding]:
+        """How ``batch`` is laid out: :attr:`batch_sharding` for every array, or one sharding per key
+        by ``batch_axes`` (made once for each set of keys: a sharding made every step costs time).
+
+        Raises:
+          ValueError: ``batch_axes`` given, but ``batch`` is not a mapping of named arrays.
+        """
+        if not self.batch_axes:
+            return self.batch_sharding
+        if not isinstance(batch, Mapping):
+            raise ValueError(
+                f"{self!r} lays out batch arrays by name (batch_axes), but the batch is a {type(batch).__name__}: "
+                "pass a dict of arrays, as pk.data.batches gives."
+            )
+        keys = tuple(batch)
+        if keys not in self._batch_layouts:
+            self._batch_layouts[keys] = {
+                key: NamedSharding(self.mesh, self.axis_rules.spec(self.batch_axes.get(key, (BATCH,)))) for key in keys
+            }
+        return self._batch_layouts[keys]
+
     def place_batch(self, batch: Batch) -> Batch:
         """Send each slice of the global batch to its devices (a clear error when it does not split)."""
-        return put_batch(batch, self.batch_sharding, self.num_replicas)
+        return put_batch(batch, self.batch_shardings(batch), self.num_replicas)
 
     def partition_specs(self, params: PyTree) -> PyTree:
         """The ``PartitionSpec`` of every parameter, checked against the mesh and the shapes."""
@@ -179,4 +214,5 @@ class SPMD(Strategy):
         return None
 
     def __repr__(self) -> str:
-        return f"SPMD(mesh={dict(self.mesh.shape)}, rules={self.axis_rules.rules})"
+        axes = f", batch_axes={self.batch_axes}" if self.batch_axes else ""
+        return f"SPMD(mesh={dict(self.mesh.shape)}, rules={self.axis_rules.rules}{axes})"
