@@ -33,8 +33,10 @@ import datetime
 import json
 import os
 import platform
+import time
 from pathlib import Path
 
+import jax
 import numpy as np
 import optax
 
@@ -78,6 +80,10 @@ def main() -> None:
         rounds.append(run.history.times.median)
     measured = float(np.median(rounds))
 
+    start = time.perf_counter()  # after the timed rounds, so that it cannot disturb them
+    pk.measure_ceilings(cache=False)  # the default, quick measurement on the devices JAX has: how long it takes
+    quick_seconds = time.perf_counter() - start
+
     rows = [
         ("measured (median of rounds)", measured),
         ("predicted: FLOPs / peak (cost model)", predicted),
@@ -86,6 +92,7 @@ def main() -> None:
     print(f"tour step: {MODEL}, batch {BATCH}, Adam, SingleDevice; {cost.flops:,.0f} FLOPs, "
           f"{cost.bytes_accessed:,.0f} bytes accessed ({cost.intensity:.2f} FLOPs/byte, {point_regime})")  # fmt: skip
     print(f"ceilings: {peak / 1e9:.1f} GFLOP/s float32 matmul, {bandwidth / 1e9:.1f} GB/s memory")
+    print(f"the default (quick) pk.measure_ceilings() on {len(jax.devices())} device(s) took {quick_seconds:.1f} s")
     for label, seconds in rows:
         print(f"  {label:<50}{seconds * 1e6:>10.1f} us   measured / this = {measured / seconds:>8.1f}")
     print(f"implied efficiency (MFU) for the cost model to match: {predicted / measured:.2%}")
@@ -104,6 +111,8 @@ def main() -> None:
         "peak_flops": peak,
         "memory_bandwidth": bandwidth,
         "ceilings": machine.key,
+        "quick_ceilings_s": quick_seconds,
+        "quick_ceilings_devices": len(jax.devices()),
         "predicted_s": predicted,
         "roofline_s": bound,
         "measured_s": measured,

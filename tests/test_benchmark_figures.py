@@ -218,6 +218,7 @@ def _roofline(doc) -> list[str]:
         f"{d['roofline_s'] * 1e6:.1f} us), measured {d['measured_s'] * 1e6:.0f} us: measured / predicted "
         f"{d['ratio']:.0f}, an efficiency of {d['implied_efficiency']:.1%}".replace("%", " %"),
         f"load average {d['load_average'][0]:.2f}",
+        f"(the quick measurement, on {d['quick_ceilings_devices']} device, took {d['quick_ceilings_s']:.1f} s)",
     ]
 
 

@@ -19,16 +19,18 @@ UNITS |= {"allreduce_latency": "s", "allreduce_bandwidth": "B/s"}
 
 @pytest.fixture(scope="module")
 def measured(tmp_path_factory):
-    """Ceilings of 2 simulated devices, measured once into a temporary cache, and the seconds it took."""
+    """Ceilings of 2 simulated devices, measured once into a temporary cache."""
     folder = tmp_path_factory.mktemp("cache")
-    start = time.perf_counter()
-    found = ceilings.measure_ceilings(jax.devices()[:2], directory=folder)
-    return found, time.perf_counter() - start, folder
+    return ceilings.measure_ceilings(jax.devices()[:2], directory=folder), folder
 
 
-def test_quick_measurement_takes_seconds_and_gives_positive_figures_with_units(measured):
-    found, seconds, _ = measured
-    assert seconds < 10, f"quick ceilings took {seconds:.1f} s"
+def test_quick_measurement_is_small_and_gives_positive_figures_with_units(measured):
+    found, _ = measured
+    # Small by construction (how long it takes is benchmarks/roofline.py's to record, not a test's):
+    # a 512 x 512 matmul, 64 MiB of memory, all-reduces of at most 4 MiB a device, 5 calls each.
+    assert "512x512 matmul, median of 5" in found.matmul_f32.method
+    assert "on 64 MiB float32" in found.memory.method
+    assert f"to {4 * 2**20} B per device" in found.allreduce_bandwidth.method
     figures = found.figures()
     assert set(figures) == set(UNITS)
     for name, figure in figures.items():
@@ -55,13 +57,13 @@ def test_matmul_figure_matches_a_direct_timing():
     assert 0.5 < found.matmul_f32.value / direct < 2, (found.matmul_f32, direct)
 
 
-def test_second_call_reads_the_cache_refresh_measures_again(measured):
-    found, _, folder = measured
+def test_second_call_reads_the_cache_refresh_measures_again(measured, monkeypatch):
+    found, folder = measured
     path = folder / f"ceilings-{found.key}.json"
     assert path.exists()
-    start = time.perf_counter()
-    assert pk.measure_ceilings(jax.devices()[:2], directory=folder) == found
-    assert time.perf_counter() - start < 0.5  # read, not measured
+    with monkeypatch.context() as patch:  # read, not measured: measuring now would raise
+        patch.setattr(ceilings, "matmul_flops", lambda *_, **__: pytest.fail("measured instead of read"))
+        assert pk.measure_ceilings(jax.devices()[:2], directory=folder) == found
     before = path.stat().st_mtime_ns
     again = ceilings.measure_ceilings(jax.devices()[:2], directory=folder, refresh=True)
     assert path.stat().st_mtime_ns > before and again.key == found.key
