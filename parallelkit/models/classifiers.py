@@ -1,16 +1,7 @@
-"""Small Flax (NNX) models, and a functional view that strategies can train.
-
-Strategies work on plain parameter pytrees and ``loss_fn(params, batch)``, so an
-NNX module is split once into a static graph and a dict of arrays::
-
-    model = pk.models.MLP(64, (128,), 10, rngs=nnx.Rngs(0))
-    apply, params = pk.models.functional(model)
-    logits = apply(params, x)
-"""
+"""The kit's classifiers (MLP, CNN, a small transformer, a scanned tower), their loss, and their layers."""
 
 from __future__ import annotations
 
-import inspect
 import math
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
@@ -20,7 +11,8 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from .core.axes import constrain
+from ..core.axes import constrain
+from .functional import functional, graph_and_params
 
 Apply = Callable[[dict, jax.Array], jax.Array]
 
@@ -210,75 +202,6 @@ def _dropout(x: jax.Array, rate: float, key: jax.Array | None) -> jax.Array:
     return jnp.where(keep, x / (1 - rate), 0)
 
 
-class Functional(NamedTuple):
-    """A Flax NNX module in functional form: ``apply``, its parameters, its mutable state (or ``None``)."""
-
-    apply: Callable[..., Any]
-    params: dict
-    model_state: dict | None
-
-
-def from_nnx(module: nnx.Module) -> Functional:
-    """Turn any NNX module into ``(apply, params, model_state)``: plain dicts a strategy can place.
-
-    ``params`` holds the ``nnx.Param`` variables; ``model_state`` the rest of the
-    module's state, such as BatchNorm's running statistics (``None`` when there is
-    none). The module's ``__call__`` may take ``train`` and ``rngs`` keywords; then::
-
-        logits = apply(params, x)                                   # a model without state
-        logits = apply(params, x, rng=key)                          # dropout drawn from `key`
-        logits, model_state = apply(params, x, model_state=state)   # BatchNorm: new statistics
-        logits = apply(params, x, model_state=state, train=False)   # inference: running averages
-
-    Dropout is on exactly when ``rng`` is given; ``train=False`` makes BatchNorm use its
-    running averages (and returns the logits alone).
-
-    >>> model = from_nnx(CNN((8, 8, 1), 10, batch_norm=True, rngs=nnx.Rngs(0)))
-    >>> sorted(model.model_state["norms"][0])
-    ['mean', 'var']
-    """
-    graphdef, params, rest = nnx.split(module, nnx.Param, ...)
-    rest_dict = nnx.to_pure_dict(rest)
-    takes = set(inspect.signature(type(module).__call__).parameters)
-
-    def apply(params: dict, x: jax.Array, *, rng: jax.Array | None = None, model_state=None, train: bool = True):
-        if model_state is not None and not rest_dict:
-            raise ValueError(
-                f"{type(module).__name__} has no state besides its parameters, but model_state was given. "
-                "Leave model_state out (of strategy.init, pk.fit and apply)."
-            )
-        model = nnx.merge(graphdef, nnx.State(params), nnx.State(model_state if model_state is not None else rest_dict))
-        keywords = {}
-        if "train" in takes:
-            keywords["train"] = train
-        if "rngs" in takes:
-            keywords["rngs"] = rng
-        elif rng is not None:
-            raise ValueError(f"{type(module).__name__} draws no randomness: its __call__ takes no `rngs`.")
-        out = model(x, **keywords)
-        if model_state is None or not train:
-            return out
-        return out, nnx.to_pure_dict(nnx.split(model, nnx.Param, ...)[2])
-
-    return Functional(apply, nnx.to_pure_dict(params), rest_dict or None)
-
-
-def functional(module: nnx.Module) -> tuple[Callable[..., Any], dict]:
-    """``(apply, params)`` of a module without mutable state; see :func:`from_nnx` for the general case.
-
-    Raises:
-      ValueError: the module has state besides its parameters (BatchNorm statistics):
-        use :func:`from_nnx`, which returns it too.
-    """
-    model = from_nnx(module)
-    if model.model_state is not None:
-        raise ValueError(
-            f"{type(module).__name__} has state besides its parameters ({', '.join(model.model_state)}): "
-            "use pk.models.from_nnx(module), which returns (apply, params, model_state)."
-        )
-    return model.apply, model.params
-
-
 def classifier_loss(apply: Callable[..., Any]) -> Callable[..., Any]:
     """``loss_fn(params, batch, **extras)``: mean cross-entropy and accuracy for ``{"x", "y"}`` batches.
 
@@ -343,7 +266,7 @@ def as_layers(module: MLP | Transformer) -> Layers:
     """
     if isinstance(module, MLP):
         dense = [*module.hidden, module.head]
-        parts = [_part(layer) for layer in dense]
+        parts = [graph_and_params(layer) for layer in dense]
 
         def dense_layer(i: int):
             graphdef = parts[i][0]
@@ -360,7 +283,7 @@ def as_layers(module: MLP | Transformer) -> Layers:
         return Layers([dense_layer(i) for i in range(len(dense))], [params for _, params in parts])
     if isinstance(module, Transformer):
         (embed, embed_params), (norm, norm_params), (head, head_params) = map(
-            _part, (module.embed, module.norm, module.head)
+            graph_and_params, (module.embed, module.norm, module.head)
         )
 
         def embedding(params: dict, batch: dict) -> jax.Array:
@@ -374,7 +297,7 @@ def as_layers(module: MLP | Transformer) -> Layers:
             x = nnx.merge(norm, nnx.State(params["norm"]))(x).mean(axis=1)
             return nnx.merge(head, nnx.State(params["head"]))(x)
 
-        blocks = [_part(block) for block in module.blocks]
+        blocks = [graph_and_params(block) for block in module.blocks]
         return Layers(
             [embedding, *(block_layer(graphdef) for graphdef, _ in blocks), classify],
             [
@@ -387,12 +310,6 @@ def as_layers(module: MLP | Transformer) -> Layers:
         f"as_layers knows the kit's MLP and Transformer, not {type(module).__name__}: write the model as a list "
         "of functions apply_i(params_i, x) -> y with a list of their parameters."
     )
-
-
-def _part(module: nnx.Module) -> tuple[nnx.GraphDef, dict]:
-    """A sub-module's static graph and its parameters as a plain dict."""
-    graphdef, params = nnx.split(module)
-    return graphdef, nnx.to_pure_dict(params)
 
 
 def build(name: str, input_shape: Sequence[int], num_classes: int, seed: int = 0) -> tuple[Apply, dict]:
@@ -413,8 +330,3 @@ def build(name: str, input_shape: Sequence[int], num_classes: int, seed: int = 0
     if name == "transformer":
         return functional(Transformer(input_shape, num_classes, rngs=rngs))
     raise ValueError(f"Unknown model {name!r}: choose 'mlp', 'cnn' or 'transformer'.")
-
-
-def param_bytes(params: dict) -> int:
-    """Total bytes of a parameter tree (what one full gradient all-reduce carries)."""
-    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))

@@ -1,0 +1,28 @@
+"""Small Flax (NNX) models, and a functional view that strategies can train.
+
+Strategies work on plain parameter pytrees and ``loss_fn(params, batch)``, so an
+NNX module is split once into a static graph and a dict of arrays::
+
+    model = pk.models.MLP(64, (128,), 10, rngs=nnx.Rngs(0))
+    apply, params = pk.models.functional(model)
+    logits = apply(params, x)
+"""
+
+from .classifiers import (
+    CNN,
+    MLP,
+    Apply,
+    Layers,
+    Tower,
+    Transformer,
+    as_layers,
+    build,
+    classifier_loss,
+    cross_entropy,
+)
+from .functional import Functional, from_nnx, functional, param_bytes
+
+__all__ = [
+    "CNN", "MLP", "Apply", "Functional", "Layers", "Tower", "Transformer",
+    "as_layers", "build", "classifier_loss", "cross_entropy", "from_nnx", "functional", "param_bytes",
+]  # fmt: skip
