@@ -5,7 +5,9 @@
 1
 """
 
+from . import attention as attention
 from . import data as data
+from . import experts as experts
 from . import models as models
 from .core import axes as axes
 from .core import mesh as mesh
@@ -22,6 +24,7 @@ from .core.devices import DeviceCountError as DeviceCountError
 from .core.devices import DeviceSubsetWarning as DeviceSubsetWarning
 from .core.devices import device_summary as device_summary
 from .core.devices import simulate_devices as simulate_devices
+from .core.precision import Precision as Precision
 from .course import lesson as lesson
 from .measure import collectives as collectives
 from .measure import costmodel as costmodel
@@ -44,6 +47,7 @@ from .run.training import StepRecord as StepRecord
 from .run.training import fit as fit
 from .strategies import SPMD as SPMD
 from .strategies import CentralStorage as CentralStorage
+from .strategies import ExpertParallel as ExpertParallel
 from .strategies import FullySharded as FullySharded
 from .strategies import Hybrid as Hybrid
 from .strategies import LeafPlacement as LeafPlacement

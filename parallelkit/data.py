@@ -1,9 +1,11 @@
 """Small in-memory datasets and a deterministic batch iterator.
 
-Every loader returns a :class:`Dataset` of NHWC ``float32`` images in ``[0, 1]``
+Every image loader returns a :class:`Dataset` of NHWC ``float32`` images in ``[0, 1]``
 and ``int32`` labels. :func:`digits` and :func:`synthetic` need no files;
 :func:`load_mnist` and :func:`load_cifar10` read the usual files from a local
-directory and never download anything.
+directory and never download anything. :func:`text` returns byte-level ``int32``
+token sequences and their next tokens, from the Python standard library's own
+source (no download) or from a text file.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import gzip
 import pickle
 import struct
+import sysconfig
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,7 +35,10 @@ _CIFAR_SOURCE = "https://www.cs.toronto.edu/~kriz/cifar-10-python.tar.gz"
 
 @dataclass(frozen=True, eq=False)
 class Dataset:
-    """Examples ``x`` (``float32``, first axis the examples) and labels ``y`` (``int32``).
+    """Examples ``x`` (first axis the examples) and labels ``y`` (``int32``).
+
+    ``x`` holds ``float32`` images, or ``int32`` tokens for :func:`text` (whose ``y``
+    then holds one next token per input token and ``num_classes`` is the vocabulary).
 
     Equality and hashing are by identity, as comparing arrays has no single answer.
     """
@@ -193,6 +199,89 @@ def load_cifar10(path: str | Path, split: str = "train") -> Dataset:
         ys.append(labels)
     x = np.concatenate(xs).astype(np.float32) / 255.0
     return Dataset(x=x, y=np.concatenate(ys), num_classes=10, name="cifar10")
+
+
+BYTE_VOCAB = 256  # byte-level tokens: each byte of the text is one token
+STDLIB_BYTES = 1 << 20  # the default corpus: the first MiB of the standard library's source
+
+
+def stdlib_source(max_bytes: int | None = STDLIB_BYTES) -> bytes:
+    """The Python standard library's own source text: a corpus that needs no download.
+
+    The public top-level modules (``*.py`` files not starting with ``_``) of the running
+    Python's standard library, sorted by file name and concatenated, cut to the first
+    ``max_bytes`` bytes (None: all of them). The same Python gives the same bytes on every
+    call; another Python version gives another text.
+
+    >>> len(stdlib_source(1000))
+    1000
+
+    Raises:
+      FileNotFoundError: this Python ships no standard library source (read a text file
+        of your own with ``text(path=...)``).
+    """
+    directory = Path(sysconfig.get_paths()["stdlib"])
+    files = sorted(f for f in directory.glob("*.py") if not f.name.startswith("_"))
+    if not files:
+        raise FileNotFoundError(
+            f"This Python has no standard library source files in {directory}. "
+            "Pass a text file of your own instead: pk.data.text(path=...)."
+        )
+    chunks, size = [], 0
+    for file in files:
+        if max_bytes is not None and size >= max_bytes:
+            break
+        chunks.append(file.read_bytes())
+        size += len(chunks[-1])
+    return b"".join(chunks)[:max_bytes]
+
+
+def text(path: str | Path | None = None, length: int = 128, *, max_bytes: int | None = None) -> Dataset:
+    """Byte-level next-token examples: ``x`` holds ``length`` tokens, ``y`` the same tokens one step on.
+
+    The text (the file at ``path``, or :func:`stdlib_source` without one) is read as
+    bytes, each byte one token, so the vocabulary (``num_classes``) is 256 and any file
+    works. Example ``i`` is ``x = tokens[i*length : (i+1)*length]`` with targets
+    ``y = tokens[i*length + 1 : (i+1)*length + 1]``: the examples do not overlap (no
+    token is a target twice), and the last ``(n - 1) % length`` of the ``n`` tokens are
+    left out. Inputs and targets have the same length, so a strategy that
+    splits the sequence splits both the same way. :func:`batches` shuffles and batches
+    them (``{"x", "y"}``, both ``int32`` of shape ``(batch, length)``).
+
+    Args:
+      path: a file of any bytes; None for the standard library's source.
+      length: tokens per example (the model's sequence length).
+      max_bytes: read at most this many bytes of the text. None: the whole file, or the
+        first :data:`STDLIB_BYTES` (1 MiB) of the standard library's source.
+
+    >>> ds = text(length=64, max_bytes=10_000)
+    >>> len(ds), ds.x.shape, ds.y.dtype, ds.num_classes
+    (156, (156, 64), dtype('int32'), 256)
+
+    Raises:
+      FileNotFoundError: no file at ``path``.
+      ValueError: ``length`` or ``max_bytes`` below 1, or a text shorter than one example
+        (``length + 1`` bytes).
+    """
+    if length < 1:
+        raise ValueError(f"length must be at least 1 token, got {length}.")
+    if max_bytes is not None and max_bytes < 1:
+        raise ValueError(f"max_bytes must be at least 1 (or None for the default), got {max_bytes}.")
+    if path is None:
+        raw, name = stdlib_source(STDLIB_BYTES if max_bytes is None else max_bytes), "stdlib"
+    else:
+        with Path(path).open("rb") as f:
+            raw, name = f.read(-1 if max_bytes is None else max_bytes), Path(path).name
+    count = (len(raw) - 1) // length
+    if count < 1:
+        raise ValueError(
+            f"The text {name!r} gives {len(raw)} bytes (max_bytes={max_bytes}), but one example of length {length} "
+            f"needs {length + 1} (its inputs and the token after them). Use a shorter length or a longer text."
+        )
+    tokens = np.frombuffer(raw, dtype=np.uint8).astype(np.int32)
+    x = tokens[: count * length].reshape(count, length)
+    y = tokens[1 : count * length + 1].reshape(count, length)
+    return Dataset(x=x, y=y, num_classes=BYTE_VOCAB, name=name)
 
 
 def batches(

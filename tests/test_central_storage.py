@@ -113,8 +113,8 @@ def test_push_copies_each_row_to_the_owner_and_leaves_the_owners_own_row_in_plac
     strategy = pk.CentralStorage(4)
     fn = strategy.step(loss_fn).fn
     state = strategy.init(params, optax.sgd(0.1))
-    params_on_workers, rng, model_state = fn.pull(state)
-    rows = fn.compute(params_on_workers, strategy.place_batch(batch), rng, model_state)
+    params_on_workers, *pulled = fn.pull(state)  # the key, the model state and the loss scale
+    rows = fn.compute(params_on_workers, strategy.place_batch(batch), *pulled)
     owner = fn.push_update.compute
     pushed = push_rows(rows, owner)
     assert len(pushed) == 4

@@ -17,7 +17,9 @@ from parallelkit.data import (
     load_cifar10,
     load_mnist,
     split,
+    stdlib_source,
     synthetic,
+    text,
 )
 
 # --- fixtures -------------------------------------------------------------------------
@@ -263,6 +265,49 @@ def test_batches_no_shuffle_and_forever():
 def test_batches_errors_are_raised_at_call(kwargs, message):
     with pytest.raises(ValueError, match=message):
         batches(_tiny(), **kwargs)  # no next(): arguments are checked eagerly
+
+
+# --- text -----------------------------------------------------------------------------
+
+
+def test_stdlib_corpus_is_deterministic_byte_tokens():
+    first, again = text(length=64), text(length=64)
+    np.testing.assert_array_equal(first.x, again.x)
+    np.testing.assert_array_equal(first.y, again.y)
+    assert first.name == "stdlib" and first.num_classes == 256 and first.input_shape == (64,)
+    assert first.x.dtype == first.y.dtype == np.int32
+    assert 0 <= first.x.min() and first.x.max() <= 255
+    assert len(first) == (len(stdlib_source()) - 1) // 64
+    source = np.frombuffer(stdlib_source(), dtype=np.uint8)
+    np.testing.assert_array_equal(first.x.ravel(), source[: first.x.size])
+    assert stdlib_source(1000) == stdlib_source()[:1000]
+
+
+def test_text_file_targets_are_the_next_tokens(tmp_path):
+    file = tmp_path / "words.txt"
+    file.write_bytes(bytes(range(256)) + "héllo".encode())  # every byte value, and UTF-8 as its bytes
+    ds = text(file, length=10)
+    tokens = np.frombuffer(file.read_bytes(), dtype=np.uint8)
+    assert len(ds) == (len(tokens) - 1) // 10 == 26 and ds.name == "words.txt"
+    np.testing.assert_array_equal(ds.x.ravel(), tokens[:260])
+    np.testing.assert_array_equal(ds.y.ravel(), tokens[1:261])
+    assert text(file, length=10, max_bytes=21).x.tolist() == [list(range(10)), list(range(10, 20))]
+    batch = next(batches(ds, 4, steps=1))
+    assert batch["x"].shape == batch["y"].shape == (4, 10) and batch["x"].dtype == np.int32
+    np.testing.assert_array_equal(batch["x"][:, 1:], batch["y"][:, :-1])
+
+
+def test_text_errors(tmp_path):
+    file = tmp_path / "short.txt"
+    file.write_bytes(b"0123456789")
+    with pytest.raises(ValueError, match="gives 10 bytes .* length 10 needs 11 .*shorter length"):
+        text(file, length=10)
+    with pytest.raises(ValueError, match="length must be at least 1"):
+        text(file, length=0)
+    with pytest.raises(ValueError, match="max_bytes must be at least 1"):
+        text(file, length=4, max_bytes=0)
+    with pytest.raises(FileNotFoundError):
+        text(tmp_path / "missing.txt")
 
 
 # --- split ----------------------------------------------------------------------------

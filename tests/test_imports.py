@@ -22,6 +22,8 @@ SELF_DESCRIBING = ("strategies",)  # the package that may know its own classes
 LAYERS = {
     "core": 0,  # state, step, contracts, protocol, devices, mesh, axes, partition
     "models": 1, "data": 1,  # what is trained: import only the core
+    "experts": 1,
+    "attention": 1,  # attention split over devices: imports only the core
     "measure": 1,  # reading compiled programs, traces and clocks: the core and the protocol
     "strategies": 2,  # the core and the measuring tools (each reports its own traffic)
     "run": 3,  # the training loop, callbacks, checkpoints, prefetching, processes

@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 import parallelkit as pk
 
@@ -45,3 +46,51 @@ def test_loss_uses_params_not_captured_state():
 def test_unknown_model():
     with pytest.raises(ValueError, match="Unknown model"):
         pk.models.build("resnet", (8, 8, 1), 10)
+
+
+def test_every_parameter_of_the_kits_models_declares_one_name_per_dimension():
+    """The kit's models declare each parameter's logical axes (BatchNorm's scale and bias excepted)."""
+    for module in (
+        pk.models.MLP(64, (32, 16), 10, rngs=nnx.Rngs(0)),
+        pk.models.CNN((8, 8, 1), 10, rngs=nnx.Rngs(0)),
+        pk.models.Transformer((8, 8, 1), 10, rngs=nnx.Rngs(0)),
+    ):
+        axes, params = pk.models.param_axes(module), pk.models.functional(module)[1]
+        fits = jax.tree.map(lambda p, names: isinstance(names, tuple) and len(names) == p.ndim, params, axes)
+        assert jax.tree.leaves(fits) and all(jax.tree.leaves(fits)), fits
+    transformer = pk.models.param_axes(pk.models.Transformer((8, 8, 1), 10, rngs=nnx.Rngs(0)))
+    assert transformer["blocks"][0]["query"]["kernel"] == ("embed", "heads")
+    assert transformer["blocks"][1]["out"]["kernel"] == ("heads", "embed")
+    assert transformer["blocks"][0]["mlp_in"]["kernel"] == ("embed", "mlp")
+    assert transformer["blocks"][0]["mlp_out"]["kernel"] == ("mlp", "embed")
+    assert transformer["position"] == ("length", "embed")
+
+
+def test_the_mlp_alternates_mlp_and_embed():
+    axes = pk.models.param_axes(pk.models.MLP(64, (32, 16, 8), 10, rngs=nnx.Rngs(0)))
+    kernels = [axes["hidden"][i]["kernel"] for i in range(3)] + [axes["head"]["kernel"]]
+    assert kernels == [("features", "mlp"), ("mlp", "embed"), ("embed", "mlp"), ("mlp", "classes")]
+
+
+def test_declared_axes_are_found_from_the_plain_parameters():
+    model = pk.models.from_nnx(pk.models.CNN((8, 8, 1), 10, batch_norm=True, rngs=nnx.Rngs(0)))
+    copy = jax.tree.map(lambda x: np.asarray(x) + 1, model.params)  # other values, same structure and shapes
+    axes = pk.models.declared_axes(copy)
+    assert (
+        axes["convs"][0]["kernel"] == (None, None, "channels", "hidden_channels") and axes["norms"][0]["scale"] is None
+    )
+    assert pk.models.declared_axes({"w": np.zeros((3, 4))}) is None
+
+
+def test_a_module_declaring_nothing_replaces_an_older_declaration_of_the_same_shapes():
+    class Same(nnx.Module):  # the parameter tree of MLP(4, (8,), 2), without declarations
+        def __init__(self, rngs):
+            self.hidden = nnx.List([nnx.Linear(4, 8, rngs=rngs)])
+            self.head = nnx.Linear(8, 2, rngs=rngs)
+
+    _, params = pk.models.functional(pk.models.MLP(4, (8,), 2, rngs=nnx.Rngs(0)))
+    assert pk.models.declared_axes(params) is not None
+    pk.models.functional(Same(nnx.Rngs(0)))
+    assert pk.models.declared_axes(params) is None
+    pk.models.functional(pk.models.MLP(4, (8,), 2, rngs=nnx.Rngs(0)))  # the last module wins again
+    assert pk.models.declared_axes(params)["hidden"][0]["kernel"] == ("features", "mlp")

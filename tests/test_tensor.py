@@ -130,6 +130,69 @@ def test_flax_partitioning_metadata_is_honoured(digits):
     assert split.state.params["down"]["kernel"].sharding.spec == ROWS
 
 
+def declared_and_megatron_specs(params, megatron_rules):
+    """The specs TensorParallel(2) finds from the declared axes, and the specs of the Megatron regex rules."""
+    return pk.TensorParallel(model=2).partition_specs(params), pk.partition.param_specs(params, megatron_rules)
+
+
+@pytest.mark.parametrize("hidden", [(), (8,), (8, 6), (8, 6, 4), (8, 6, 4, 2)])
+def test_the_mlps_declared_axes_give_megatrons_alternation(hidden):
+    _, params = pk.models.functional(pk.models.MLP(12, hidden, 10, rngs=nnx.Rngs(0)))
+    declared, megatron = declared_and_megatron_specs(params, pk.partition.megatron_mlp_rules(len(hidden)))
+    assert declared == megatron
+
+
+@pytest.mark.parametrize("channels", [(4, 6), (4, 6, 2)])
+@pytest.mark.parametrize("batch_norm", [False, True])
+def test_the_cnns_declared_axes_split_its_first_two_convolutions(channels, batch_norm):
+    params = pk.models.from_nnx(pk.models.CNN((8, 8, 1), 10, channels, batch_norm=batch_norm, rngs=nnx.Rngs(0))).params
+    declared, megatron = declared_and_megatron_specs(params, pk.partition.megatron_cnn_rules())
+    assert declared == megatron
+
+
+def test_the_transformers_declared_axes_split_heads_and_mlp(digits):
+    _, params = pk.models.build("transformer", digits.input_shape, digits.num_classes)
+    declared, megatron = declared_and_megatron_specs(params, pk.partition.megatron_transformer_rules())
+    assert declared == megatron
+    assert declared["blocks"][0]["key"]["kernel"] == COLUMNS and declared["blocks"][0]["mlp_out"]["kernel"] == ROWS
+
+
+class Annotated(nnx.Module):
+    """A model of one's own whose parameters declare logical axes (or mesh axes: ``names`` decides)."""
+
+    def __init__(self, up, down, rngs):
+        init, zeros = nnx.initializers.lecun_normal(), nnx.initializers.zeros_init()
+        named = dict(eager_sharding=False)  # keep the names as metadata; the strategy places the values
+        self.up = nnx.Linear(64, 32, kernel_init=nnx.with_partitioning(init, up, **named),
+                             bias_init=nnx.with_partitioning(zeros, up[1:], **named), rngs=rngs)  # fmt: skip
+        self.down = nnx.Linear(32, 10, kernel_init=nnx.with_partitioning(init, down, **named), rngs=rngs)
+
+    def __call__(self, x):
+        return self.down(jax.nn.relu(self.up(x.reshape(x.shape[0], -1))))
+
+
+@pytest.mark.parametrize(
+    ("up", "down"),
+    [(("pixels", "mlp"), ("mlp", "logits")), ((None, "model"), ("model", None))],
+    ids=["logical", "mesh"],
+)
+def test_a_model_of_its_own_declaring_axes_needs_no_rules(up, down, digits):
+    apply, params = pk.models.functional(Annotated(up, down, nnx.Rngs(0)))
+    loss_fn = pk.models.classifier_loss(apply)
+    split = pk.fit(pk.TensorParallel(model=2), loss_fn, params, optax.sgd(0.1), pk.data.batches(digits, 32, steps=4))
+    reference = pk.fit(pk.SingleDevice(), loss_fn, params, optax.sgd(0.1), pk.data.batches(digits, 32, steps=4))
+    tree_allclose(split.params, reference.params)
+    specs = specs_by_path(split.state.params)
+    assert specs == {"up/kernel": COLUMNS, "up/bias": P("model"), "down/kernel": ROWS, "down/bias": P()}
+
+
+def test_axis_rules_choose_which_declared_names_split(digits):
+    _, params = pk.models.build("transformer", digits.input_shape, digits.num_classes)
+    specs = pk.TensorParallel(model=2, rules=pk.AxisRules((("mlp", "model"),))).partition_specs(params)
+    assert specs["blocks"][0]["mlp_in"]["kernel"] == COLUMNS and specs["blocks"][0]["mlp_out"]["kernel"] == ROWS
+    assert specs["blocks"][0]["query"]["kernel"] == P() and specs["blocks"][0]["out"]["kernel"] == P()
+
+
 @pytest.mark.timeout(120)
 def test_checkpoint_restores_across_layouts(mlp, digits, tmp_path):
     """tensor 2 -> one device -> tensor 2, each continuing the run: the same parameters as one uninterrupted run."""
@@ -176,7 +239,16 @@ class TestErrors:
 
     def test_other_models_need_rules(self):
         params = {"embed": jnp.zeros((16, 4)), "proj": {"kernel": jnp.zeros((4, 4))}}
-        with pytest.raises(ValueError, match="default rules only for pk.models.MLP, CNN and Transformer"):
+        with pytest.raises(ValueError, match="default rules only for models whose parameters declare logical axes"):
+            pk.TensorParallel(model=2).init(params, optax.sgd(0.1))
+
+    def test_a_module_without_declared_axes_needs_rules(self):
+        class Plain(nnx.Module):
+            def __init__(self, rngs):
+                self.up = nnx.Linear(64, 32, rngs=rngs)
+
+        _, params = pk.models.functional(Plain(nnx.Rngs(0)))
+        with pytest.raises(ValueError, match=r"give rules=\[\(regex, PartitionSpec\), ...\] for this model"):
             pk.TensorParallel(model=2).init(params, optax.sgd(0.1))
 
 

@@ -137,3 +137,34 @@ def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
         return x
     mesh, rules = active
     return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, rules.spec(names, unknown=P.UNCONSTRAINED)))
+
+
+def active() -> tuple[Mesh, AxisRules] | None:
+    """The ``(mesh, rules)`` of the innermost :func:`active_rules` block, or ``None`` outside any.
+
+    >>> active() is None
+    True
+    """
+    return _ACTIVE.get()
+
+
+_CONTEXT_METHOD: contextvars.ContextVar[str | None] = contextvars.ContextVar("context_method", default=None)
+
+
+@contextlib.contextmanager
+def context_method(name: str) -> Iterator[None]:
+    """Inside the block, attention whose ``length`` the active rules split uses method ``name``.
+
+    :func:`parallelkit.attention.attend` reads it when it is traced (``"allgather"``
+    when no block is open); :func:`parallelkit.attention.method` checks the name first.
+    """
+    token = _CONTEXT_METHOD.set(name)
+    try:
+        yield
+    finally:
+        _CONTEXT_METHOD.reset(token)
+
+
+def active_context_method() -> str | None:
+    """The method of the innermost :func:`context_method` block, or ``None`` outside any."""
+    return _CONTEXT_METHOD.get()

@@ -5,7 +5,8 @@ by ``/`` (``hidden/0/kernel``); the first rule whose regex ``re.search``-matches
 path gives its spec. A parameter that no rule matches is an error naming it: end
 the rules with ``(".*", P())`` to replicate everything else. This is the style of
 t5x and levanter; a Flax model that carries its own annotations
-(``nnx.with_partitioning``) gives its specs through :func:`nnx_specs` instead.
+(``nnx.with_partitioning``) gives its specs through :func:`nnx_specs` (mesh axis names)
+or :func:`logical_specs` (logical names, mapped by axis rules) instead.
 
 The optimizer state follows the parameters: each leaf of ``tx.init(params)`` that
 stands for a parameter (Adam's ``mu`` and ``nu``, momentum's trace) gets that
@@ -97,6 +98,26 @@ def logical_rules(rules: Rules | PyTree, spec_of: Callable[[Sequence[str | None]
     if not _is_rule_list(rules):
         return rules
     return [(pattern, spec if isinstance(spec, P) else spec_of(spec)) for pattern, spec in rules]
+
+
+def logical_specs(axes: PyTree, spec_of: Callable[[Sequence[str | None]], P]) -> PyTree:
+    """The ``PartitionSpec`` of each parameter from the logical names its dimensions declare.
+
+    ``axes`` is a tree of name tuples (``("embed", "mlp")``), ``None`` where a parameter
+    declares none (replicated), as :func:`parallelkit.models.param_axes` gives; ``spec_of``
+    (:meth:`parallelkit.core.axes.AxisRules.spec`) maps names to mesh axes. A spec that
+    splits no dimension is written ``P()``.
+
+    >>> from parallelkit.core.axes import AxisRules
+    >>> logical_specs({"w": ("embed", "mlp"), "b": ("embed",), "n": None}, AxisRules((("mlp", "model"),)).spec)
+    {'b': P(), 'n': P(), 'w': P(None, 'model')}
+    """
+
+    def spec(names: Sequence[str | None] | None) -> P:
+        found = P() if names is None else spec_of(names)
+        return found if any(entry is not None for entry in found) else P()
+
+    return jax.tree.map(spec, axes, is_leaf=lambda x: x is None or isinstance(x, tuple))
 
 
 # Leaves with fewer elements stay replicated under fully sharded training: gathering them would
@@ -195,7 +216,8 @@ def nnx_specs(module: Any) -> PyTree:
     ``rules`` to a strategy that splits parameters. Build the module inside
     ``with nnx.use_eager_sharding(False):`` so that Flax keeps the annotations as
     metadata instead of asking for a mesh to place the values at once; the strategy
-    places them.
+    places them. The annotations are taken as mesh axis names; for logical names (as the
+    kit's models declare) use :func:`logical_specs` with axis rules.
     """
     from flax import nnx
 
@@ -213,7 +235,8 @@ def megatron_mlp_rules(hidden_layers: int) -> list[tuple[str, P]]:
     the partial sums, so a column/row pair costs one all-reduce forward and one
     backward (the backward one only where the block's input has a gradient to pass on,
     so not for the first block, whose input is the data). The head continues the
-    alternation when it would be a row split, and is replicated otherwise.
+    alternation when it would be a row split, and is replicated otherwise. These are the
+    specs the MLP's declared logical axes give under :class:`parallelkit.TensorParallel`.
 
     >>> megatron_mlp_rules(1)[-2:]
     [('^head/kernel$', P('model', None)), ('^head/bias$', P())]
@@ -236,7 +259,8 @@ def megatron_cnn_rules() -> list[tuple[str, P]]:
     ``convs/0`` is split by output channels (kernel ``P(None, None, None, "model")``),
     ``convs/1`` by input channels (kernel ``P(None, None, "model", None)``): each device
     convolves its own channels and one all-reduce adds the partial sums. The rest
-    (later convolutions, BatchNorm, the head) is replicated.
+    (later convolutions, BatchNorm, the head) is replicated. These are the specs the CNN's
+    declared logical axes give under :class:`parallelkit.TensorParallel`.
 
     >>> megatron_cnn_rules()[0]
     ('^convs/0/kernel$', P(None, None, None, 'model'))
@@ -255,7 +279,8 @@ def megatron_transformer_rules() -> list[tuple[str, P]]:
     Attention: ``query``, ``key`` and ``value`` split by columns, which splits the heads
     (head ``j`` is the ``j``-th block of columns), ``out`` by rows: one all-reduce after
     attention. The MLP: ``mlp_in`` by columns, ``mlp_out`` by rows: one all-reduce after
-    it. Embedding, position, layer norms and the head stay replicated.
+    it. Embedding, position, layer norms and the head stay replicated. These are the specs
+    the transformer's declared logical axes give under :class:`parallelkit.TensorParallel`.
     """
     columns, rows = P(None, MODEL), P(MODEL, None)
     return [

@@ -21,6 +21,7 @@ from .state import TrainState
 
 if TYPE_CHECKING:
     from ..measure.traffic import ExpectedCollective, Sizes, StepTraffic
+    from .precision import Precision
     from .step import Step
 
 
@@ -30,8 +31,9 @@ class StrategyProtocol(Protocol):
 
     - ``devices``, ``num_replicas``: the devices it uses, and how many slices the global batch is cut into;
     - ``init(params, tx, opt_state=None, *, model_state=None, rng=None)``: a placed :class:`TrainState`;
-    - ``step(loss_fn, accumulate=1)``: a compiled :class:`Step`, ``state, metrics = step(state, batch)``
-      (``accumulate=K``: ``K`` microbatches, the gradients synchronised once, where the strategy can);
+    - ``step(loss_fn, accumulate=1, precision=None)``: a compiled :class:`Step`, ``state, metrics = step(state, batch)``
+      (``accumulate=K``: ``K`` microbatches, the gradients synchronised once, where the strategy can;
+      ``precision``: a :class:`~parallelkit.core.precision.Precision` policy, where the strategy can);
     - ``place_batch(batch)``: the global host batch, placed as the step takes it;
     - ``unreplicate(tree)``: one host copy; ``logical_shape(leaf)``: a leaf's single-device shape;
     - ``describe(state)``: where every leaf lives;
@@ -57,7 +59,7 @@ class StrategyProtocol(Protocol):
         rng: int | jax.Array | None = None,
     ) -> TrainState: ...
 
-    def step(self, loss_fn: LossFn, accumulate: int = 1) -> Step: ...
+    def step(self, loss_fn: LossFn, accumulate: int = 1, precision: Precision | None = None) -> Step: ...
 
     def place_batch(self, batch: Batch) -> Any: ...
 

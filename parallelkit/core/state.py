@@ -1,4 +1,4 @@
-"""The training state: parameters, optimizer state, step count, and optionally a PRNG key and model state."""
+"""The training state: parameters, optimizer state, step count; optionally a PRNG key, model state and loss scale."""
 
 from __future__ import annotations
 
@@ -15,14 +15,17 @@ from .contract import PyTree
 class TrainState:
     """Parameters, optimizer state and step count; the optimizer rides along, static.
 
-    Two optional parts belong to the step as well:
+    Three optional parts belong to the step as well:
 
     - ``rng``: a PRNG key, split every step; the loss gets a fresh key as ``rng=``
       (for dropout). Under ``jax.jit`` with shardings the key draws randomness for the
       *global* batch, exactly as on one device; replicas that compute on their own
       (``pmap``) fold their replica index into it, so each draws its own.
     - ``model_state``: mutable model state such as BatchNorm statistics; the loss gets
-      it as ``model_state=`` and returns ``(loss, aux, new_model_state)``.
+      it as ``model_state=`` and returns ``(loss, aux, new_model_state)``;
+    - ``loss_scale``: a dynamic loss scale (:class:`~parallelkit.core.precision.LossScaleState`),
+      added by the first step of ``strategy.step(loss_fn, precision=pk.Precision.fp16())``
+      and None otherwise (:mod:`parallelkit.core.precision`).
     """
 
     step: jax.Array
@@ -31,6 +34,7 @@ class TrainState:
     tx: optax.GradientTransformation = struct.field(pytree_node=False)
     rng: jax.Array | None = None
     model_state: PyTree = None
+    loss_scale: PyTree = None
 
     def apply_gradients(self, grads: PyTree) -> TrainState:
         """One optimizer update: what every strategy does once the gradients have met."""

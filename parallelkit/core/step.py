@@ -11,6 +11,7 @@ import jax
 
 from .accumulate import Accumulation
 from .contract import Batch, LossFn, LossInputError, Metrics, PyTree, _loss_with_aux, batch_size, explain_input_error
+from .precision import Precision, all_finite, check_param_dtypes, guarded, mixed_loss, unscale, with_loss_scale
 from .state import TrainState
 
 if TYPE_CHECKING:
@@ -24,6 +25,7 @@ def train_step(
     sync: Callable[[PyTree], PyTree] = lambda tree: tree,
     replica_key: Callable[[jax.Array], jax.Array] = lambda key: key,
     accumulate: Accumulation | None = None,
+    precision: Precision | None = None,
 ) -> tuple[TrainState, Metrics]:
     """The single-device step, shared by every strategy.
 
@@ -33,6 +35,9 @@ def train_step(
     step's key into this replica's (the identity where the program sees the global batch).
     ``accumulate`` (:class:`~parallelkit.core.accumulate.Accumulation`) runs the batch as
     microbatches and averages their gradients before ``sync``; None: one pass over the batch.
+    ``precision`` (:class:`~parallelkit.core.precision.Precision`) casts the passes, scales the
+    loss and skips an update whose gradients are not all finite (after ``sync``, so every
+    replica decides alike); None: the parameters' own dtype.
     """
     batch_size(batch)  # runs while tracing: arrays of one batch must agree on its size
     rng, extras = state.rng, {}
@@ -41,13 +46,48 @@ def train_step(
         extras["rng"] = replica_key(key)
     if state.model_state is not None:
         extras["model_state"] = state.model_state
-    grad_fn = jax.value_and_grad(_loss_with_aux(loss_fn), has_aux=True)
-    if accumulate is None:
-        (loss, (aux, model_state)), grads = grad_fn(state.params, batch, **extras)
-    else:
-        (loss, (aux, model_state)), grads = accumulate(grad_fn, state.params, batch, extras)
+    loss, aux, model_state, grads = loss_and_grads(
+        loss_fn, state.params, batch, extras, accumulate=accumulate, precision=precision, loss_scale=state.loss_scale
+    )
     grads, metrics, model_state = sync((grads, {"loss": loss, **aux}, model_state))
-    return state.apply_gradients(grads).replace(rng=rng, model_state=model_state), metrics
+    new = state.apply_gradients(grads).replace(rng=rng, model_state=model_state)
+    if precision is None or precision.loss_scale is None:
+        return new, metrics
+    new, scaling = guarded(precision, state, new, all_finite(grads))
+    return new, {**metrics, **scaling}
+
+
+def loss_and_grads(
+    loss_fn: LossFn,
+    params: PyTree,
+    batch: Batch,
+    extras: dict,
+    *,
+    accumulate: Accumulation | None = None,
+    precision: Precision | None = None,
+    loss_scale: PyTree = None,
+) -> tuple[jax.Array, dict, PyTree, PyTree]:
+    """``(loss, aux, new_model_state, grads)`` of one replica's batch, not yet synchronised.
+
+    With ``precision`` the passes run in its compute dtype and the gradients come back in its
+    ``params`` dtype, unscaled (:func:`~parallelkit.core.precision.mixed_loss`); ``loss_scale``
+    is the state's dynamic scale, if any.
+    """
+    loss = _loss_with_aux(loss_fn)
+    scale = None
+    if precision is not None:
+        check_param_dtypes(params, precision)
+        scale = precision.scale(loss_scale)
+        loss = mixed_loss(loss, precision, scale)
+    grad_fn = jax.value_and_grad(loss, has_aux=True)
+    if accumulate is None:
+        (value, (aux, model_state)), grads = grad_fn(params, batch, **extras)
+    else:
+        (value, (aux, model_state)), grads = accumulate(grad_fn, params, batch, extras)
+    if precision is None:
+        return value, aux, model_state, grads
+    (value, aux) = aux  # the unscaled float32 loss and metrics
+    return value, aux, model_state, unscale(grads, precision, scale)
 
 
 # At most this many steps queued on simulated CPU devices; XLA's own limit is 32 a device,
@@ -78,13 +118,22 @@ class Step:
     enough work to deadlock XLA's CPU runtime; on accelerators nothing waits.
 
     Passing a state that an earlier call already consumed (its buffers are donated
-    to the step) raises a ``ValueError`` that says so.
+    to the step) raises a ``ValueError`` that says so. With a dynamic loss scale
+    (``precision``), a state without one gets a fresh one on the way in
+    (:func:`~parallelkit.core.precision.with_loss_scale`).
     """
 
-    def __init__(self, fn: Callable, place_batch: Callable[[Batch], Batch], strategy: Strategy):
+    def __init__(
+        self,
+        fn: Callable,
+        place_batch: Callable[[Batch], Batch],
+        strategy: Strategy,
+        precision: Precision | None = None,
+    ):
         self.fn = fn
         self.place_batch = place_batch
         self.strategy = strategy
+        self.precision = precision
         devices = strategy.devices
         paced = len(devices) > 1 and all(d.platform == "cpu" for d in devices)
         self._in_flight: deque | None = deque() if paced else None
@@ -94,6 +143,8 @@ class Step:
         # Donation deletes every leaf at once, so the step counter tells (a cheap check).
         if is_deleted(getattr(state, "step", None)):
             raise ValueError(DONATED_STATE)
+        if self.precision is not None:
+            state = with_loss_scale(state, self.precision)
         try:
             out = self.fn(state, self._placed(batch))
         except LossInputError as err:  # raised while tracing, at the first call: the steps that run pay nothing
@@ -124,6 +175,7 @@ class Step:
         return batch.batch
 
     def lower(self, state: TrainState, batch: Batch):
+        state = with_loss_scale(state, self.precision)
         try:
             return self.fn.lower(state, self._placed(batch))
         except LossInputError as err:

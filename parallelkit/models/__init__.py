@@ -20,9 +20,12 @@ from .classifiers import (
     classifier_loss,
     cross_entropy,
 )
-from .functional import Functional, from_nnx, functional, param_bytes
+from .functional import Functional, declared_axes, from_nnx, functional, param_axes, param_bytes, with_axes
+from .gpt import GPT, lm_loss
+from .recompute import remat
 
 __all__ = [
-    "CNN", "MLP", "Apply", "Functional", "Layers", "Tower", "Transformer",
-    "as_layers", "build", "classifier_loss", "cross_entropy", "from_nnx", "functional", "param_bytes",
+    "CNN", "GPT", "MLP", "Apply", "Functional", "Layers", "Tower", "Transformer",
+    "as_layers", "build", "classifier_loss", "cross_entropy", "declared_axes", "from_nnx", "functional", "lm_loss",
+    "param_axes", "param_bytes", "remat", "with_axes",
 ]  # fmt: skip

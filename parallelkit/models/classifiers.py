@@ -12,24 +12,74 @@ import optax
 from flax import nnx
 
 from ..core.axes import constrain
-from .functional import functional, graph_and_params
+from .functional import functional, graph_and_params, with_axes
+from .recompute import maybe_remat, remat_policy
 
 Apply = Callable[[dict, jax.Array], jax.Array]
 
 
 class MLP(nnx.Module):
-    """Flatten, then Dense-ReLU layers, then a Dense classifier."""
+    """Flatten, then Dense-ReLU layers, then a Dense classifier.
 
-    def __init__(self, in_features: int, hidden: Sequence[int], num_classes: int, *, rngs: nnx.Rngs):
+    The parameters declare their logical axes (:func:`parallelkit.models.param_axes`) in
+    Megatron's alternation: the input is ``features``, the width after an even hidden layer
+    ``mlp`` and after an odd one ``embed``, the logits ``classes``. With ``mlp`` split over
+    devices, an even layer is split by columns, the next by rows, and the head by rows when
+    it follows an even layer (replicated otherwise). ``remat`` (False, True for
+    ``"nothing_saveable"``, or a policy name) wraps each hidden layer with
+    :func:`parallelkit.models.remat` (:mod:`parallelkit.models.recompute` says what the compiler keeps).
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        hidden: Sequence[int],
+        num_classes: int,
+        *,
+        remat: bool | str = False,
+        rngs: nnx.Rngs,
+    ):
         sizes = [in_features, *hidden]
-        self.hidden = nnx.List([nnx.Linear(a, b, rngs=rngs) for a, b in zip(sizes[:-1], sizes[1:], strict=True)])
-        self.head = nnx.Linear(sizes[-1], num_classes, rngs=rngs)
+        names = ["features", *("mlp" if i % 2 == 0 else "embed" for i in range(len(hidden)))]
+        self.hidden = nnx.List(
+            [_dense(sizes[i], sizes[i + 1], names[i], names[i + 1], rngs) for i in range(len(hidden))]
+        )
+        self.head = _dense(sizes[-1], num_classes, names[-1], "classes", rngs)
+        self.remat = remat_policy(remat)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         x = x.reshape(x.shape[0], -1)
         for layer in self.hidden:
-            x = jax.nn.relu(layer(x))
+            x = maybe_remat(_dense_relu, self.remat)(layer, x)
         return self.head(x)
+
+
+def _dense_relu(layer: nnx.Linear, x: jax.Array) -> jax.Array:
+    return jax.nn.relu(layer(x))
+
+
+def _dense(
+    width_in: int, width_out: int, axis_in: str, axis_out: str, rngs: nnx.Rngs, *, use_bias: bool = True
+) -> nnx.Linear:
+    """``nnx.Linear`` whose kernel declares the logical axes ``(axis_in, axis_out)`` and its bias ``(axis_out,)``."""
+    return nnx.Linear(
+        width_in,
+        width_out,
+        use_bias=use_bias,
+        kernel_init=with_axes(nnx.initializers.lecun_normal(), (axis_in, axis_out)),
+        bias_init=with_axes(nnx.initializers.zeros_init(), (axis_out,)),
+        rngs=rngs,
+    )
+
+
+def _layer_norm(dim: int, axis: str, rngs: nnx.Rngs) -> nnx.LayerNorm:
+    """``nnx.LayerNorm`` whose scale and bias declare the logical axis ``axis``."""
+    return nnx.LayerNorm(
+        dim,
+        scale_init=with_axes(nnx.initializers.ones_init(), (axis,)),
+        bias_init=with_axes(nnx.initializers.zeros_init(), (axis,)),
+        rngs=rngs,
+    )
 
 
 class CNN(nnx.Module):
@@ -40,6 +90,11 @@ class CNN(nnx.Module):
     (the model's mutable state, see :func:`from_nnx`). ``bn_axis_name`` makes it
     average those statistics over a ``pmap``/``shard_map`` axis (SyncBatchNorm); under
     ``jax.jit`` with a sharded batch the batch *is* the global batch, so it is synced already.
+
+    The parameters declare their logical axes: the channels between the first two convolutions
+    are ``hidden_channels`` (Megatron's column and row split when that name is split over
+    devices), every other channel axis ``channels``, the kernel's window ``None``, the logits
+    ``classes``; BatchNorm's scale and bias declare none (replicated).
     """
 
     def __init__(
@@ -54,14 +109,17 @@ class CNN(nnx.Module):
     ):
         height, width, in_channels = input_shape
         chans = [in_channels, *channels]
-        self.convs = nnx.List([nnx.Conv(a, b, (3, 3), rngs=rngs) for a, b in zip(chans[:-1], chans[1:], strict=True)])
+        names = ["hidden_channels" if i == 1 else "channels" for i in range(len(chans))]
+        self.convs = nnx.List(
+            [_conv(chans[i], chans[i + 1], names[i], names[i + 1], rngs) for i in range(len(channels))]
+        )
         self.norms = (
             nnx.List([nnx.BatchNorm(c, momentum=0.9, axis_name=bn_axis_name, rngs=rngs) for c in chans[1:]])
             if batch_norm
             else None
         )
         pooled = math.ceil(height / 2 ** len(channels)) * math.ceil(width / 2 ** len(channels))
-        self.head = nnx.Linear(pooled * chans[-1], num_classes, rngs=rngs)
+        self.head = _dense(pooled * chans[-1], num_classes, "features", "classes", rngs)
 
     def __call__(self, x: jax.Array, *, train: bool = True) -> jax.Array:
         for i, conv in enumerate(self.convs):
@@ -70,6 +128,18 @@ class CNN(nnx.Module):
                 x = self.norms[i](x, use_running_average=not train)
             x = nnx.avg_pool(jax.nn.relu(x), (2, 2), strides=(2, 2), padding="SAME")
         return self.head(x.reshape(x.shape[0], -1))
+
+
+def _conv(channels_in: int, channels_out: int, axis_in: str, axis_out: str, rngs: nnx.Rngs) -> nnx.Conv:
+    """A 3x3 ``nnx.Conv`` whose kernel declares ``(None, None, axis_in, axis_out)`` and its bias ``(axis_out,)``."""
+    return nnx.Conv(
+        channels_in,
+        channels_out,
+        (3, 3),
+        kernel_init=with_axes(nnx.initializers.lecun_normal(), (None, None, axis_in, axis_out)),
+        bias_init=with_axes(nnx.initializers.zeros_init(), (axis_out,)),
+        rngs=rngs,
+    )
 
 
 class Transformer(nnx.Module):
@@ -88,7 +158,16 @@ class Transformer(nnx.Module):
     that map ``length`` to ``seq`` the tokens are split over that mesh axis; elsewhere
     the calls do nothing.
 
-    Dropout is active when ``rngs`` (a PRNG key) is passed to ``__call__``.
+    The parameters declare their logical axes: ``query``, ``key`` and ``value`` kernels
+    ``("embed", "heads")``, ``out`` ``("heads", "embed")``, ``mlp_in`` ``("embed", "mlp")``,
+    ``mlp_out`` ``("mlp", "embed")``, biases and layer norms their output axis, the embedding
+    ``("features", "embed")``, the positions ``("length", "embed")``, the head
+    ``("embed", "classes")``. With ``heads`` and ``mlp`` split over devices this is Megatron's
+    split of attention and of the MLP.
+
+    Dropout is active when ``rngs`` (a PRNG key) is passed to ``__call__``. ``remat`` (False,
+    True for ``"nothing_saveable"``, or a policy name) wraps each block with
+    :func:`parallelkit.models.remat` (:mod:`parallelkit.models.recompute` says what the compiler keeps).
     """
 
     def __init__(
@@ -101,37 +180,41 @@ class Transformer(nnx.Module):
         depth: int = 2,
         mlp_dim: int = 64,
         dropout: float = 0.1,
+        remat: bool | str = False,
         rngs: nnx.Rngs,
     ):
         rows = input_shape[0]
         token = math.prod(input_shape[1:])
-        self.heads, self.dropout_rate = heads, dropout
-        self.embed = nnx.Linear(token, dim, rngs=rngs)
-        self.position = nnx.Param(nnx.initializers.normal(0.02)(rngs.params(), (rows, dim)))
+        self.heads, self.dropout_rate, self.remat = heads, dropout, remat_policy(remat)
+        self.embed = _dense(token, dim, "features", "embed", rngs)
+        self.position = nnx.Param(
+            with_axes(nnx.initializers.normal(0.02), ("length", "embed"))(rngs.params(), (rows, dim))
+        )
         self.blocks = nnx.List([_Block(dim, heads, mlp_dim, rngs=rngs) for _ in range(depth)])
-        self.norm = nnx.LayerNorm(dim, rngs=rngs)
-        self.head = nnx.Linear(dim, num_classes, rngs=rngs)
+        self.norm = _layer_norm(dim, "embed", rngs)
+        self.head = _dense(dim, num_classes, "embed", "classes", rngs)
 
     def __call__(self, x: jax.Array, *, rngs: jax.Array | None = None) -> jax.Array:
         x = x.reshape(x.shape[0], x.shape[1], -1)  # (batch, tokens, features of a token)
         x = constrain(self.embed(x) + self.position[None], ("batch", "length", "embed"))
         keys = [None] * len(self.blocks) if rngs is None else list(jax.random.split(rngs, len(self.blocks)))
+        run = maybe_remat(lambda block, x, key: block(x, self.heads, self.dropout_rate, key), self.remat)
         for block, key in zip(self.blocks, keys, strict=True):
-            x = block(x, self.heads, self.dropout_rate, key)
+            x = run(block, x, key)
         return self.head(self.norm(x).mean(axis=1))
 
 
 class _Block(nnx.Module):
     def __init__(self, dim: int, heads: int, mlp_dim: int, *, rngs: nnx.Rngs):
-        self.attn_norm = nnx.LayerNorm(dim, rngs=rngs)
+        self.attn_norm = _layer_norm(dim, "embed", rngs)
         # No bias for keys: q . (k + b) adds the same q . b to every logit of a row, which softmax
         # removes, so such a bias would get a zero gradient and never learn.
-        self.query, self.value = nnx.Linear(dim, dim, rngs=rngs), nnx.Linear(dim, dim, rngs=rngs)
-        self.key = nnx.Linear(dim, dim, use_bias=False, rngs=rngs)
-        self.out = nnx.Linear(dim, dim, rngs=rngs)
-        self.mlp_norm = nnx.LayerNorm(dim, rngs=rngs)
-        self.mlp_in = nnx.Linear(dim, mlp_dim, rngs=rngs)
-        self.mlp_out = nnx.Linear(mlp_dim, dim, rngs=rngs)
+        self.query, self.value = _dense(dim, dim, "embed", "heads", rngs), _dense(dim, dim, "embed", "heads", rngs)
+        self.key = _dense(dim, dim, "embed", "heads", rngs, use_bias=False)
+        self.out = _dense(dim, dim, "heads", "embed", rngs)
+        self.mlp_norm = _layer_norm(dim, "embed", rngs)
+        self.mlp_in = _dense(dim, mlp_dim, "embed", "mlp", rngs)
+        self.mlp_out = _dense(mlp_dim, dim, "mlp", "embed", rngs)
 
     def __call__(self, x: jax.Array, heads: int, rate: float, key: jax.Array | None) -> jax.Array:
         batch, tokens, dim = x.shape
@@ -158,9 +241,10 @@ class Tower(nnx.Module):
     written for fully sharded training: the compiled program holds one layer's gathered
     weights at a time instead of every layer's (notebook 07 measures the difference
     against :class:`MLP`, whose layers are separate leaves in an unrolled loop).
-    ``remat=True`` wraps each layer in ``jax.checkpoint`` with the ``nothing_saveable``
-    policy: the backward pass recomputes the layer's activations instead of keeping
-    them. Both give the same numbers.
+    ``remat=True`` wraps each layer with :func:`parallelkit.models.remat` under the
+    ``nothing_saveable`` policy: the backward pass recomputes the layer's activations
+    instead of keeping them; a policy name (``remat="dots_saveable"``) chooses another
+    policy. All give the same numbers. Its parameters declare no logical axes.
     """
 
     def __init__(
@@ -170,10 +254,10 @@ class Tower(nnx.Module):
         depth: int,
         num_classes: int,
         *,
-        remat: bool = False,
+        remat: bool | str = False,
         rngs: nnx.Rngs,
     ):
-        self.remat = remat
+        self.remat = remat_policy(remat)
         self.embed = nnx.Linear(in_features, width, rngs=rngs)
         init = nnx.initializers.lecun_normal()
         self.kernels = nnx.Param(
@@ -187,10 +271,8 @@ class Tower(nnx.Module):
             kernel, bias = weights
             return x + jnp.tanh(x @ kernel + bias), None
 
-        if self.remat:
-            layer = jax.checkpoint(layer, policy=jax.checkpoint_policies.nothing_saveable)
         x = self.embed(x.reshape(x.shape[0], -1))
-        x, _ = jax.lax.scan(layer, x, (self.kernels[...], self.biases[...]))
+        x, _ = jax.lax.scan(maybe_remat(layer, self.remat), x, (self.kernels[...], self.biases[...]))
         return self.head(x)
 
 
@@ -254,7 +336,7 @@ def as_layers(module: MLP | Transformer) -> Layers:
     takes the previous one's output; the last gives the logits, for :func:`cross_entropy`.
     The MLP's layers are its Dense layers (ReLU after each hidden one); the transformer's
     are the embedding (with the position embedding), each block, and the final norm with
-    the head. As layers, the transformer runs without dropout. Composed in order
+    the head. As layers, the transformer runs without dropout, and neither model recomputes. Composed in order
     (:func:`parallelkit.strategies.pipeline.sequential_loss`) they compute the module's own logits.
 
     >>> layers, params = as_layers(MLP(4, (8,), 2, rngs=nnx.Rngs(0)))

@@ -1,4 +1,9 @@
-"""Functional form of NNX modules: ``(apply, params, model_state)`` as plain dicts a strategy can place."""
+"""Functional form of NNX modules: ``(apply, params, model_state)`` as plain dicts a strategy can place.
+
+A module's parameters may declare their logical axes (``nnx.with_partitioning(init, names)``):
+:func:`param_axes` reads them, and :func:`from_nnx` records them for its parameter tree, so
+that :func:`declared_axes` finds them again from the plain dict a strategy receives.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +12,10 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
+import numpy as np
 from flax import nnx
+
+Axes = tuple[str | None, ...]  # one logical name (or None) per dimension of a parameter
 
 
 class Functional(NamedTuple):
@@ -31,7 +39,8 @@ def from_nnx(module: nnx.Module) -> Functional:
         logits = apply(params, x, model_state=state, train=False)   # inference: running averages
 
     Dropout is on exactly when ``rng`` is given; ``train=False`` makes BatchNorm use its
-    running averages (and returns the logits alone).
+    running averages (and returns the logits alone). The logical axes the parameters
+    declare are recorded for :func:`declared_axes`.
 
     >>> from parallelkit.models import CNN
     >>> model = from_nnx(CNN((8, 8, 1), 10, batch_norm=True, rngs=nnx.Rngs(0)))
@@ -40,6 +49,7 @@ def from_nnx(module: nnx.Module) -> Functional:
     """
     graphdef, params, rest = nnx.split(module, nnx.Param, ...)
     rest_dict = nnx.to_pure_dict(rest)
+    _record_axes(nnx.to_pure_dict(params), param_axes(module))
     takes = set(inspect.signature(type(module).__call__).parameters)
 
     def apply(params: dict, x: jax.Array, *, rng: jax.Array | None = None, model_state=None, train: bool = True):
@@ -89,3 +99,80 @@ def graph_and_params(module: nnx.Module) -> tuple[nnx.GraphDef, dict]:
 def param_bytes(params: dict) -> int:
     """Total bytes of a parameter tree (what one full gradient all-reduce carries)."""
     return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
+
+
+def with_axes(init: Callable[..., jax.Array], names: Axes) -> Callable[..., Any]:
+    """``init`` whose parameter declares the logical axes ``names`` (a name or None per dimension).
+
+    ``nnx.with_partitioning(init, names, eager_sharding=False)``: the names stay metadata,
+    and the values are placed by a strategy later (Flax would otherwise place them at once,
+    which needs a mesh whose axes have these names).
+
+    >>> dense = nnx.Linear(2, 4, kernel_init=with_axes(nnx.initializers.lecun_normal(), ("embed", "mlp")),
+    ...                    rngs=nnx.Rngs(0))
+    >>> param_axes(dense)
+    {'bias': None, 'kernel': ('embed', 'mlp')}
+    """
+    return nnx.with_partitioning(init, tuple(names), eager_sharding=False)
+
+
+def param_axes(module: nnx.Module) -> dict:
+    """The logical axis names each parameter of ``module`` declares, as a plain dict shaped like its parameters.
+
+    A parameter declares its axes with ``nnx.with_partitioning(init, names)`` (one name or
+    ``None`` per dimension); one without that annotation gets ``None``. The kit's models
+    declare theirs with :func:`with_axes`.
+
+    >>> from parallelkit.models import MLP
+    >>> param_axes(MLP(4, (8,), 2, rngs=nnx.Rngs(0)))["hidden"][0]
+    {'bias': ('mlp',), 'kernel': ('features', 'mlp')}
+    """
+    axes: dict = {}
+    for path, variable in nnx.to_flat_state(nnx.state(module, nnx.Param)):
+        *parents, last = path
+        node = axes
+        for key in parents:
+            node = node.setdefault(key, {})
+        names = variable.get_metadata().get("out_sharding")
+        node[last] = tuple(names) if names is not None else None
+    return axes
+
+
+# The axes declared by the last module that from_nnx turned into parameters of a given tree structure
+# and shapes: the plain dicts strategies receive carry no metadata, so this is where they find it.
+_DECLARED: dict[tuple, dict] = {}
+
+
+def declared_axes(params: dict) -> dict | None:
+    """The logical axes (as :func:`param_axes` gives) of the module whose parameters ``params`` are.
+
+    Found by the tree structure and shapes of ``params``: the declaration of the last module
+    turned into this functional form by :func:`from_nnx` (or :func:`functional`, or
+    :func:`parallelkit.models.build`). ``None`` when no such module declared any axes.
+
+    >>> from parallelkit.models import MLP
+    >>> _, params = functional(MLP(4, (8,), 2, rngs=nnx.Rngs(0)))
+    >>> declared_axes(params)["head"]
+    {'bias': ('classes',), 'kernel': ('mlp', 'classes')}
+    >>> declared_axes({"w": np.zeros(3)}) is None
+    True
+    """
+    return _DECLARED.get(_signature(params))
+
+
+def _record_axes(params: dict, axes: dict) -> None:
+    """Record ``axes`` for trees like ``params``; forget an older record when ``axes`` declares nothing."""
+    key = _signature(params)
+    if any(names is not None for names in jax.tree.leaves(axes, is_leaf=_is_axes)):
+        _DECLARED[key] = axes
+    else:
+        _DECLARED.pop(key, None)
+
+
+def _signature(params: dict) -> tuple:
+    leaves, treedef = jax.tree.flatten(params)
+    return treedef, tuple(tuple(np.shape(leaf)) for leaf in leaves)
+
+
+def _is_axes(x: object) -> bool:
+    return x is None or isinstance(x, tuple)

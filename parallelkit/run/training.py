@@ -42,6 +42,7 @@ import optax
 
 from ..core.contract import Batch, LossFn, PyTree, batch_size
 from ..core.devices import device_summary
+from ..core.precision import Precision
 from ..core.state import TrainState
 from ..core.step import DONATED_STATE, Placed, is_deleted
 from ..strategies.base import Strategy
@@ -97,6 +98,8 @@ def fit(
     model_state: PyTree = None,
     rng: int | jax.Array | None = None,
     prefetch: int = 0,
+    accumulate: int = 1,
+    precision: Precision | None = None,
 ) -> FitResult:
     """Train ``params`` with ``strategy`` on global ``batches``; record loss, metrics and timing.
 
@@ -130,6 +133,9 @@ def fit(
         On a GPU try 2: Flax's ``flax.jax_utils.prefetch_to_device`` documentation
         recommends 2 there, to overlap a step on the GPU with the next batch's copy; this
         project has not measured it.
+      accumulate, precision: as for ``strategy.step`` (microbatches a step, and a
+        :class:`~parallelkit.Precision` policy). A checkpoint does not hold a dynamic loss
+        scale: a resumed run starts it again from its initial value.
 
     Returns:
       A :class:`FitResult`. Interrupting the kernel (KeyboardInterrupt) ends the run
@@ -162,7 +168,9 @@ def fit(
             raise ValueError(f"fit(state=...): {DONATED_STATE}")
         info = RunInfo(repr(strategy), len(strategy.devices), total, device_summary().simulated)
         state = strategy.init(params, tx, model_state=model_state, rng=rng) if state is None else state
-        step, history = strategy.step(loss_fn), History()
+        options = {"accumulate": accumulate} if accumulate != 1 else {}
+        options |= {"precision": precision} if precision is not None else {}
+        step, history = strategy.step(loss_fn, **options), History()
         first = host_step(strategy, state) if ckpt else 0
         hooks = [NonFiniteCheck(first)] if check_finite else []
         if ckpt:  # reads `state` as the loop rebinds it

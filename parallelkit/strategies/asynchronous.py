@@ -42,6 +42,7 @@ import numpy as np
 from jax.sharding import SingleDeviceSharding
 
 from ..core.contract import Batch, LossFn
+from ..core.precision import Precision
 from ..core.state import TrainState
 from .central import gradient_rows
 
@@ -162,14 +163,24 @@ class AsyncStep:
       update: ``(state, rows) -> (state, metrics)``, the shards' push and update for
         rows of one gradient (:class:`~parallelkit.strategies.parameter_server.ShardedUpdate`).
       workers: the simulated clocks.
+      precision: a :class:`~parallelkit.Precision` policy (None: the parameters' dtype). Each
+        push is an update of its own: with a loss scale, one whose gradient is not finite is
+        skipped and the scale adjusted, push by push; a worker computes with the scale it pulled.
     """
 
-    def __init__(self, loss_fn: LossFn, devices: Sequence[jax.Device], update: Callable, workers: AsyncWorkers):
+    def __init__(
+        self,
+        loss_fn: LossFn,
+        devices: Sequence[jax.Device],
+        update: Callable,
+        workers: AsyncWorkers,
+        precision: Precision | None = None,
+    ):
         self.devices, self.update, self.workers = tuple(devices), update, workers
         self.places = [SingleDeviceSharding(d, memory_kind=d.default_memory().kind) for d in self.devices]
-        self.gradient = jax.jit(functools.partial(gradient_rows, loss_fn))
+        self.gradient = jax.jit(functools.partial(gradient_rows, loss_fn, precision=precision))
         self.programs: list = []  # each worker's compiled gradient program
-        self.copies: list = []  # each worker's pulled (params, model_state), on its device
+        self.copies: list = []  # each worker's pulled (params, model_state, loss_scale), on its device
         self.pushes: list[Push] = []
         self.start: int | None = None  # the state's step counter when this run began
 
@@ -179,8 +190,8 @@ class AsyncStep:
         return [p.delay for p in self.pushes]
 
     def pull(self, state: TrainState, worker: int) -> tuple:
-        """Every shard (and the model state) copied to ``worker``'s device: the copy it computes on."""
-        return jax.device_put((state.params, state.model_state), self.places[worker])
+        """Every shard (and the model state and loss scale) copied to ``worker``'s device: the copy it computes on."""
+        return jax.device_put((state.params, state.model_state, state.loss_scale), self.places[worker])
 
     def _check_continues(self, state: TrainState) -> None:
         step = int(jax.device_get(state.step))
@@ -208,9 +219,9 @@ class AsyncStep:
             for w in repulled:  # dropped a stale gradient: pulls the current parameters again
                 self.copies[w] = self.pull(state, w)
             w = push.worker
-            params, model_state = self.copies[w]
+            params, model_state, loss_scale = self.copies[w]
             rows = self.programs[w](params, jax.device_put(data, self.places[w]), self._key(state, w),
-                                    model_state, w)  # fmt: skip
+                                    model_state, w, loss_scale)  # fmt: skip
             state, pushed = self.update(state, rows)
             self.workers.applied()
             self.pushes.append(push)
@@ -223,9 +234,9 @@ class AsyncStep:
 
     def _lower(self, state: TrainState, worker: int, copy: tuple, data: Batch):
         """``worker``'s gradient program, lowered for its pulled ``copy`` and its slice ``data``."""
-        params, model_state = copy
+        params, model_state, loss_scale = copy
         placed = jax.device_put(data, self.places[worker])
-        return self.gradient.lower(params, placed, self._key(state, worker), model_state, worker)
+        return self.gradient.lower(params, placed, self._key(state, worker), model_state, worker, loss_scale)
 
     def lower(self, state: TrainState, batch: Batch):
         """The first worker's gradient program (it holds no collective: each worker computes alone)."""

@@ -4,8 +4,9 @@ A strategy decides *where state lives* and *how gradients meet*; the model, the
 loss, the optimizer and the data stay plain JAX, Flax and Optax. Every strategy:
 
 - ``init(params, tx)`` places parameters and optimizer state, returning a :class:`~parallelkit.TrainState`;
-- ``step(loss_fn, accumulate=1)`` returns a :class:`~parallelkit.Step`: ``state, metrics = step(state, batch)``,
-  where ``batch`` is the *global* batch as host arrays and the loss is its mean;
+- ``step(loss_fn, accumulate=1, precision=None)`` returns a :class:`~parallelkit.Step`:
+  ``state, metrics = step(state, batch)``, where ``batch`` is the *global* batch as host arrays and
+  the loss is its mean;
 - ``unreplicate(tree)`` brings one host (NumPy) copy back, for inspection and checkpoints;
 - ``place_batch(batch)`` places the global host batch as the step takes it;
 - ``describe(state)`` lists where every leaf lives.
@@ -29,6 +30,7 @@ import optax
 from ..core.contract import Batch, LossFn, PyTree
 from ..core.devices import resolve_devices
 from ..core.placement import LeafPlacement
+from ..core.precision import Precision
 from ..core.state import TrainState
 from ..core.step import Step
 from ..measure.traffic import ExpectedCollective, Sizes, StepTraffic, compiled_traffic
@@ -66,12 +68,15 @@ class Strategy(abc.ABC):
         """
 
     @abc.abstractmethod
-    def step(self, loss_fn: LossFn, accumulate: int = 1) -> Step:
+    def step(self, loss_fn: LossFn, accumulate: int = 1, precision: Precision | None = None) -> Step:
         """Compile-once training step for ``loss_fn(params, batch) -> loss or (loss, aux)``.
 
         ``accumulate=K`` runs each replica's slice of the batch as ``K`` microbatches and
         synchronises the gradients once (:mod:`parallelkit.core.accumulate`), where the
-        strategy can; 1 (the default) is one pass over the batch.
+        strategy can; 1 (the default) is one pass over the batch. ``precision`` (a
+        :class:`~parallelkit.Precision`) runs the passes in its compute dtype with the gradients
+        cast back before they meet, and scales the loss (:mod:`parallelkit.core.precision`),
+        where the strategy can; None (the default): the parameters' own dtype.
         """
 
     @abc.abstractmethod

@@ -35,10 +35,11 @@ from jax.sharding import PartitionSpec as P
 
 from ..core.accumulate import refuse_accumulation
 from ..core.axes import DATA
-from ..core.contract import Batch, LossFn, PyTree, _loss_with_aux, put_batch
+from ..core.contract import Batch, LossFn, PyTree, put_batch
 from ..core.mesh import make_mesh
+from ..core.precision import Precision, all_finite, check_precision, guarded
 from ..core.state import TrainState, create_state
-from ..core.step import Step
+from ..core.step import Step, loss_and_grads
 from ..measure.inspect import collectives, host_memory_bytes
 from ..measure.traffic import D2D, D2H, H2D, Flow, StepTraffic, batch_flow, bus_bytes, per_replica_bytes, sizes
 from .base import Strategy
@@ -71,36 +72,48 @@ class ReplicaRows:
 
     ``grads``, ``metrics`` and ``model_state`` (BatchNorm statistics, or None) are
     stacked over the replicas, row ``i`` on worker ``i``; ``rng`` is the state's key
-    for the next step (None without one), the same on every worker.
+    for the next step (None without one), the same on every worker. With a loss scale,
+    ``finite`` says whether each replica's gradients were all finite (None without one).
     """
 
     grads: PyTree
     metrics: PyTree
     model_state: PyTree = None
     rng: jax.Array | None = None
+    finite: jax.Array | None = None
 
 
 def gradient_rows(
-    loss_fn: LossFn, params: PyTree, batch: Batch, rng: jax.Array | None, model_state: PyTree, replica
+    loss_fn: LossFn,
+    params: PyTree,
+    batch: Batch,
+    rng: jax.Array | None,
+    model_state: PyTree,
+    replica,
+    loss_scale: PyTree = None,
+    *,
+    precision: Precision | None = None,
 ) -> ReplicaRows:
     """One replica's gradients, metrics and model state, each as a row (a leading axis of 1), and the next key.
 
     With a key, the replica draws its own randomness from it: ``rng, key = split(rng)``,
-    then ``fold_in(key, replica)``, as under ``pmap``.
+    then ``fold_in(key, replica)``, as under ``pmap``. With ``precision`` the gradients are
+    cast and unscaled on the worker, before the push (``loss_scale``: the state's dynamic scale).
     """
     extras = {} if model_state is None else {"model_state": model_state}
     if rng is not None:
         rng, key = jax.random.split(rng)
         extras["rng"] = jax.random.fold_in(key, replica)
-    (loss, (aux, model_state)), grads = jax.value_and_grad(_loss_with_aux(loss_fn), has_aux=True)(
-        params, batch, **extras
+    loss, aux, model_state, grads = loss_and_grads(
+        loss_fn, params, batch, extras, precision=precision, loss_scale=loss_scale
     )
     rows = jax.tree.map(lambda x: x[None], (grads, {"loss": loss, **aux}, model_state))
-    return ReplicaRows(*rows, rng=rng)
+    finite = None if precision is None or precision.loss_scale is None else all_finite(grads)[None]
+    return ReplicaRows(*rows, rng=rng, finite=finite)
 
 
-def replica_gradients(loss_fn: LossFn, mesh: Mesh) -> Callable:
-    """``(params, batch, rng, model_state) -> ReplicaRows``: one row per replica, nothing reduced.
+def replica_gradients(loss_fn: LossFn, mesh: Mesh, precision: Precision | None = None) -> Callable:
+    """``(params, batch, rng, model_state, loss_scale) -> ReplicaRows``: one row per replica, nothing reduced.
 
     Conceptually, with ``n`` replicas and the global batch ``b``::
 
@@ -115,15 +128,16 @@ def replica_gradients(loss_fn: LossFn, mesh: Mesh) -> Callable:
     BatchNorm statistics over the ``data`` axis adds that all-reduce to the forward pass.)
     """
 
-    def per_replica(params: PyTree, batch: Batch, rng: jax.Array | None, model_state: PyTree):
-        return gradient_rows(loss_fn, params, batch, rng, model_state, jax.lax.axis_index(DATA))
+    def per_replica(params: PyTree, batch: Batch, rng: jax.Array | None, model_state: PyTree, loss_scale: PyTree):
+        replica = jax.lax.axis_index(DATA)
+        return gradient_rows(loss_fn, params, batch, rng, model_state, replica, loss_scale, precision=precision)
 
     # check_vma=False: with it on, differentiating replicated (unvarying) params against a
     # sharded batch inserts a psum of the gradients, the all-reduce we want to leave out.
     # The next key is the same on every replica, so it comes back replicated (P()).
-    out_specs = ReplicaRows(P(DATA), P(DATA), P(DATA), P())
+    out_specs = ReplicaRows(P(DATA), P(DATA), P(DATA), P(), P(DATA))
     sharded = jax.shard_map(
-        per_replica, mesh=mesh, in_specs=(P(), P(DATA), P(), P()), out_specs=out_specs, check_vma=False
+        per_replica, mesh=mesh, in_specs=(P(), P(DATA), P(), P(), P()), out_specs=out_specs, check_vma=False
     )
     return jax.jit(sharded)
 
@@ -136,11 +150,12 @@ def push_rows(rows: ReplicaRows, owner: SingleDeviceSharding) -> tuple[ReplicaRo
     over the workers, would gather it through host NumPy instead: it waits for the
     workers and copies every byte twice.) The key travels with the first row.
     """
-    leaves, treedef = jax.tree.flatten((rows.grads, rows.metrics, rows.model_state))
+    leaves, treedef = jax.tree.flatten((rows.grads, rows.metrics, rows.model_state, rows.finite))
     by_replica = [list(row) for row in zip(*map(_replica_shards, leaves), strict=True)]
     pushed = jax.device_put(by_replica, owner)
     rng = None if rows.rng is None else jax.device_put(rows.rng, owner)
-    return tuple(ReplicaRows(*treedef.unflatten(row), rng=rng if i == 0 else None) for i, row in enumerate(pushed))
+    rebuilt = (treedef.unflatten(row) for row in pushed)
+    return tuple(ReplicaRows(g, m, s, rng=rng if i == 0 else None, finite=f) for i, (g, m, s, f) in enumerate(rebuilt))
 
 
 def _replica_shards(x: jax.Array) -> list[jax.Array]:
@@ -155,7 +170,7 @@ def join_rows(pushed: Sequence[ReplicaRows]) -> ReplicaRows:
 
 
 def apply_mean_gradients(
-    state: TrainState, pushed: Sequence[ReplicaRows], compute: SingleDeviceSharding
+    state: TrainState, pushed: Sequence[ReplicaRows], compute: SingleDeviceSharding, precision: Precision | None = None
 ) -> tuple[TrainState, PyTree]:
     """The owner's update (inside ``jit``): average the replicas' rows, then one optimizer step.
 
@@ -163,12 +178,17 @@ def apply_mean_gradients(
     there; the jitted caller writes the result back out). The mean of per-replica mean
     gradients is the gradient of the global mean loss, what the single-device step
     computes (up to float summation order). Model state rows are averaged too, as
-    ``pmap``'s ``pmean`` does; the key becomes the workers' next key.
+    ``pmap``'s ``pmean`` does; the key becomes the workers' next key. With a loss scale the
+    update is skipped unless every replica's gradients were finite
+    (:func:`~parallelkit.core.precision.guarded`).
     """
     state, rows = jax.device_put(state, compute), join_rows(pushed)
     mean = functools.partial(jax.tree.map, mean_rows)
     new = state.apply_gradients(mean(rows.grads)).replace(rng=rows.rng, model_state=mean(rows.model_state))
-    return new, mean(rows.metrics)
+    if precision is None or precision.loss_scale is None:
+        return new, mean(rows.metrics)
+    new, scaling = guarded(precision, state, new, jnp.all(rows.finite))
+    return new, {**mean(rows.metrics), **scaling}
 
 
 def mean_rows(x: jax.Array) -> jax.Array:
@@ -191,10 +211,10 @@ class CentralUpdate:
     program as it runs (the traffic report reads its host-memory arguments from it).
     """
 
-    def __init__(self, storage: SingleDeviceSharding):
+    def __init__(self, storage: SingleDeviceSharding, precision: Precision | None = None):
         self.compute = compute_sharding(storage)
         self.program = jax.jit(
-            functools.partial(apply_mean_gradients, compute=self.compute),
+            functools.partial(apply_mean_gradients, compute=self.compute, precision=precision),
             in_shardings=(storage, self.compute),
             out_shardings=(storage, self.compute),
             donate_argnums=0,
@@ -211,7 +231,7 @@ class PushPullStep:
     """Pull, compute, push-and-update, as one callable; ``lower`` gives the workers' program.
 
     Args:
-      pull: ``state -> (params, rng, model_state)`` replicated on the workers (host-to-device copies).
+      pull: ``state -> (params, rng, model_state, loss_scale)`` replicated on the workers (host-to-device copies).
       compute: the jitted :func:`replica_gradients`.
       push_update: ``(state, rows) -> (state, metrics)``: moves the rows to the owners
         and applies the update there; its ``lowered(state, rows)`` lists the update programs.
@@ -221,12 +241,12 @@ class PushPullStep:
         self.pull, self.compute, self.push_update = pull, compute, push_update
 
     def __call__(self, state: TrainState, batch: Batch):
-        params, rng, model_state = self.pull(state)
-        return self.push_update(state, self.compute(params, batch, rng, model_state))
+        params, *rest = self.pull(state)
+        return self.push_update(state, self.compute(params, batch, *rest))
 
     def lower(self, state: TrainState, batch: Batch):
-        params, rng, model_state = self.pull(state)
-        return self.compute.lower(params, batch, rng, model_state)
+        params, *rest = self.pull(state)
+        return self.compute.lower(params, batch, *rest)
 
 
 class OffDeviceStrategy(Strategy):
@@ -272,10 +292,10 @@ class OffDeviceStrategy(Strategy):
         """
         step = self.step(loss_fn)
         size = sizes(self, loss_fn, state, batch)
-        params, rng, model_state = step.fn.pull(state)  # real copies, host memory -> every worker
+        params, *rest = step.fn.pull(state)  # real copies, host memory -> every worker
         placed = self.place_batch(batch)
-        rows = step.fn.compute(params, placed, rng, model_state)  # rows stay on their workers
-        found = collectives(step.fn.compute, params, placed, rng, model_state)
+        rows = step.fn.compute(params, placed, *rest)  # rows stay on their workers
+        found = collectives(step.fn.compute, params, placed, *rest)
         measure = functools.partial(per_replica_bytes, devices=self.devices)
         flows = (
             batch_flow(self, batch),
@@ -338,15 +358,21 @@ class CentralStorage(OffDeviceStrategy):
         state = create_state(params, tx, opt_state, model_state=model_state, rng=rng)
         return jax.device_put(state, self.storage)
 
-    def step(self, loss_fn: LossFn, accumulate: int = 1) -> Step:
-        """Pull, compute, push and update; ``accumulate > 1`` is not supported yet (NotImplementedError)."""
+    def step(self, loss_fn: LossFn, accumulate: int = 1, precision: Precision | None = None) -> Step:
+        """Pull, compute, push and update; ``accumulate > 1`` is not supported yet (NotImplementedError).
+
+        With ``precision`` the workers cast, scale and unscale (:mod:`parallelkit.core.precision`); the
+        storage device skips an update whose gradients were not all finite, and keeps the dynamic scale.
+        """
         refuse_accumulation(repr(self), accumulate)
+        check_precision(precision)
 
         def pull(state: TrainState):
-            return jax.device_put((state.params, state.rng, state.model_state), self.replicated)
+            return jax.device_put((state.params, state.rng, state.model_state, state.loss_scale), self.replicated)
 
-        step = PushPullStep(pull, replica_gradients(loss_fn, self.mesh), CentralUpdate(self.storage))
-        return Step(step, self.place_batch, self)
+        compute = replica_gradients(loss_fn, self.mesh, precision)
+        step = PushPullStep(pull, compute, CentralUpdate(self.storage, precision))
+        return Step(step, self.place_batch, self, precision)
 
     def __repr__(self) -> str:
         return f"CentralStorage(devices={self.num_replicas}, storage={self.storage.memory_kind})"

@@ -15,6 +15,7 @@ import jax
 from ..core.accumulate import Accumulation, check_accumulate
 from ..core.axes import DATA
 from ..core.contract import LossFn
+from ..core.precision import Precision, check_precision
 from ..core.step import train_step
 from ..measure.collectives import AllReduce, mean_tree
 from ..measure.traffic import ExpectedCollective, Sizes, gradient_all_reduce
@@ -45,13 +46,18 @@ def replica_sync(allreduce: AllReduce | None) -> Callable:
     return functools.partial(mean_tree, axis=DATA, allreduce=allreduce)
 
 
-def replica_step(loss_fn: LossFn, allreduce: AllReduce | None, accumulate: int = 1) -> Callable:
+def replica_step(
+    loss_fn: LossFn, allreduce: AllReduce | None, accumulate: int = 1, precision: Precision | None = None
+) -> Callable:
     """The per-device training step (``pmap``, ``shard_map``): this replica's slice, then one sync.
 
     With ``accumulate > 1`` the slice runs as that many microbatches in a scan on the
-    device, and the gradients meet once, after it.
+    device, and the gradients meet once, after it. With ``precision`` the gradients are
+    cast to its ``params`` dtype before they meet (:mod:`parallelkit.core.precision`).
     """
     extra = {} if check_accumulate(accumulate) == 1 else {"accumulate": Accumulation(accumulate)}
+    if check_precision(precision) is not None:
+        extra["precision"] = precision
     return functools.partial(train_step, loss_fn, sync=replica_sync(allreduce), replica_key=own_key, **extra)
 
 

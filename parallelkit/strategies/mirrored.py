@@ -32,6 +32,7 @@ from ..core.axes import DATA
 from ..core.contract import LossFn
 from ..core.devices import resolve_devices
 from ..core.mesh import make_mesh
+from ..core.precision import Precision
 from ..core.step import Step
 from ..measure.collectives import AllReduce
 from ..measure.traffic import ExpectedCollective, Sizes
@@ -91,11 +92,11 @@ class MirroredJit(SPMD):
         super().__init__(make_mesh(chosen, data=len(chosen)), rules=BATCH_ON_DATA)
         self.allreduce = data_parallel.parse_allreduce(allreduce, len(chosen), "Mirrored")
 
-    def step(self, loss_fn: LossFn, accumulate: int = 1) -> Step:
+    def step(self, loss_fn: LossFn, accumulate: int = 1, precision: Precision | None = None) -> Step:
         if self.allreduce is None:
-            return super().step(loss_fn, accumulate)  # the compiler inserts the all-reduce
+            return super().step(loss_fn, accumulate, precision)  # the compiler inserts the all-reduce
         body = jax.shard_map(
-            data_parallel.replica_step(loss_fn, self.allreduce, accumulate),
+            data_parallel.replica_step(loss_fn, self.allreduce, accumulate, precision),
             mesh=self.mesh,
             in_specs=(P(), P(DATA)),
             out_specs=(P(), P()),
@@ -103,7 +104,7 @@ class MirroredJit(SPMD):
         )
         state, batch = self.replicated, self.batch_sharding
         fn = jax.jit(body, in_shardings=(state, batch), out_shardings=(state, state), donate_argnums=0)
-        return Step(fn, accumulated_placement(self.place_batch, accumulate, self.num_replicas), self)
+        return Step(fn, accumulated_placement(self.place_batch, accumulate, self.num_replicas), self, precision)
 
     @property
     def traffic_pattern(self) -> str:

@@ -40,6 +40,7 @@ from jax.sharding import SingleDeviceSharding
 from ..core.accumulate import refuse_accumulation
 from ..core.contract import Batch, LossFn, PyTree
 from ..core.devices import warn_if_shared
+from ..core.precision import Precision, check_precision
 from ..core.state import TrainState, check_same_tree, prng_key
 from ..core.step import Step
 from .asynchronous import AsyncStep, AsyncWorkers, worker_time_array
@@ -365,22 +366,32 @@ class ParameterServer(OffDeviceStrategy):
         params = Sharded(tuple(p for p, _ in placed), part)
         return TrainState(step, params, tuple(o for _, o in placed), tx, rng=rng, model_state=model_state)
 
-    def step(self, loss_fn: LossFn, accumulate: int = 1) -> Step:
-        """Pull, compute, push and update (sync or async); ``accumulate > 1`` is not supported yet."""
+    def step(self, loss_fn: LossFn, accumulate: int = 1, precision: Precision | None = None) -> Step:
+        """Pull, compute, push and update (sync or async); ``accumulate > 1`` is not supported yet.
+
+        ``precision``: the workers cast, scale and unscale, and every shard skips its update unless
+        all the workers' gradients were finite (each worker pushes that flag to every shard); the
+        dynamic scale lives with shard 0. In async mode each push is an update of its own, skipped
+        or not and the scale adjusted push by push; a round's ``grads_finite`` metric is then the
+        fraction of its pushes that were finite, and its ``loss_scale`` their mean.
+        """
         refuse_accumulation(repr(self), accumulate)
+        check_precision(precision)
 
         def flat_loss(shards: Sharded, batch: Batch, **extras):
             return loss_fn(shards.partition.join(shards.shards), batch, **extras)
 
         def pull(state: TrainState):
-            # every shard to every worker, with the key and model state
-            return jax.device_put((state.params, state.rng, state.model_state), self.replicated)
+            # every shard to every worker, with the key, the model state and the loss scale
+            return jax.device_put((state.params, state.rng, state.model_state, state.loss_scale), self.replicated)
 
-        push_update = ShardedUpdate(self.shard_storage)
+        push_update = ShardedUpdate(self.shard_storage, precision)
         if self.mode == "async":
             workers = AsyncWorkers(self.num_replicas, self.worker_times, self.staleness, self.seed)
-            return Step(AsyncStep(flat_loss, self.devices, push_update, workers), self.place_batch, self)
-        return Step(PushPullStep(pull, replica_gradients(flat_loss, self.mesh), push_update), self.place_batch, self)
+            pushes = AsyncStep(flat_loss, self.devices, push_update, workers, precision)
+            return Step(pushes, self.place_batch, self, precision)
+        compute = replica_gradients(flat_loss, self.mesh, precision)
+        return Step(PushPullStep(pull, compute, push_update), self.place_batch, self, precision)
 
     def unreplicate(self, tree: PyTree) -> PyTree:
         """One host copy; sharded parameters come back as the original tree."""
@@ -404,43 +415,44 @@ class ShardedUpdate:
     update program as it runs (the traffic report reads their host-memory arguments).
     """
 
-    def __init__(self, shard_storage: Sequence[SingleDeviceSharding]):
+    def __init__(self, shard_storage: Sequence[SingleDeviceSharding], precision: Precision | None = None):
         self.storage = tuple(shard_storage)
-        self.programs = [_shard_update_program(where) for where in self.storage]
+        self.programs = [_shard_update_program(where, precision) for where in self.storage]
         self.computes = [compute_sharding(where) for where in self.storage]  # built once, not every step
 
     def _calls(self, state: TrainState, rows: ReplicaRows):
         """Each shard's program and its arguments: its slice of every gradient row, pushed to its device."""
         for j, (program, where, compute) in enumerate(zip(self.programs, self.storage, self.computes, strict=True)):
-            if j == 0:  # shard 0 also takes the metrics, the key and the model state
+            if j == 0:  # shard 0 also takes the metrics, the key, the model state and the loss scale
                 mine = rows.replace(grads=rows.grads.shards[0])
-                step, extras = state.step, (state.rng, state.model_state)
-            else:
-                mine = ReplicaRows(rows.grads.shards[j], {})
-                step, extras = jax.device_put(state.step, where), (None, None)
+                step, extras = state.step, (state.rng, state.model_state, state.loss_scale)
+            else:  # every shard takes the workers' finite flags (None without a loss scale)
+                mine = ReplicaRows(rows.grads.shards[j], {}, finite=rows.finite)
+                step, extras = jax.device_put(state.step, where), (None, None, None)
             yield program, (state.tx, step, state.params.shards[j], state.opt_state[j], extras,
                             push_rows(mine, compute))  # fmt: skip
 
     def __call__(self, state: TrainState, rows: ReplicaRows):
         new = [program(*args) for program, args in self._calls(state, rows)]
-        step, _, _, (rng, model_state), metrics = new[0]
+        step, _, _, (rng, model_state, loss_scale), metrics = new[0]
         params = Sharded(tuple(n[1] for n in new), state.params.partition)
         opt_state = tuple(n[2] for n in new)
-        return state.replace(step=step, params=params, opt_state=opt_state, rng=rng, model_state=model_state), metrics
+        new_state = state.replace(step=step, params=params, opt_state=opt_state, rng=rng, model_state=model_state)
+        return new_state.replace(loss_scale=loss_scale), metrics
 
     def lowered(self, state: TrainState, rows: ReplicaRows) -> list:
         return [program.lower(*args) for program, args in self._calls(state, rows)]
 
 
-def _shard_update_program(where: SingleDeviceSharding):
+def _shard_update_program(where: SingleDeviceSharding, precision: Precision | None = None):
     """The compiled update of the shard stored at ``where``: (tx, step, params, opt_state, extras, rows) in.
 
-    ``extras`` is ``(rng, model_state)`` on shard 0 and ``(None, None)`` elsewhere; the step
-    counter is read, not donated (shard 0's copy may be the one the other shards read).
+    ``extras`` is ``(rng, model_state, loss_scale)`` on shard 0 and ``(None, None, None)`` elsewhere; the
+    step counter is read, not donated (shard 0's copy may be the one the other shards read).
     """
     compute = compute_sharding(where)
     return jax.jit(
-        functools.partial(_shard_update, compute=compute),
+        functools.partial(_shard_update, compute=compute, precision=precision),
         static_argnums=0,
         in_shardings=(where, where, where, where, compute),
         out_shardings=(where, where, where, where, compute),
@@ -448,9 +460,9 @@ def _shard_update_program(where: SingleDeviceSharding):
     )
 
 
-def _shard_update(tx, step, params, opt_state, extras, rows, *, compute):
+def _shard_update(tx, step, params, opt_state, extras, rows, *, compute, precision=None):
     """One shard's update: the shared :func:`apply_mean_gradients` on its own slice and optimizer state."""
-    rng, model_state = extras
-    owned = TrainState(step, params, opt_state, tx, rng=rng, model_state=model_state)
-    state, metrics = apply_mean_gradients(owned, rows, compute)
-    return state.step, state.params, state.opt_state, (state.rng, state.model_state), metrics
+    rng, model_state, loss_scale = extras
+    owned = TrainState(step, params, opt_state, tx, rng=rng, model_state=model_state, loss_scale=loss_scale)
+    state, metrics = apply_mean_gradients(owned, rows, compute, precision)
+    return state.step, state.params, state.opt_state, (state.rng, state.model_state, state.loss_scale), metrics

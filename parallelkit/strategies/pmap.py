@@ -24,6 +24,7 @@ from ..core.accumulate import accumulated_placement
 from ..core.axes import DATA
 from ..core.contract import Batch, LossFn, PyTree, check_divisible
 from ..core.mesh import make_mesh
+from ..core.precision import Precision
 from ..core.state import TrainState, create_state
 from ..core.step import Step
 from ..measure.collectives import AllReduce
@@ -73,16 +74,17 @@ class MirroredPmap(Strategy):
             check_divisible(batch, n)  # explains the error; the check is off the per-step path
             raise
 
-    def step(self, loss_fn: LossFn, accumulate: int = 1) -> Step:
-        """The pmapped step; ``accumulate=K`` scans ``K`` microbatches on each device, then one ``pmean``."""
+    def step(self, loss_fn: LossFn, accumulate: int = 1, precision: Precision | None = None) -> Step:
+        """The pmapped step; ``accumulate=K`` scans ``K`` microbatches on each device, then one ``pmean``;
+        ``precision`` casts the passes and the gradients before it (:mod:`parallelkit.core.precision`)."""
         fn = jax.pmap(
-            data_parallel.replica_step(loss_fn, self.allreduce, accumulate),
+            data_parallel.replica_step(loss_fn, self.allreduce, accumulate, precision),
             axis_name=DATA,
             devices=self.devices,
             out_axes=(0, None),  # metrics are equal on every device after pmean: return one copy
             donate_argnums=0,
         )
-        return Step(fn, accumulated_placement(self.place_batch, accumulate, self.num_replicas), self)
+        return Step(fn, accumulated_placement(self.place_batch, accumulate, self.num_replicas), self, precision)
 
     def unreplicate(self, tree: PyTree) -> PyTree:
         return jax.device_get(jax_utils.unreplicate(tree))

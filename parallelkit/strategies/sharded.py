@@ -28,6 +28,7 @@ from jax.sharding import PartitionSpec as P
 from ..core import partition
 from ..core.accumulate import Accumulation
 from ..core.contract import Batch, LossFn, PyTree
+from ..core.precision import Precision
 from ..core.state import TrainState
 from ..core.step import train_step
 
@@ -43,8 +44,8 @@ class _CompiledOnFirstCall:
     reused for every later call (the same shapes and shardings: nothing recompiles).
     """
 
-    def __init__(self, strategy: SPMD, loss_fn: LossFn, accumulate: int = 1):
-        self.strategy, self.loss_fn, self.accumulate = strategy, loss_fn, accumulate
+    def __init__(self, strategy: SPMD, loss_fn: LossFn, accumulate: int = 1, precision: Precision | None = None):
+        self.strategy, self.loss_fn, self.accumulate, self.precision = strategy, loss_fn, accumulate, precision
         self.fn: Callable | None = None
 
     def compiled(self, state: TrainState, batch: Batch) -> Callable:
@@ -54,6 +55,11 @@ class _CompiledOnFirstCall:
                 state.params, state.tx, model_state=state.model_state, rng=state.rng
             )
             extra = {} if self.accumulate == 1 else {"accumulate": self._accumulation(state.params)}
+            if self.precision is not None:
+                extra["precision"] = self.precision
+            if state.loss_scale is not None:  # a dynamic loss scale, replicated as the step counter is
+                replicated = jax.tree.map(lambda _: self.strategy.replicated, state.loss_scale)
+                shardings = shardings.replace(loss_scale=replicated)
             self.fn = jax.jit(
                 functools.partial(
                     self._traced(train_step), self.loss_fn, sync=self._gradient_layout(state.params), **extra

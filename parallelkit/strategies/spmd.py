@@ -32,6 +32,7 @@ from ..core import partition
 from ..core.accumulate import accumulated_placement, check_accumulate
 from ..core.axes import DATA, AxisRules, MeshAxes, active_rules
 from ..core.contract import Batch, LossFn, PyTree, put_batch
+from ..core.precision import Precision, check_precision
 from ..core.state import TrainState, create_state, prng_key
 from ..core.step import Step
 from .base import Strategy
@@ -200,12 +201,13 @@ class SPMD(Strategy):
 
         return jax.jit(build, out_shardings=target)(params, opt_state, model_state, rng)
 
-    def step(self, loss_fn: LossFn, accumulate: int = 1) -> Step:
+    def step(self, loss_fn: LossFn, accumulate: int = 1, precision: Precision | None = None) -> Step:
         """The compiled step; ``accumulate=K`` runs each replica's slice as ``K`` microbatches, synchronised once
-        (:mod:`parallelkit.core.accumulate`)."""
+        (:mod:`parallelkit.core.accumulate`); ``precision`` casts and scales (:mod:`parallelkit.core.precision`)."""
         check_accumulate(accumulate)
+        check_precision(precision)
         place = accumulated_placement(self.place_batch, accumulate, self.fed_replicas)
-        return Step(_CompiledOnFirstCall(self, loss_fn, accumulate), place, self)
+        return Step(_CompiledOnFirstCall(self, loss_fn, accumulate, precision), place, self, precision)
 
     traffic_pattern = "spmd"
 

@@ -8,26 +8,35 @@ rows (each device multiplies its slice of the hidden units and holds a partial
 sum); one all-reduce adds the partial sums, so a block costs one all-reduce in the
 forward pass and one in the backward pass. Attention splits its heads the same way.
 
-How the split is described: partition rules (``(regex, PartitionSpec)`` pairs, see
-:mod:`parallelkit.core.partition`), or the specs a Flax model carries. The training step
+How the split is described: the model's own declaration of each parameter's logical axes
+(``nnx.with_partitioning(init, ("embed", "mlp"))``, read by :func:`parallelkit.models.declared_axes`),
+whose names :data:`TENSOR_AXES` maps to the ``model`` mesh axis; or partition rules
+(``(regex, PartitionSpec)`` pairs, see :mod:`parallelkit.core.partition`), or the specs a
+Flax model carries. The training step
 is the single-device step under ``jax.jit``; XLA inserts the all-reduces the
 shardings imply, which :func:`parallelkit.measure.inspect.collectives` reads back.
 """
 
 from __future__ import annotations
 
-import re
 from collections.abc import Sequence
 
 import jax
 from jax.sharding import Mesh
 
 from ..core import partition
+from ..core.axes import MODEL, AxisRules
 from ..core.contract import PyTree
 from ..core.devices import first_devices, resolve_devices
 from ..core.mesh import is_count, make_mesh
 from ..measure.traffic import ExpectedCollective, Sizes
+from ..models import declared_axes
 from .spmd import BATCH_ON_DATA, SPMD
+
+# The logical names a model's parameters declare that tensor parallelism splits over `model`: attention's
+# heads, the MLP's hidden width, the CNN's channels between its first two convolutions, and `model` itself
+# (a model annotated with the mesh axis name). Every other name stays replicated.
+TENSOR_AXES = AxisRules((("heads", MODEL), ("mlp", MODEL), ("hidden_channels", MODEL), (MODEL, MODEL)))
 
 
 class TensorParallel(SPMD):
@@ -44,24 +53,27 @@ class TensorParallel(SPMD):
     Args:
       model: devices per model replica (the size of the ``model`` mesh axis).
       rules: ``(regex, PartitionSpec)`` pairs (first match wins; a parameter that none
-        matches is an error), or a tree of specs from :func:`parallelkit.core.partition.nnx_specs`.
-        Default: :func:`parallelkit.core.partition.megatron_mlp_rules` for the kit's MLP,
-        :func:`~parallelkit.core.partition.megatron_cnn_rules` for its CNN and
-        :func:`~parallelkit.core.partition.megatron_transformer_rules` for its transformer
-        (``pk.models.build("mlp" | "cnn" | "transformer", ...)``); other models need rules.
+        matches is an error), a tree of specs from :func:`parallelkit.core.partition.nnx_specs`,
+        or an :class:`~parallelkit.core.axes.AxisRules` for the logical axes the model declares.
+        Default: the logical axes the model's parameters declare (``nnx.with_partitioning``,
+        found by :func:`parallelkit.models.declared_axes` for parameters from
+        ``pk.models.from_nnx``, ``functional`` or ``build``) mapped by :data:`TENSOR_AXES`:
+        Megatron's column and row splits for the kit's MLP, CNN and transformer, which declare
+        them; a model that declares none needs rules.
       devices: which devices; the first ``model`` by default.
 
     Raises:
       DeviceCountError: ``devices`` that are not ``model`` in number.
       ValueError (at ``init``): unmatched parameters, a spec naming an axis the mesh
-        lacks, or a dimension that does not divide by ``model``, each naming the leaf.
+        lacks, or a dimension that does not divide by ``model``, each naming the leaf; no
+        rules for a model that declares no logical axes.
 
     Warns:
       DeviceSubsetWarning: without ``devices``, when ``model`` is fewer than all the devices
         (the rest would stay idle; :class:`~parallelkit.Hybrid` can use them).
     """
 
-    def __init__(self, model: int, rules: partition.Rules | PyTree | None = None, *, devices=None):
+    def __init__(self, model: int, rules: partition.Rules | PyTree | AxisRules | None = None, *, devices=None):
         if not is_count(model):
             raise ValueError(f"TensorParallel(model={model!r}) needs a whole number of devices >= 1.")
         if devices is None:  # the first `model` devices, with a warning if that leaves some idle
@@ -106,29 +118,30 @@ def _mlp_widths(params: PyTree) -> list[int] | None:
     return [kernels[0].shape[0], *(k.shape[1] for k in kernels)]
 
 
-def model_specs(params: PyTree, rules: partition.Rules | PyTree | None, mesh: Mesh) -> PyTree:
-    """The specs ``rules`` give ``params`` (the kit's default rules when None), checked against ``mesh``."""
-    specs = partition.param_specs(params, rules if rules is not None else _default_rules(params))
+def model_specs(params: PyTree, rules: partition.Rules | PyTree | AxisRules | None, mesh: Mesh) -> PyTree:
+    """The specs ``rules`` give ``params`` (the declared logical axes under :data:`TENSOR_AXES` when None),
+    checked against ``mesh``."""
+    if rules is None or isinstance(rules, AxisRules):
+        rules = partition.logical_specs(_declared(params), (rules if rules is not None else TENSOR_AXES).spec)
+    specs = partition.param_specs(params, rules)
     partition.check_specs(params, specs, mesh)
     return specs
 
 
-def _default_rules(params: PyTree) -> partition.Rules:
-    """Megatron rules for the kit's MLP (``hidden/<i>/...`` and ``head/...``); an error for other models."""
-    labels = [partition.path_label(path) for path, _ in jax.tree_util.tree_leaves_with_path(params)]
-    if "blocks/0/query/kernel" in labels:
-        return partition.megatron_transformer_rules()
-    if "convs/1/kernel" in labels:
-        return partition.megatron_cnn_rules()
-    hidden = {m.group(1) for label in labels if (m := re.match(r"^hidden/(\d+)/", label))}
-    if not hidden or any(not re.match(r"^(hidden/\d+|head)/(kernel|bias)$", label) for label in labels):
+def _declared(params: PyTree) -> PyTree:
+    """The logical axes ``params`` declare; an error saying to give rules when they declare none."""
+    axes = declared_axes(params)
+    if axes is None:
+        labels = [partition.path_label(path) for path, _ in jax.tree_util.tree_leaves_with_path(params)]
         raise ValueError(
-            "TensorParallel has default rules only for pk.models.MLP, CNN and Transformer; "
+            "TensorParallel has default rules only for models whose parameters declare logical axes "
+            "(pk.models.MLP, CNN and Transformer do; an NNX module of your own can, with "
+            "kernel_init=pk.models.with_axes(init, names), turned into parameters by pk.models.from_nnx); "
             "give rules=[(regex, PartitionSpec), ...] "
             f"for this model (its parameters: {', '.join(labels[:6])}{', ...' if len(labels) > 6 else ''}), "
             'for example [(".*kernel", P(None, "model")), (".*", P())].'
         )
-    return partition.megatron_mlp_rules(len(hidden))
+    return axes
 
 
 def megatron_mlp_allreduces(batch: int, sizes: Sequence[int]) -> list[int]:

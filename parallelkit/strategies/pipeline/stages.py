@@ -27,6 +27,7 @@ import jax.numpy as jnp
 import optax
 
 from ...core.contract import Batch, PyTree, _loss_with_aux
+from ...core.precision import Precision, all_finite, cast_floating, select, unscale
 
 Layer = Callable[[PyTree, Any], Any]
 HeadLoss = Callable[[Any, Batch], Any]  # -> loss, or (loss, aux dict)
@@ -85,34 +86,44 @@ def split_layers(num_layers: int, stages: int, layers_per_stage: Sequence[int] |
     return [range(a, b) for a, b in zip(bounds, bounds[1:], strict=False)]
 
 
-def _stage_output(layers, head_loss, first, last, params, x, batch):
-    """The stage's layers on its input (the batch on the first stage); on the last stage, ``(loss, (aux, _))``."""
+def _stage_output(layers, head_loss, first, last, params, x, batch, precision=None):
+    """The stage's layers on its input (the batch on the first stage); on the last stage, ``(loss, (aux, _))``.
+
+    With ``precision`` the parameters, the input and the batch's floating arrays are cast to its
+    compute dtype (inside the differentiated function, so the parameter gradients come back in
+    the parameters' dtype), and the loss and metrics to float32.
+    """
+    if precision is not None:
+        params, x, batch = cast_floating((params, x, batch), precision.compute_dtype)
     y = run_layers(layers, params, batch if first else x)
-    return _loss_with_aux(head_loss)(y, batch) if last else y
+    if not last:
+        return y
+    out = _loss_with_aux(head_loss)(y, batch)
+    return out if precision is None else cast_floating(out, jnp.float32)
 
 
-_STATIC = ("layers", "head_loss", "first", "last")
+_STATIC = ("layers", "head_loss", "first", "last", "precision")
 
 
 @partial(jax.jit, static_argnames=_STATIC)
-def forward(params, x, batch, *, layers, head_loss, first, last):
+def forward(params, x, batch, *, layers, head_loss, first, last, precision=None):
     """One microbatch through the stage: its output for the next stage, or ``(loss, aux)`` on the last."""
-    out = _stage_output(layers, head_loss, first, last, params, x, batch)
+    out = _stage_output(layers, head_loss, first, last, params, x, batch, precision)
     return (out[0], out[1][0]) if last else out
 
 
 @partial(jax.jit, static_argnames=_STATIC, donate_argnames=("grads",))
-def backward(params, x, batch, cotangent, grads, *, layers, head_loss, first, last):
+def backward(params, x, batch, cotangent, grads, *, layers, head_loss, first, last, precision=None):
     """Recompute the stage's forward pass under ``jax.vjp``; return ``(grads + this microbatch's, input gradient)``.
 
     ``cotangent`` is the gradient of the step's loss with respect to the stage's output:
     from the stage below, or on the last stage ``1 / microbatches`` (the step's loss is the
-    mean of the microbatches' losses). The first stage returns no input gradient (its
-    input is the batch).
+    mean of the microbatches' losses), times the loss scale where there is one. The first
+    stage returns no input gradient (its input is the batch).
     """
 
     def output(p, inputs):
-        out = _stage_output(layers, head_loss, first, last, p, inputs, batch)
+        out = _stage_output(layers, head_loss, first, last, p, inputs, batch, precision)
         return out[0] if last else out
 
     if first:
@@ -135,3 +146,17 @@ def update(params, opt_state, grads, *, tx: optax.GradientTransformation):
     """One optimizer update of a stage's parameters from its summed gradients."""
     updates, opt_state = tx.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state
+
+
+@partial(jax.jit, static_argnames=("precision",))
+def unscaled(grads, scale, *, precision: Precision):
+    """A stage's summed gradients divided by the loss scale (float32), and whether they are all finite."""
+    grads = unscale(grads, precision, scale)
+    return grads, all_finite(grads)
+
+
+@partial(jax.jit, static_argnames=("tx",), donate_argnames=("params", "opt_state"))
+def guarded_update(params, opt_state, grads, finite, *, tx: optax.GradientTransformation):
+    """:func:`update`, applied only where ``finite`` (every stage's gradients finite); else the stage as it was."""
+    updates, new_opt_state = tx.update(grads, opt_state, params)
+    return select(finite, (optax.apply_updates(params, updates), new_opt_state), (params, opt_state))

@@ -18,6 +18,7 @@ from ...core.axes import DATA
 from ...core.contract import Batch, PyTree, batch_size, guard_inputs
 from ...core.devices import DeviceCountError, first_devices
 from ...core.mesh import is_count, make_mesh
+from ...core.precision import Precision, check_precision, next_scale
 from ...core.state import TrainState, check_same_tree
 from ...core.step import Step
 from ...measure.inspect import Collective, parse_collectives
@@ -240,11 +241,14 @@ class Pipeline(Strategy):
             )
         return [jax.tree.map(lambda x, m=m: x[m * micro : (m + 1) * micro], batch) for m in range(pipe.microbatches)]
 
-    def step(self, head_loss: HeadLoss, accumulate: int = 1) -> PipelineStep:
+    def step(self, head_loss: HeadLoss, accumulate: int = 1, precision: Precision | None = None) -> PipelineStep:
         """The training step for ``head_loss(output, batch) -> loss or (loss, aux)`` on the last layer's output.
 
         ``accumulate > 1`` raises NotImplementedError: the pipeline already cuts the batch into
         microbatches and applies one update a step (``Pipeline(..., microbatches=K)``).
+        ``precision`` applies its casts in every stage's programs (activations travel between
+        stages in its compute dtype) and its loss scale to the last stage's seed gradient; the
+        stages skip their updates together unless every stage's gradients are finite.
         """
         refuse_accumulation(
             repr(self),
@@ -252,7 +256,7 @@ class Pipeline(Strategy):
             "The pipeline already cuts each batch into microbatches and applies one update a step: "
             "use Pipeline(..., microbatches=...).",
         )
-        return PipelineStep(self, head_loss)
+        return PipelineStep(self, head_loss, check_precision(precision))
 
     def traffic(self, loss_fn: HeadLoss, state: TrainState, batch: Batch) -> StepTraffic:
         """The bytes one step moves, per replica: one device of each stage (a row of the ``data x stage`` mesh).
@@ -361,8 +365,8 @@ class PipelineStep(Step):
     The first call's timeline includes compiling the stages' programs.
     """
 
-    def __init__(self, pipeline: Pipeline, head_loss: HeadLoss):
-        super().__init__(self._run, pipeline.place_batch, pipeline)
+    def __init__(self, pipeline: Pipeline, head_loss: HeadLoss, precision: Precision | None = None):
+        super().__init__(self._run, pipeline.place_batch, pipeline, precision)
         self.pipeline, self.head_loss = pipeline, head_loss
         self.orders = schedules.stage_orders(pipeline.planned())
         last = pipeline.stages - 1
@@ -371,29 +375,63 @@ class PipelineStep(Step):
             dict(layers=tuple(pipeline.layers[i] for i in layers), head_loss=head_loss, first=s == 0, last=s == last)
             for s, layers in enumerate(pipeline.stage_layers)
         ]
+        if precision is not None:
+            self.statics = [dict(statics, precision=precision) for statics in self.statics]
         self.timeline: Timeline | None = None
 
     def _run(self, state: TrainState, microbatches: list[Batch]) -> tuple[TrainState, dict[str, jax.Array]]:
-        pipe = self.pipeline
+        pipe, precision = self.pipeline, self.precision
         params = pipe.stage_params(state.params)
-        grads, outputs, self.timeline = self.passes(params, microbatches)
-        new_params, opt_states = zip(
-            *(programs.update(params[s], state.opt_state[s], grads[s], tx=state.tx) for s in range(pipe.stages)),
-            strict=True,
-        )
+        scale = None if precision is None else precision.scale(state.loss_scale)
+        grads, outputs, self.timeline = self.passes(params, microbatches, scale)
         losses, auxes = zip(*outputs, strict=True)
         metrics = {"loss": jnp.mean(jnp.stack(losses)), **jax.tree.map(lambda *v: jnp.mean(jnp.stack(v)), *auxes)}
+        if scale is None:
+            new_params, opt_states = zip(
+                *(programs.update(params[s], state.opt_state[s], grads[s], tx=state.tx) for s in range(pipe.stages)),
+                strict=True,
+            )
+        else:
+            new_params, opt_states, finite = self._scaled_updates(state, params, grads, scale)
+            metrics |= {"loss_scale": scale, "grads_finite": finite}
+            state = state.replace(loss_scale=next_scale(precision, state.loss_scale, finite))
         # Donating the old step counter marks the old state as consumed, which Step checks on every call.
         step = programs.next_step(state.step)
         return state.replace(step=step, params=pipe.layer_params(new_params), opt_state=list(opt_states)), metrics
 
-    def passes(self, params: list[list[PyTree]], microbatches: list[Batch]) -> tuple[list, list[tuple], Timeline]:
+    def _scaled_updates(self, state: TrainState, params: list, grads: list, scale: jax.Array) -> tuple:
+        """Each stage's gradients unscaled; the stages' updates, all skipped unless every stage's are finite.
+
+        Returns ``(params, opt_states, finite)``, ``finite`` on stage 0's devices (where the scale lives).
+        """
+        pipe = self.pipeline
+        stages = range(pipe.stages)
+        unscaled = [
+            programs.unscaled(grads[s], jax.device_put(scale, pipe.replicated(s)), precision=self.precision)
+            for s in stages
+        ]
+        finite = jnp.all(jnp.stack([jax.device_put(f, pipe.replicated(0)) for _, f in unscaled]))
+        everywhere = [jax.device_put(finite, pipe.replicated(s)) for s in stages]
+        new_params, opt_states = zip(
+            *(
+                programs.guarded_update(params[s], state.opt_state[s], unscaled[s][0], everywhere[s], tx=state.tx)
+                for s in stages
+            ),
+            strict=True,
+        )
+        return new_params, opt_states, finite
+
+    def passes(
+        self, params: list[list[PyTree]], microbatches: list[Batch], scale: jax.Array | None = None
+    ) -> tuple[list, list[tuple], Timeline]:
         """Every forward and backward pass of one step, in the schedule's order, without the update.
 
         Args:
           params: per stage, its parameters as placed (``pipeline.stage_params(state.params)``);
             read, never donated.
           microbatches: the host slices of :meth:`Pipeline.place_batch`.
+          scale: the loss scale the last stage's seed gradient is multiplied by (None: none);
+            the gradients returned are then scaled by it.
 
         Returns:
           ``(grads, outputs, timeline)``: per stage, its gradients summed over the microbatches;
@@ -405,7 +443,8 @@ class PipelineStep(Step):
         stash: list[dict[int, Any]] = [{} for _ in range(pipe.stages)]  # each stage's inputs kept for its backward
         outputs: dict[int, tuple] = {}  # microbatch -> (loss, aux) on the last stage
         moved: list[tuple[str, int, int, int]] = []
-        seed = jax.device_put(jnp.float32(1 / pipe.microbatches), pipe.replicated(last))
+        seed = jnp.float32(1 / pipe.microbatches)
+        seed = jax.device_put(seed if scale is None else seed * scale, pipe.replicated(last))
 
         def send(what: str, tree: Any, stage: int, m: int) -> Any:
             """``tree`` placed on ``stage``'s devices, split along the batch, and its bytes there recorded."""

@@ -1,0 +1,340 @@
+"""Mixture of experts: a top-k softmax router, expert capacity, and expert parallelism by all-to-all.
+
+:func:`moe_layer` is the layer in the GShard formulation: the tokens are cut into
+groups, each group routes on its own, and one-hot dispatch and combine masks move
+tokens into each expert's fixed-size buffer and back with einsums. On one device (or
+under rules that do not split the logical axis ``expert``) every expert runs there;
+traced under a strategy whose rules map ``expert`` to a mesh axis of size ``n > 1``
+it becomes :func:`expert_parallel`: inside ``jax.shard_map`` each device routes its
+own group, one ``jax.lax.all_to_all`` sends every expert's slots to the device that
+holds that expert, each device applies its ``experts / n`` experts, and a second
+all-to-all brings the results back to be combined. The expert weights stay split
+along their leading axis; they are never gathered.
+
+>>> params = init_moe_params(jax.random.key(0), dim=4, hidden=8, experts=4)
+>>> y, aux = moe_layer(jnp.ones((2, 3, 4)), params, top_k=2)
+>>> y.shape, sorted(aux)
+((2, 3, 4), ['dropped_fraction', 'kept_per_expert', 'load_balancing_loss', 'router_z_loss', 'tokens_per_expert'])
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from fractions import Fraction
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+from .core import axes
+from .core.axes import EXPERT, MeshAxes
+from .core.mesh import is_count
+
+Params = Mapping[str, jax.Array]
+# name -> the logical names of its axes; every leaf but the router has the experts on its leading axis
+SHAPES = {
+    "router": ("dim", "experts"),
+    "w_in": ("experts", "dim", "hidden"),
+    "w_out": ("experts", "hidden", "dim"),
+    "b_in": ("experts", "hidden"),
+    "b_out": ("experts", "dim"),
+}
+REQUIRED = ("router", "w_in", "w_out")
+
+
+def init_moe_params(
+    key: jax.Array, dim: int, hidden: int, experts: int, *, bias: bool = True, dtype: jnp.dtype = jnp.float32
+) -> dict[str, jax.Array]:
+    """Parameters for :func:`moe_layer`: normal weights scaled by ``1/sqrt(fan_in)``, zero biases.
+
+    >>> p = init_moe_params(jax.random.key(0), dim=4, hidden=8, experts=2)
+    >>> {name: leaf.shape for name, leaf in p.items()}
+    {'router': (4, 2), 'w_in': (2, 4, 8), 'w_out': (2, 8, 4), 'b_in': (2, 8), 'b_out': (2, 4)}
+
+    Args:
+      key: a PRNG key.
+      dim: the model width (the tokens' last axis).
+      hidden: each expert's hidden width.
+      experts: how many experts.
+      bias: also make ``b_in`` and ``b_out``.
+      dtype: the parameters' dtype.
+    """
+    k_router, k_in, k_out = jax.random.split(key, 3)
+    params = {
+        "router": jax.random.normal(k_router, (dim, experts), dtype) / math.sqrt(dim),
+        "w_in": jax.random.normal(k_in, (experts, dim, hidden), dtype) / math.sqrt(dim),
+        "w_out": jax.random.normal(k_out, (experts, hidden, dim), dtype) / math.sqrt(hidden),
+    }
+    if bias:
+        params["b_in"] = jnp.zeros((experts, hidden), dtype)
+        params["b_out"] = jnp.zeros((experts, dim), dtype)
+    return params
+
+
+def capacity(tokens_per_group: int, experts: int, top_k: int, capacity_factor: float) -> int:
+    """How many token-choices each expert takes from one group: ``ceil(capacity_factor * top_k * tokens / experts)``.
+
+    Computed exactly for the decimal ``capacity_factor`` as written (``1.2`` is 6/5, not
+    the float just above it), so a product that is a whole number is not rounded up.
+
+    >>> capacity(8, experts=4, top_k=2, capacity_factor=1.25)
+    5
+    >>> capacity(5, experts=3, top_k=1, capacity_factor=1.2)
+    2
+    """
+    return math.ceil(Fraction(str(capacity_factor)) * top_k * tokens_per_group / experts)
+
+
+def moe_layer(
+    x: jax.Array, params: Params, *, top_k: int = 2, capacity_factor: float = 1.25, groups: int = 1
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """A mixture-of-experts feed-forward layer: each token goes to its ``top_k`` experts, within their capacity.
+
+    Conceptually, for each token ``t`` of shape ``(dim,)``::
+
+        p = softmax(t @ router)                         # one probability per expert
+        chosen = the top_k experts by p, highest first  # ties: the lower expert index
+        gate[e] = p[e] / sum(p[chosen])                 # over the chosen k: sums to 1
+        y = sum(gate[e] * expert_e(t) for e in chosen if t's choice of e is kept)
+        expert_e(t) = gelu(t @ w_in[e] + b_in[e]) @ w_out[e] + b_out[e]
+
+    with ``jax.nn.gelu`` (its tanh approximation) and the biases where ``params`` has them.
+    The tokens (``x`` flattened to ``(tokens, dim)``) are cut into ``groups`` equal
+    consecutive groups. In each group every expert keeps at most
+    :func:`capacity` ``(tokens_per_group, experts, top_k, capacity_factor)`` token-choices,
+    taken in this order: all first choices in token order, then all second choices in
+    token order, and so on (as GShard and Switch do). A choice that finds its expert full
+    is dropped: it adds nothing to ``y`` (the caller's residual connection carries the
+    token), and the gates of a token's kept choices are not renormalised.
+
+    Traced under active axis rules (a strategy's step) that map the logical axis
+    ``expert`` to mesh axes of more than one device, this is :func:`expert_parallel` on
+    that mesh, which needs ``groups`` equal to the mesh's device count; the result is the
+    same as here with the same ``groups``.
+
+    Args:
+      x: tokens, ``(tokens, dim)`` or ``(batch, length, dim)``.
+      params: ``router (dim, E)``, ``w_in (E, dim, hidden)``, ``w_out (E, hidden, dim)``, and
+        optionally ``b_in (E, hidden)``, ``b_out (E, dim)`` (:func:`init_moe_params`).
+      top_k: experts per token, ``1 <= top_k <= E``.
+      capacity_factor: > 0; at 1 each expert holds its even share of a group's choices (rounded up).
+      groups: how many groups route separately (each its own capacity).
+
+    Returns:
+      ``(y, aux)``: ``y`` shaped like ``x``, and float32 ``aux`` (``T`` tokens in all groups):
+
+      - ``load_balancing_loss``: Switch's ``E * sum_i f_i * P_i``, with ``f_i`` the fraction
+        of tokens whose first choice is expert ``i`` (before capacity) and ``P_i`` the mean
+        router probability of ``i``; 1 when both are uniform. Only ``P_i`` carries a gradient.
+      - ``router_z_loss``: the mean over tokens of ``logsumexp(logits)**2`` (ST-MoE).
+      - ``dropped_fraction``: dropped token-choices / ``(T * top_k)``, a token-choice being
+        one token's assignment to one of its ``top_k`` experts.
+      - ``tokens_per_expert``: ``(E,)`` token-choices routed to each expert, before capacity.
+      - ``kept_per_expert``: ``(E,)`` of those each expert kept.
+
+    Raises:
+      ValueError: ``x`` or ``params`` of the wrong shapes, ``top_k`` outside ``1..E``,
+        ``capacity_factor <= 0``, tokens that ``groups`` does not divide; under expert
+        parallelism, the errors of :func:`expert_parallel`.
+    """
+    axis = _active_expert_axis()
+    if axis is not None:
+        mesh = axes.active()[0]
+        return expert_parallel(
+            x, params, mesh=mesh, axis=axis, top_k=top_k, capacity_factor=capacity_factor, groups=groups
+        )
+    tokens, dim, _ = _check(x, params, top_k, capacity_factor, groups)
+    cap = capacity(tokens // groups, params["router"].shape[1], top_k, capacity_factor)
+    y, sums = _moe_groups(x.reshape(groups, -1, dim), params, top_k, cap, _experts)
+    return y.reshape(x.shape), _aux(sums, tokens, top_k)
+
+
+def expert_parallel(
+    x: jax.Array,
+    params: Params,
+    *,
+    mesh: Mesh,
+    axis: MeshAxes = EXPERT,
+    top_k: int = 2,
+    capacity_factor: float = 1.25,
+    groups: int | None = None,
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """:func:`moe_layer` with the experts split over ``axis`` of ``mesh`` and the tokens over all its devices.
+
+    One group of tokens per device (group ``i`` on the ``i``-th device of the mesh in
+    row-major order), routed there. Inside ``jax.shard_map``, on each device::
+
+        dispatched = einsum(dispatch_mask, group)           # (E, 1, capacity, dim): every expert's slots
+        mine = all_to_all(dispatched, axis, split 0, concat 1)  # (E/n, n, capacity, dim): my experts, n groups
+        out = all_to_all(experts_i(mine), axis, split 1, concat 0)  # back to (E, 1, capacity, dim)
+        y = einsum(combine_mask, out)
+
+    where ``n`` is the size of ``axis``: each all-to-all sends ``(n-1)/n`` of the
+    dispatched activations away. Every leaf but the router enters split along its
+    leading (expert) axis over ``axis`` (``P(axis)``), the router replicated; the aux
+    sums meet in a ``psum`` over the whole mesh. Usable under ``jax.jit`` or eagerly.
+
+    Args:
+      x, params, top_k, capacity_factor: as for :func:`moe_layer`.
+      mesh: the devices; other axes than ``axis`` (``data``, say) split only the tokens.
+      axis: the mesh axis (or axes) that splits the experts.
+      groups: must be the mesh's device count (``None``: that count).
+
+    Returns:
+      ``(y, aux)`` as :func:`moe_layer` gives with the same ``groups``.
+
+    Raises:
+      ValueError: the errors of :func:`moe_layer`; ``axis`` not on ``mesh``; experts that
+        do not split evenly over ``axis``; ``groups`` other than the device count.
+    """
+    groups = mesh.size if groups is None else groups
+    tokens, dim, experts = _check(x, params, top_k, capacity_factor, groups)
+    names = _names(axis)
+    if not names or any(name not in mesh.shape for name in names):
+        raise ValueError(f"expert_parallel(axis={axis!r}): the mesh has axes {dict(mesh.shape)}; name one of them.")
+    n = math.prod(mesh.shape[name] for name in names)
+    if experts % n:
+        raise ValueError(
+            f"{experts} experts do not split over the {n} devices of mesh axis {axis!r}: "
+            f"use a multiple of {n} experts, or an expert axis whose size divides {experts}."
+        )
+    if groups != mesh.size:
+        raise ValueError(
+            f"Expert parallelism routes each device's tokens as one group, so groups must equal the {mesh.size} "
+            f"devices of mesh {dict(mesh.shape)} the tokens are split over, got groups={groups}: "
+            f"pass groups={mesh.size} (and the same groups to the single-device run it should equal)."
+        )
+    cap = capacity(tokens // groups, experts, top_k, capacity_factor)
+
+    def exchange(dispatched: jax.Array, local: Params) -> jax.Array:
+        mine = jax.lax.all_to_all(dispatched, axis, 0, 1, tiled=True)  # each expert's slots to its device
+        return jax.lax.all_to_all(_experts(mine, local), axis, 1, 0, tiled=True)  # the results back
+
+    def body(group: jax.Array, local: Params) -> tuple[jax.Array, dict[str, jax.Array]]:
+        y, sums = _moe_groups(group, local, top_k, cap, exchange)
+        return y, jax.lax.psum(sums, tuple(mesh.axis_names))
+
+    everywhere = P(tuple(mesh.axis_names))
+    specs = {name: P() if name == "router" else P(axis) for name in params}
+    y, sums = jax.shard_map(body, mesh=mesh, in_specs=(everywhere, specs), out_specs=(everywhere, P()))(
+        x.reshape(groups, -1, dim), dict(params)
+    )
+    return y.reshape(x.shape), _aux(sums, tokens, top_k)
+
+
+def _names(axis: MeshAxes) -> tuple[str, ...]:
+    return () if axis is None else (axis,) if isinstance(axis, str) else tuple(axis)
+
+
+def _active_expert_axis() -> MeshAxes:
+    """The mesh axes the active rules give the logical axis ``expert``, when they span more than one device."""
+    active = axes.active()
+    if active is None:
+        return None
+    mesh, rules = active
+    axis = rules.mesh_axes(EXPERT)
+    return axis if math.prod(mesh.shape[name] for name in _names(axis)) > 1 else None
+
+
+def _check(x: jax.Array, params: Params, top_k: int, capacity_factor: float, groups: int) -> tuple[int, int, int]:
+    """``(tokens, dim, experts)``, or a ValueError saying what is wrong with the arguments."""
+    missing = [name for name in REQUIRED if name not in params]
+    unknown = [name for name in params if name not in SHAPES]
+    if missing or unknown:
+        raise ValueError(
+            f"moe_layer params need {list(REQUIRED)} and may add 'b_in', 'b_out'; missing {missing}, unknown "
+            f"{unknown}. Build them with pk.experts.init_moe_params."
+        )
+    dim, experts = params["router"].shape
+    hidden = params["w_in"].shape[-1]
+    sizes = {"dim": dim, "experts": experts, "hidden": hidden}
+    for name, leaf in params.items():
+        expected = tuple(sizes[n] for n in SHAPES[name])
+        if tuple(leaf.shape) != expected:
+            raise ValueError(
+                f"params[{name!r}] has shape {tuple(leaf.shape)}, but the router {(dim, experts)} and w_in's hidden "
+                f"width {hidden} make it {expected} ({', '.join(SHAPES[name])})."
+            )
+    if x.ndim not in (2, 3) or x.shape[-1] != dim:
+        raise ValueError(
+            f"moe_layer takes x of shape (tokens, {dim}) or (batch, length, {dim}) for a router of {dim} inputs, "
+            f"got {x.shape}."
+        )
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= experts:
+        raise ValueError(
+            f"top_k={top_k!r} but there are {experts} experts: choose a whole number 1 <= top_k <= {experts}."
+        )
+    if not capacity_factor > 0:
+        raise ValueError(
+            f"capacity_factor must be > 0, got {capacity_factor!r}: each expert keeps "
+            "ceil(capacity_factor * top_k * tokens_per_group / experts) tokens of a group (1.25 is usual)."
+        )
+    tokens = math.prod(x.shape[:-1])
+    if not is_count(groups) or tokens % groups:
+        raise ValueError(
+            f"{tokens} tokens do not cut into groups={groups!r} equal groups: use a whole number of groups that "
+            f"divides {tokens}."
+        )
+    return tokens, dim, experts
+
+
+def _route(group: jax.Array, router: jax.Array, top_k: int, cap: int):
+    """Dispatch and combine masks ``(g, s, E, cap)`` for groups ``(g, s, dim)``, and the aux sums over them."""
+    logits = jnp.einsum("gsd,de->gse", group, router).astype(jnp.float32)
+    probs = jax.nn.softmax(logits, axis=-1)
+    top_p, top_i = jax.lax.top_k(probs, top_k)  # (g, s, k), highest first; ties: the lower index
+    gates = top_p / jnp.sum(top_p, axis=-1, keepdims=True)
+    g, s, experts = probs.shape
+    chosen = jax.nn.one_hot(top_i, experts, dtype=jnp.int32)  # (g, s, k, E)
+    # A choice's slot in its expert's buffer: its expert's choices before it, all first choices (token order) first
+    in_order = jnp.swapaxes(chosen, 1, 2).reshape(g, top_k * s, experts)
+    before = jnp.swapaxes((jnp.cumsum(in_order, axis=1) - in_order).reshape(g, top_k, s, experts), 1, 2)
+    slot = jnp.sum(before * chosen, axis=-1)  # (g, s, k)
+    kept = chosen * (slot < cap)[..., None]  # (g, s, k, E)
+    slots = jax.nn.one_hot(slot, cap, dtype=jnp.float32)  # a slot >= cap (dropped) is all zeros
+    dispatch = jnp.einsum("gske,gskc->gsec", kept.astype(jnp.float32), slots)
+    combine = jnp.einsum("gske,gsk,gskc->gsec", kept.astype(jnp.float32), gates, slots)
+    sums = {
+        "first": jnp.sum(chosen[:, :, 0], axis=(0, 1)).astype(jnp.float32),
+        "probs": jnp.sum(probs, axis=(0, 1)),
+        "z": jnp.sum(jax.nn.logsumexp(logits, axis=-1) ** 2),
+        "routed": jnp.sum(chosen, axis=(0, 1, 2)).astype(jnp.float32),
+        "kept": jnp.sum(kept, axis=(0, 1, 2)).astype(jnp.float32),
+    }
+    return dispatch.astype(group.dtype), combine, sums
+
+
+def _moe_groups(
+    group: jax.Array, params: Params, top_k: int, cap: int, apply: Callable[[jax.Array, Params], jax.Array]
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """Route groups ``(g, s, dim)``, run ``apply`` on the dispatched ``(E, g, cap, dim)``, combine."""
+    dispatch, combine, sums = _route(group, params["router"], top_k, cap)
+    dispatched = jnp.einsum("gsec,gsd->egcd", dispatch, group)
+    out = apply(dispatched, params)
+    return jnp.einsum("gsec,egcd->gsd", combine, out).astype(group.dtype), sums
+
+
+def _experts(tokens: jax.Array, params: Params) -> jax.Array:
+    """Each expert's feed-forward network on its slots: ``(e, g, cap, dim)`` with ``e`` the experts of ``params``."""
+    h = jnp.einsum("egcd,edh->egch", tokens, params["w_in"])
+    if "b_in" in params:
+        h = h + params["b_in"][:, None, None, :]
+    out = jnp.einsum("egch,ehd->egcd", jax.nn.gelu(h), params["w_out"])
+    if "b_out" in params:
+        out = out + params["b_out"][:, None, None, :]
+    return out
+
+
+def _aux(sums: dict[str, jax.Array], tokens: int, top_k: int) -> dict[str, jax.Array]:
+    """The aux quantities of :func:`moe_layer` from the sums over all groups."""
+    experts = sums["first"].shape[0]
+    f = jax.lax.stop_gradient(sums["first"]) / tokens
+    return {
+        "load_balancing_loss": experts * jnp.sum(f * sums["probs"] / tokens),
+        "router_z_loss": sums["z"] / tokens,
+        "dropped_fraction": 1.0 - jnp.sum(sums["kept"]) / (tokens * top_k),
+        "tokens_per_expert": sums["routed"],
+        "kept_per_expert": sums["kept"],
+    }

@@ -1,0 +1,96 @@
+"""Expert parallelism: each device holds some of the experts, and tokens travel to them by all-to-all.
+
+The devices form a ``data`` x ``expert`` grid. The batch is split over all of them;
+every parameter whose path ends in ``w_in``, ``w_out``, ``b_in`` or ``b_out`` (the
+expert weights of :func:`parallelkit.experts.moe_layer`) is split along its leading
+(expert) axis over ``expert``, and the rest is replicated. The rules map the logical
+axis ``expert`` to the mesh axis ``expert``, so while the step traces,
+:func:`~parallelkit.experts.moe_layer` runs as :func:`~parallelkit.experts.expert_parallel`:
+each device routes its own tokens as one group and two all-to-alls inside
+``jax.shard_map`` carry them to their experts' devices and back. Everything else in the
+step is the single-device step under ``jax.jit``; the gradients of replicated parameters
+(and of the expert weights, over ``data``) are all-reduced as the shardings imply.
+
+>>> import parallelkit as pk
+>>> ExpertParallel(expert=1, devices=jax.devices()[:1])
+ExpertParallel(expert=1, data=1)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import jax
+
+from ..core import partition
+from ..core.accumulate import check_accumulate
+from ..core.axes import DATA, EXPERT
+from ..core.contract import LossFn, PyTree
+from ..core.devices import first_devices, resolve_devices
+from ..core.mesh import is_count, make_mesh
+from ..core.step import Step
+from .spmd import BATCH, SPMD
+
+# The expert weights (experts on their leading axis) split over `expert`, by the logical name; the rest replicated.
+EXPERT_RULES = ((r"(^|/)(w_in|w_out|b_in|b_out)$", (EXPERT,)), (".*", ()))
+
+
+class ExpertParallel(SPMD):
+    """``data`` x ``expert`` devices: the tokens split over all of them, the experts over ``expert``.
+
+    Conceptually, on device ``(i, j)`` with ``d x e`` devices and a global batch ``b``::
+
+        my tokens = slice (i * e + j) of b;    my experts = slice j of every expert weight
+        moe_layer routes my tokens as one group; all-to-all over `expert` -> my experts -> all-to-all back
+        grads of slice j = sum over the devices' contributions (all-reduce over `data`)
+
+    which equals the single-device step when its ``moe_layer`` calls use ``groups=d * e``.
+
+    Args:
+      expert: devices that split the experts (the ``expert`` mesh axis).
+      data: groups of ``expert`` devices (the ``data`` mesh axis); ``None``: all the devices
+        (or those given) divided by ``expert``.
+      rules: ``(regex, spec)`` partition rules for the parameters (a spec may be a tuple of
+        logical names); :data:`EXPERT_RULES` by default.
+      devices: which devices; all by default when ``data`` is ``None``, else the first ``data x expert``.
+
+    Raises:
+      DeviceCountError: devices that do not split into ``data x expert``.
+      ValueError: an axis size that is not a whole number >= 1; at ``init``, an expert weight
+        whose leading axis ``expert`` does not divide.
+
+    Warns:
+      DeviceSubsetWarning: with ``data`` and without ``devices``, when ``data x expert`` is
+        fewer than all the devices.
+    """
+
+    def __init__(
+        self,
+        expert: int,
+        data: int | None = None,
+        *,
+        rules: partition.Rules | PyTree | None = None,
+        devices: Sequence[jax.Device] | None = None,
+    ):
+        for name, size in (("expert", expert), ("data", data)):
+            if size is not None and not is_count(size):
+                raise ValueError(f"ExpertParallel({name}={size!r}): an axis size must be a whole number >= 1.")
+        if devices is None and data is not None:
+            total = len(jax.devices())
+            devices = first_devices(data * expert, f"ExpertParallel(expert={expert}, data={data})",
+                                    f"ExpertParallel(expert={expert}, data={total // expert})")  # fmt: skip
+        mesh = make_mesh(resolve_devices(devices) if devices is not None else None, data=data, expert=expert)
+        super().__init__(mesh, rules=((BATCH, (DATA, EXPERT)), (EXPERT, EXPERT)), param_rules=rules or EXPERT_RULES)
+
+    def step(self, loss_fn: LossFn, accumulate: int = 1) -> Step:
+        """The compiled step; ``accumulate > 1`` is refused: that step maps the loss over the replicas
+        with ``jax.vmap(spmd_axis_name=...)``, and the layer's ``shard_map`` cannot split those axes again."""
+        if check_accumulate(accumulate) != 1:
+            raise ValueError(
+                f"{self!r} does not accumulate gradients (accumulate={accumulate}): use accumulate=1, with a "
+                "smaller global batch if one step's activations do not fit."
+            )
+        return super().step(loss_fn)
+
+    def __repr__(self) -> str:
+        return f"ExpertParallel(expert={self.mesh.shape[EXPERT]}, data={self.mesh.shape[DATA]})"
