@@ -1,6 +1,7 @@
 """Gradient accumulation, ``strategy.step(loss_fn, accumulate=K)``: one step on the whole batch, one sync a step.
 
-On the suite's 8 simulated devices. Tolerance: float32, rtol 1e-5, atol 1e-6.
+On the suite's 8 simulated devices. Tolerance: float32, rtol 1e-5, atol 1e-6; bfloat16 runs are held
+to SingleDevice under the same policy within the bound derived in ``test_precision.assert_within_bf16``.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ import optax
 import pytest
 from flax import nnx
 from helpers import tree_allclose
+from test_precision import assert_float32_state, assert_scale_cycle, assert_within_bf16, dense_layers
+from test_precision import train as train_with_precision
 
 import parallelkit as pk
 
@@ -30,7 +33,12 @@ STRATEGIES = {
     "fully-sharded-3": lambda: pk.FullySharded(3, min_size=1),
     "fully-sharded-2": lambda: pk.FullySharded(2, min_size=1),
     "hybrid": lambda: pk.Hybrid(2, 2, shard_data=True, min_size=1),
+    "central-storage": lambda: pk.CentralStorage(),
+    "parameter-server": lambda: pk.ParameterServer(3),
 }
+
+# The strategies whose workers push their gradients to the state's owners (sync mode).
+OFF_DEVICE = {name: STRATEGIES[name] for name in ("central-storage", "parameter-server")}
 
 
 def train(strategy, loss_fn, params, batches, accumulate=1):
@@ -156,12 +164,14 @@ def test_accumulate_must_be_a_whole_number_of_microbatches(mlp, accumulate):
             strategy.step(loss_fn, accumulate=accumulate)
 
 
-def test_strategies_that_cannot_accumulate_yet_say_which_can(mlp, digits):
+def test_strategies_that_cannot_accumulate_yet_say_which_can_and_why(mlp, digits):
     loss_fn, _ = mlp
-    for strategy in (pk.CentralStorage(2), pk.ParameterServer(2, devices=2), pk.ParameterServer(2, mode="async")):
-        strategy.step(loss_fn, accumulate=1)  # one pass over the batch: as before
-        with pytest.raises(NotImplementedError, match="cannot accumulate gradients yet; SingleDevice, Mirrored"):
-            strategy.step(loss_fn, accumulate=2)
+    strategy = pk.ParameterServer(2, mode="async")
+    strategy.step(loss_fn, accumulate=1)  # one pass over the batch: as before
+    with pytest.raises(
+        NotImplementedError, match=r"yet; SingleDevice, .*ParameterServer \(mode='sync'\).*no step-wide"
+    ):
+        strategy.step(loss_fn, accumulate=2)
     layers, _ = pk.models.as_layers(pk.models.MLP(64, (64,), digits.num_classes, rngs=nnx.Rngs(0)))
     pipe = pk.Pipeline(layers, 2, microbatches=2)
     head_loss = pk.models.cross_entropy
@@ -195,3 +205,61 @@ def test_an_accumulating_step_compiles_once(name, mlp, batches):
             state, _ = step(state, batch)
         jax.block_until_ready(state)
     assert compiles == []
+
+
+@pytest.fixture(scope="module")
+def bf16_reference(mlp, batches):
+    """SingleDevice under the bfloat16 policy, one pass over each whole batch: the parameters after each step."""
+    loss_fn, params = mlp
+    return train_with_precision(pk.SingleDevice(), loss_fn, params, batches, pk.Precision.bf16())[0]
+
+
+@pytest.mark.parametrize("name", OFF_DEVICE)
+def test_off_device_bf16_with_accumulation_equals_single_device_under_the_same_policy(
+    name, mlp, batches, bf16_reference
+):
+    """The bound and its reason: ``assert_within_bf16`` in test_precision.py."""
+    loss_fn, params = mlp
+    strategy = OFF_DEVICE[name]()
+    trace, state, _ = train_with_precision(strategy, loss_fn, params, batches, pk.Precision.bf16(), accumulate=K)
+    assert_within_bf16(trace, bf16_reference, dense_layers(params))
+    assert_float32_state(strategy, state)
+
+
+@pytest.mark.parametrize("name", OFF_DEVICE)
+def test_off_device_dynamic_loss_scale_with_accumulation(name, mlp, batches):
+    loss_fn, params = mlp
+    assert_scale_cycle(OFF_DEVICE[name](), loss_fn, params, batches, accumulate=K)
+
+
+@pytest.mark.parametrize("name", OFF_DEVICE)
+def test_off_device_batch_that_does_not_split_into_microbatches_names_the_three_numbers(name, mlp, batch):
+    loss_fn, params = mlp
+    strategy = OFF_DEVICE[name]()
+    state = strategy.init(params, optax.sgd(0.1))
+    short = jax.tree.map(lambda x: x[:48], batch)
+    with pytest.raises(ValueError, match=r"48 examples .* 4 microbatches .* 8 replicas.* 4 x 8 = 32"):
+        strategy.step(loss_fn, accumulate=K)(state, short)
+
+
+@pytest.mark.parametrize("name", OFF_DEVICE)
+def test_off_device_workers_pull_and_push_the_same_bytes_however_many_microbatches(name, mlp, batch):
+    """Measured on the arrays the workers' programs really return and the programs' HLO (the traffic report)."""
+    loss_fn, params = mlp
+    strategy = OFF_DEVICE[name]()
+    state = strategy.init(params, optax.sgd(0.1))
+    plain, accumulated = (strategy.traffic(loss_fn, state, batch, accumulate=k) for k in (1, K))
+    assert accumulated.flows == plain.flows
+    assert accumulated.owner_flows == plain.owner_flows and accumulated.owner_bytes == plain.owner_bytes
+    pushed = {f.what: f.measured for f in accumulated.flows}[strategy.push_label]
+    assert pushed == gradient_bytes(params), "each worker pushes one gradient row a step, not K"
+    assert {f.what: f.measured for f in accumulated.flows}["collectives"] == 0
+    # the workers' program does run K microbatches: one loop of K trips
+    loops = {
+        k: re.findall(
+            r'known_trip_count":\{"n":"(\d+)"',
+            pk.inspect.compiled_text(strategy.step(loss_fn, accumulate=k), state, batch),
+        )
+        for k in (1, K)
+    }
+    assert loops == {1: [], K: [str(K)]}

@@ -122,6 +122,33 @@ def test_resume_after_an_exception_equals_an_uninterrupted_run(make, mlp, digits
     tree_allclose(continued.params, uninterrupted(make, mlp, digits)[0], rtol=0, atol=0)
 
 
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    "make", [pk.SingleDevice, lambda: pk.Mirrored(2, backend="pmap"), lambda: pk.CentralStorage(2)],
+    ids=["single", "mirrored-pmap", "central-storage"],
+)  # fmt: skip
+def test_a_resumed_float16_run_continues_with_its_loss_scale(make, mlp, digits, tmp_path):
+    """The dynamic loss scale is checkpointed: a run resumed after step 5 ends where an uninterrupted one does.
+
+    The scale starts far too high (the first steps overflow and halve it) and doubles after every
+    2 finite steps, so it changes throughout: a resumed run that restarted it would skip other steps.
+    """
+    loss_fn, params = mlp
+    fp16 = pk.Precision.fp16(period=2, initial_scale=2.0**24)
+    whole = pk.fit(make(), loss_fn, params, optax.adam(LR), batches(digits), precision=fp16)
+    with pytest.raises(RuntimeError, match="crash at step 5"):
+        pk.fit(make(), loss_fn, params, optax.adam(LR), batches(digits), callbacks=[CrashAt(5)],
+               checkpoint_dir=tmp_path, checkpoint_every=5, precision=fp16)  # fmt: skip
+    strategy = make()
+    resumed = pk.fit(strategy, loss_fn, params, optax.adam(LR), batches(digits), checkpoint_dir=tmp_path,
+                     resume=True, precision=fp16)  # fmt: skip
+    assert resumed.resumed_from == 5
+    scales = [whole.history.metric("loss_scale"), resumed.history.metric("loss_scale")]
+    np.testing.assert_array_equal(scales[1], scales[0][5:])
+    assert len(set(scales[0][:5].tolist())) > 1  # the scale moved before the checkpoint: restoring it matters
+    tree_allclose(resumed.params, whole.params, rtol=0, atol=0)
+
+
 @pytest.fixture(scope="module")
 def saved_on_four(mlp, digits, tmp_path_factory):
     """A checkpoint after 5 steps of Mirrored on 4 devices, and those parameters."""

@@ -343,3 +343,17 @@ def test_expert_parallel_strategy_refuses_accumulation():
     loss_fn = moe_regression(groups=4, steps=1)[0]
     with pytest.raises(ValueError, match="does not accumulate gradients"):
         pk.ExpertParallel(expert=4, devices=jax.devices()[:4]).step(loss_fn, accumulate=2)
+
+
+def test_expert_parallel_strategy_takes_a_precision_policy():
+    """bfloat16 compute under ExpertParallel: the step runs and keeps the parameters float32 (the master copy).
+
+    Not compared with SingleDevice: in bfloat16 the two programs may round a router logit differently
+    and so pick another expert for a token, a jump no rounding bound covers."""
+    import optax
+
+    loss_fn, params, batches = moe_regression(groups=4, steps=2)
+    strategy = pk.ExpertParallel(expert=4, devices=jax.devices()[:4])
+    run = pk.fit(strategy, loss_fn, params, optax.sgd(0.1), batches, precision=pk.Precision.bf16())
+    assert all(leaf.dtype == jnp.float32 for leaf in jax.tree.leaves(run.state.params))
+    assert np.isfinite(run.history.losses).all()

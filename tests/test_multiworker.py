@@ -102,3 +102,52 @@ def _leaves(tree):
     import jax
 
     return jax.tree.leaves(tree)
+
+
+ACCUMULATE = 4  # BATCH = 32 splits into 4 microbatches on each of the 4 devices
+
+
+def train_accumulated_in_cluster() -> dict:
+    """Runs in every process: MultiWorkerMirrored with ``accumulate=ACCUMULATE`` (both feeds), and
+    SingleDevice with one pass over each whole batch, from the same parameters on the same batches."""
+    import jax
+    import optax
+
+    dataset = pk.data.digits()
+    apply, params = pk.models.build("mlp", dataset.input_shape, dataset.num_classes)
+    loss_fn = pk.models.classifier_loss(apply)
+
+    def run(strat, accumulate=1, feed_local=False):
+        batches = pk.data.batches(dataset, BATCH, steps=STEPS)
+        if feed_local:  # this process's rows only
+            rows = BATCH // jax.process_count()
+            lo = jax.process_index() * rows
+            batches = ({k: v[lo : lo + rows] for k, v in b.items()} for b in batches)
+        tx = optax.sgd(0.1, momentum=0.9)
+        return pk.fit(strat, loss_fn, params, tx, batches, accumulate=accumulate).params
+
+    return {
+        "global": run(pk.MultiWorkerMirrored(), ACCUMULATE),
+        "local": run(pk.MultiWorkerMirrored(batch="local"), ACCUMULATE, feed_local=True),
+        "single": run(pk.SingleDevice(jax.local_devices()[0])),
+        "init": jax.device_get(params),
+    }
+
+
+@pytest.fixture(scope="module")
+def accumulated_results():
+    return pk.distributed.run_local(
+        train_accumulated_in_cluster, PROCESSES, DEVICES_PER_PROCESS, timeout=120, stream=False
+    )  # fmt: skip
+
+
+@pytest.mark.multihost
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("feed", ["global", "local"])
+def test_multiworker_accumulation_equals_one_step_on_the_whole_batch(accumulated_results, feed):
+    for r in accumulated_results:
+        tree_allclose(r[feed], r["single"])
+        moved = [not np.allclose(a, b) for a, b in zip(_leaves(r[feed]), _leaves(r["init"]), strict=True)]
+        assert all(moved), "a parameter did not change during training"
+    tree_allclose(accumulated_results[0][feed], accumulated_results[1][feed], rtol=0, atol=0)

@@ -11,7 +11,8 @@ for one replica with its slice ``b`` of the global batch::
 
 which equals one step on the whole batch because the loss is a mean over equal-sized
 microbatches. Where the program is one per device (``pmap``, ``shard_map``) the scan runs
-there and the synchronisation is the explicit one after it. Where it is one ``jax.jit``
+there and the synchronisation is the explicit one after it (for central storage and
+parameter servers, the push of each worker's one gradient row). Where it is one ``jax.jit``
 with shardings the compiler would all-reduce inside the loop, once per microbatch; there
 the replicas are an explicit axis of the program (``jax.vmap`` with ``spmd_axis_name``),
 so each device's gradients stay its own row in the carry and the mean over the rows after
@@ -30,7 +31,10 @@ import jax.numpy as jnp
 
 from .contract import Batch, PyTree, batch_size
 
-SUPPORTED = "SingleDevice, Mirrored (both backends), MultiWorkerMirrored, TensorParallel, FullySharded, Hybrid and SPMD"
+SUPPORTED = (
+    "SingleDevice, Mirrored (both backends), MultiWorkerMirrored, TensorParallel, FullySharded, Hybrid, SPMD, "
+    "CentralStorage and ParameterServer (mode='sync')"
+)
 
 
 def check_accumulate(accumulate: Any) -> int:

@@ -37,6 +37,7 @@ import optax
 
 from ..core.contract import PyTree
 from ..core.partition import path_label
+from ..core.precision import LossScaleState
 from ..core.state import TrainState
 from ..strategies.base import Strategy
 
@@ -58,10 +59,23 @@ class Restored:
 
 
 def _state_tree(state: TrainState) -> dict[str, PyTree]:
-    """What a checkpoint stores: step, parameters, optimizer state, and the PRNG key and model state when present."""
+    """What a checkpoint stores: step, parameters, optimizer state, and the PRNG key, model state and
+    dynamic loss scale when present (the scale as a dict of its two arrays)."""
     tree = {"step": state.step, "params": state.params, "opt_state": state.opt_state}
-    extras = {"rng": state.rng, "model_state": state.model_state}
+    scale = state.loss_scale
+    extras = {
+        "rng": state.rng,
+        "model_state": state.model_state,
+        "loss_scale": None if scale is None else {"scale": scale.scale, "good_steps": scale.good_steps},
+    }
     return tree | {name: value for name, value in extras.items() if value is not None}
+
+
+def _like_step(state: TrainState, value: PyTree) -> PyTree:
+    """Each leaf of ``value`` (host values, one copy) placed as the step counter is: its shape and sharding."""
+    return jax.tree.map(
+        lambda x: jax.device_put(np.full(state.step.shape, np.asarray(x).reshape(-1)[0]), state.step.sharding), value
+    )
 
 
 def _is_logical(strategy: Strategy, tree: PyTree) -> bool:
@@ -212,6 +226,8 @@ class Checkpoints:
                 f"(found steps: {available or 'none'}). Check the directory, or train without resuming to create one."
             )
         template = strategy.init(params, tx, model_state=model_state, rng=rng)
+        if "loss_scale" in self._saved_tree(step):  # a dynamic loss scale rides where the step counter does
+            template = template.replace(loss_scale=_like_step(template, LossScaleState(np.float32(1), np.int32(0))))
         logical = _is_logical(strategy, _state_tree(template))
         if logical:  # read each shard straight into its place
             target = jax.tree.map(
@@ -232,19 +248,27 @@ class Checkpoints:
             ) from err
         tree, meta = out[STATE], out[META]
         extras = {"rng": tree.get("rng"), "model_state": tree.get("model_state")}
+        scale = None if "loss_scale" not in tree else LossScaleState(**tree["loss_scale"])
         if logical:
-            state = TrainState(step=tree["step"], params=tree["params"], opt_state=tree["opt_state"], tx=tx, **extras)
+            state = TrainState(
+                step=tree["step"], params=tree["params"], opt_state=tree["opt_state"], tx=tx, loss_scale=scale, **extras
+            )
         else:
             state = strategy.init(tree["params"], tx, tree["opt_state"], **extras)
-            saved_step = np.full(state.step.shape, int(np.asarray(tree["step"])), np.int32)
-            state = state.replace(step=jax.device_put(saved_step, state.step.sharding))
+            state = state.replace(step=_like_step(state, np.int32(np.asarray(tree["step"]))))
+            if scale is not None:
+                state = state.replace(loss_scale=_like_step(state, scale))
         log.info("Restored step %d from %s onto %r.", step, self.directory, strategy)
         return Restored(state, step, int(meta["batches"]))
 
+    def _saved_tree(self, step: int) -> PyTree:
+        """The metadata of the state saved at ``step``: its tree of leaves' shapes and dtypes."""
+        metadata = self.manager.item_metadata(step)[STATE]
+        return getattr(metadata, "tree", metadata)  # a TreeMetadata, or the tree itself
+
     def _check_fits(self, step: int, target: PyTree, strategy: Strategy) -> None:
         """Compare the saved tree's paths, shapes and dtypes with ``target``'s before reading anything."""
-        metadata = self.manager.item_metadata(step)[STATE]
-        saved = _leaf_table(getattr(metadata, "tree", metadata))  # a TreeMetadata, or the tree itself
+        saved = _leaf_table(self._saved_tree(step))
         wanted = _leaf_table(target)
         problem = next(
             (

@@ -134,8 +134,8 @@ def fit(
         recommends 2 there, to overlap a step on the GPU with the next batch's copy; this
         project has not measured it.
       accumulate, precision: as for ``strategy.step`` (microbatches a step, and a
-        :class:`~parallelkit.Precision` policy). A checkpoint does not hold a dynamic loss
-        scale: a resumed run starts it again from its initial value.
+        :class:`~parallelkit.Precision` policy). A checkpoint holds a dynamic loss scale
+        too, so a resumed run continues with the scale it had.
 
     Returns:
       A :class:`FitResult`. Interrupting the kernel (KeyboardInterrupt) ends the run

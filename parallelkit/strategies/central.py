@@ -6,7 +6,9 @@ stages, and the bytes of each are real transfers between memories:
 1. **pull**: the parameters are copied from host memory to every compute device;
 2. **compute**: each device takes its slice of the global batch and computes its
    own gradients (one compiled program, ``jax.shard_map`` over the ``data`` axis);
-   no collective runs between the devices;
+   no collective runs between the devices. With ``accumulate=K`` each device runs its
+   slice as ``K`` microbatches in a ``lax.scan`` and averages their gradients there, so
+   it still pushes one gradient row a step;
 3. **push and update**: the per-replica gradients are copied to the owner's device
    (its default memory: a device-to-device copy, as TensorFlow would copy them to the
    CPU), and a second compiled program there copies the state in from host memory,
@@ -33,7 +35,7 @@ from flax import struct
 from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 
-from ..core.accumulate import refuse_accumulation
+from ..core.accumulate import Accumulation, accumulated_placement, check_accumulate
 from ..core.axes import DATA
 from ..core.contract import Batch, LossFn, PyTree, put_batch
 from ..core.mesh import make_mesh
@@ -93,26 +95,29 @@ def gradient_rows(
     loss_scale: PyTree = None,
     *,
     precision: Precision | None = None,
+    accumulate: Accumulation | None = None,
 ) -> ReplicaRows:
     """One replica's gradients, metrics and model state, each as a row (a leading axis of 1), and the next key.
 
     With a key, the replica draws its own randomness from it: ``rng, key = split(rng)``,
     then ``fold_in(key, replica)``, as under ``pmap``. With ``precision`` the gradients are
     cast and unscaled on the worker, before the push (``loss_scale``: the state's dynamic scale).
+    With ``accumulate`` the replica's batch runs as microbatches whose gradients are averaged
+    on the worker (:class:`~parallelkit.core.accumulate.Accumulation`): still one row.
     """
     extras = {} if model_state is None else {"model_state": model_state}
     if rng is not None:
         rng, key = jax.random.split(rng)
         extras["rng"] = jax.random.fold_in(key, replica)
     loss, aux, model_state, grads = loss_and_grads(
-        loss_fn, params, batch, extras, precision=precision, loss_scale=loss_scale
+        loss_fn, params, batch, extras, accumulate=accumulate, precision=precision, loss_scale=loss_scale
     )
     rows = jax.tree.map(lambda x: x[None], (grads, {"loss": loss, **aux}, model_state))
     finite = None if precision is None or precision.loss_scale is None else all_finite(grads)[None]
     return ReplicaRows(*rows, rng=rng, finite=finite)
 
 
-def replica_gradients(loss_fn: LossFn, mesh: Mesh, precision: Precision | None = None) -> Callable:
+def replica_gradients(loss_fn: LossFn, mesh: Mesh, precision: Precision | None = None, accumulate: int = 1) -> Callable:
     """``(params, batch, rng, model_state, loss_scale) -> ReplicaRows``: one row per replica, nothing reduced.
 
     Conceptually, with ``n`` replicas and the global batch ``b``::
@@ -126,11 +131,16 @@ def replica_gradients(loss_fn: LossFn, mesh: Mesh, precision: Precision | None =
     mesh (the pull); the rows stay sharded on ``data``, so the program holds no
     collective of its own: the reduction is the owner's job. (A model that averages
     BatchNorm statistics over the ``data`` axis adds that all-reduce to the forward pass.)
+    With ``accumulate=K`` each replica scans ``K`` microbatches of its slice and averages
+    their gradients locally: the rows, and so the push, are the same size as with ``K = 1``.
     """
+    micro = None if check_accumulate(accumulate) == 1 else Accumulation(accumulate)
 
     def per_replica(params: PyTree, batch: Batch, rng: jax.Array | None, model_state: PyTree, loss_scale: PyTree):
         replica = jax.lax.axis_index(DATA)
-        return gradient_rows(loss_fn, params, batch, rng, model_state, replica, loss_scale, precision=precision)
+        return gradient_rows(
+            loss_fn, params, batch, rng, model_state, replica, loss_scale, precision=precision, accumulate=micro
+        )
 
     # check_vma=False: with it on, differentiating replicated (unvarying) params against a
     # sharded batch inserts a psum of the gradients, the all-reduce we want to leave out.
@@ -279,7 +289,7 @@ class OffDeviceStrategy(Strategy):
         """(bytes, formula) of the state its update programs copy in from host memory, and back, per step."""
         return sum(int(x.nbytes) for x in jax.tree.leaves(state)), "S = P + O + step, key, model state"
 
-    def traffic(self, loss_fn: LossFn, state: TrainState, batch: Batch) -> StepTraffic:
+    def traffic(self, loss_fn: LossFn, state: TrainState, batch: Batch, accumulate: int = 1) -> StepTraffic:
         """Every transfer of a step, measured on the arrays and programs this strategy really runs.
 
         Runs one pull and the workers' gradient computation (real copies; ``state`` is
@@ -288,12 +298,13 @@ class OffDeviceStrategy(Strategy):
         update programs for the state they copy in from host memory and write back.
         Per replica: the batch slice, the pull (host memory to each worker), the push
         (each worker's rows to the owner's device; the owner's own row stays where it
-        is). At the owners, once per step: the state's round trip.
+        is). At the owners, once per step: the state's round trip. ``accumulate``: measure the
+        step that runs ``K`` microbatches (each worker averages their gradients before its one push).
         """
-        step = self.step(loss_fn)
+        step = self.step(loss_fn, accumulate)
         size = sizes(self, loss_fn, state, batch)
         params, *rest = step.fn.pull(state)  # real copies, host memory -> every worker
-        placed = self.place_batch(batch)
+        placed = step.place_batch(batch)
         rows = step.fn.compute(params, placed, *rest)  # rows stay on their workers
         found = collectives(step.fn.compute, params, placed, *rest)
         measure = functools.partial(per_replica_bytes, devices=self.devices)
@@ -331,6 +342,10 @@ class CentralStorage(OffDeviceStrategy):
     examples (an unweighted one: a loss divided by a per-replica count, such as unmasked
     tokens, averages differently).
 
+    With ``step(loss_fn, accumulate=K)`` each device cuts its slice into ``K`` microbatches,
+    scans them and averages their gradients before its one push, so a step pulls and pushes
+    the same bytes whatever ``K``; it equals one step on the whole batch.
+
     Randomness and model state work as under ``pmap``: with ``rng=`` each replica
     draws its own dropout masks (its index folded into the step's key), and the
     replicas' new model state is averaged with the gradients. BatchNorm equals
@@ -359,20 +374,21 @@ class CentralStorage(OffDeviceStrategy):
         return jax.device_put(state, self.storage)
 
     def step(self, loss_fn: LossFn, accumulate: int = 1, precision: Precision | None = None) -> Step:
-        """Pull, compute, push and update; ``accumulate > 1`` is not supported yet (NotImplementedError).
+        """Pull, compute (``accumulate`` microbatches per device, averaged there), push and update.
 
         With ``precision`` the workers cast, scale and unscale (:mod:`parallelkit.core.precision`); the
         storage device skips an update whose gradients were not all finite, and keeps the dynamic scale.
+        A global batch that does not divide by ``accumulate x devices`` is a ``ValueError``.
         """
-        refuse_accumulation(repr(self), accumulate)
+        check_accumulate(accumulate)
         check_precision(precision)
 
         def pull(state: TrainState):
             return jax.device_put((state.params, state.rng, state.model_state, state.loss_scale), self.replicated)
 
-        compute = replica_gradients(loss_fn, self.mesh, precision)
+        compute = replica_gradients(loss_fn, self.mesh, precision, accumulate)
         step = PushPullStep(pull, compute, CentralUpdate(self.storage, precision))
-        return Step(step, self.place_batch, self, precision)
+        return Step(step, accumulated_placement(self.place_batch, accumulate, self.num_replicas), self, precision)
 
     def __repr__(self) -> str:
         return f"CentralStorage(devices={self.num_replicas}, storage={self.storage.memory_kind})"

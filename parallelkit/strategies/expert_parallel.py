@@ -28,6 +28,7 @@ from ..core.axes import DATA, EXPERT
 from ..core.contract import LossFn, PyTree
 from ..core.devices import first_devices, resolve_devices
 from ..core.mesh import is_count, make_mesh
+from ..core.precision import Precision
 from ..core.step import Step
 from .spmd import BATCH, SPMD
 
@@ -82,7 +83,7 @@ class ExpertParallel(SPMD):
         mesh = make_mesh(resolve_devices(devices) if devices is not None else None, data=data, expert=expert)
         super().__init__(mesh, rules=((BATCH, (DATA, EXPERT)), (EXPERT, EXPERT)), param_rules=rules or EXPERT_RULES)
 
-    def step(self, loss_fn: LossFn, accumulate: int = 1) -> Step:
+    def step(self, loss_fn: LossFn, accumulate: int = 1, precision: Precision | None = None) -> Step:
         """The compiled step; ``accumulate > 1`` is refused: that step maps the loss over the replicas
         with ``jax.vmap(spmd_axis_name=...)``, and the layer's ``shard_map`` cannot split those axes again."""
         if check_accumulate(accumulate) != 1:
@@ -90,7 +91,7 @@ class ExpertParallel(SPMD):
                 f"{self!r} does not accumulate gradients (accumulate={accumulate}): use accumulate=1, with a "
                 "smaller global batch if one step's activations do not fit."
             )
-        return super().step(loss_fn)
+        return super().step(loss_fn, precision=precision)
 
     def __repr__(self) -> str:
         return f"ExpertParallel(expert={self.mesh.shape[EXPERT]}, data={self.mesh.shape[DATA]})"

@@ -37,7 +37,7 @@ import optax
 from flax import struct
 from jax.sharding import SingleDeviceSharding
 
-from ..core.accumulate import refuse_accumulation
+from ..core.accumulate import accumulated_placement, refuse_accumulation
 from ..core.contract import Batch, LossFn, PyTree
 from ..core.devices import warn_if_shared
 from ..core.precision import Precision, check_precision
@@ -60,6 +60,12 @@ if TYPE_CHECKING:
     from ..measure.traffic import StepTraffic
 
 MODES = ("sync", "async")
+
+ASYNC_ACCUMULATION = (
+    "In mode='async' every worker's gradient is applied alone as it arrives: there is no step-wide "
+    "synchronisation for microbatches to share. Accumulate with mode='sync', or give the async run a "
+    "smaller batch."
+)
 
 
 def check_num_shards(num_shards: int) -> None:
@@ -219,6 +225,10 @@ class ParameterServer(OffDeviceStrategy):
         for j in range(k):                                # push: each piece goes to its owner,
             s_j = update_j(s_j, mean(grads_i[piece j] for i in range(n)))   # which updates it
 
+    With ``step(loss_fn, accumulate=K)`` (sync mode) each worker cuts its slice into ``K``
+    microbatches, scans them and averages their gradients before its one push, so a step
+    pulls and pushes the same bytes whatever ``K``; it equals one step on the whole batch.
+
     In ``"sync"`` mode this equals the single-device step for optimizers that act
     element by element (SGD, momentum, Adam, AdamW): each shard keeps the optimizer
     state of its own flat slice, as TensorFlow's PS tasks do, and updates it alone.
@@ -302,7 +312,7 @@ class ParameterServer(OffDeviceStrategy):
         extra = (self.num_shards - 1) * int(state.step.nbytes)
         return super().round_trip_bytes(state)[0] + extra, "S + (k-1) step counters"
 
-    def traffic(self, loss_fn: LossFn, state: TrainState, batch: Batch) -> StepTraffic:
+    def traffic(self, loss_fn: LossFn, state: TrainState, batch: Batch, accumulate: int = 1) -> StepTraffic:
         """The bytes of one synchronous step (see :meth:`OffDeviceStrategy.traffic`); sync mode only."""
         if self.mode == "async":
             raise ValueError(
@@ -310,7 +320,7 @@ class ParameterServer(OffDeviceStrategy):
                 "moves a pull and a push of P for its worker and a state round trip at every shard, and each "
                 f"dropped one another pull: measure ParameterServer({self.num_shards}, devices=...) for those flows."
             )
-        return super().traffic(loss_fn, state, batch)
+        return super().traffic(loss_fn, state, batch, accumulate)
 
     def checkpoint_refusal(self) -> str | None:
         if self.mode == "sync":
@@ -367,7 +377,11 @@ class ParameterServer(OffDeviceStrategy):
         return TrainState(step, params, tuple(o for _, o in placed), tx, rng=rng, model_state=model_state)
 
     def step(self, loss_fn: LossFn, accumulate: int = 1, precision: Precision | None = None) -> Step:
-        """Pull, compute, push and update (sync or async); ``accumulate > 1`` is not supported yet.
+        """Pull, compute, push and update (sync or async); ``accumulate > 1`` in sync mode only.
+
+        ``accumulate=K``: each worker scans ``K`` microbatches of its slice and averages their gradients
+        before its one push; a global batch that does not divide by ``K x workers`` is a ``ValueError``.
+        Async mode refuses ``K > 1`` (``NotImplementedError``): each push there is an update of its own.
 
         ``precision``: the workers cast, scale and unscale, and every shard skips its update unless
         all the workers' gradients were finite (each worker pushes that flag to every shard); the
@@ -375,7 +389,8 @@ class ParameterServer(OffDeviceStrategy):
         or not and the scale adjusted push by push; a round's ``grads_finite`` metric is then the
         fraction of its pushes that were finite, and its ``loss_scale`` their mean.
         """
-        refuse_accumulation(repr(self), accumulate)
+        if self.mode == "async":
+            refuse_accumulation(repr(self), accumulate, ASYNC_ACCUMULATION)
         check_precision(precision)
 
         def flat_loss(shards: Sharded, batch: Batch, **extras):
@@ -390,8 +405,9 @@ class ParameterServer(OffDeviceStrategy):
             workers = AsyncWorkers(self.num_replicas, self.worker_times, self.staleness, self.seed)
             pushes = AsyncStep(flat_loss, self.devices, push_update, workers, precision)
             return Step(pushes, self.place_batch, self, precision)
-        compute = replica_gradients(flat_loss, self.mesh, precision)
-        return Step(PushPullStep(pull, compute, push_update), self.place_batch, self, precision)
+        compute = replica_gradients(flat_loss, self.mesh, precision, accumulate)
+        place = accumulated_placement(self.place_batch, accumulate, self.num_replicas)
+        return Step(PushPullStep(pull, compute, push_update), place, self, precision)
 
     def unreplicate(self, tree: PyTree) -> PyTree:
         """One host copy; sharded parameters come back as the original tree."""
