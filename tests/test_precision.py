@@ -133,13 +133,26 @@ def test_bf16_differs_from_float32(mlp, batches, bf16_reference):
     assert not np.allclose(jax.tree.leaves(trace[1])[0], jax.tree.leaves(bf16_reference[1])[0], rtol=1e-5, atol=1e-6)
 
 
-def test_gradients_meet_in_float32(mlp, batch):
-    """Mirrored(jit) with bfloat16 passes: the all-reduce XLA inserts carries float32 gradients."""
+@pytest.mark.parametrize("precision", [pk.Precision.bf16(), pk.Precision.fp16()], ids=["bf16", "fp16"])
+@pytest.mark.parametrize(
+    "make", [lambda: pk.Mirrored(backend="jit"), lambda: pk.FullySharded(3, min_size=1)], ids=["mirrored", "zero-3"]
+)
+def test_gradients_meet_in_float32(make, precision, mlp, batch):
+    """16-bit passes under jit with shardings: every gradient all-reduce carries float32.
+
+    Left to itself XLA's partitioner all-reduces the batch contraction's partial sums inside the
+    backward pass, in float16 (it did, before each replica's gradients became their own row); the
+    SPMD step casts each replica's row back first. Parameters may be gathered in the compute dtype.
+    """
     loss_fn, params = mlp
-    strategy = pk.Mirrored(backend="jit")
+    strategy = make()
     state = strategy.init(params, optax.sgd(LR))
-    found = pk.inspect.collectives(strategy.step(loss_fn, precision=pk.Precision.bf16()), state, batch)
-    reduced = [c for c in found if c.op == "all-reduce"]
+    found = pk.inspect.collectives(strategy.step(loss_fn, precision=precision), state, batch)
+    reduced = [
+        c
+        for c in found
+        if c.op in ("all-reduce", "reduce-scatter") and not all(s.startswith("pred[") for s in c.shapes)
+    ]  # fmt: skip (the flags of the finite check are booleans)
     assert reduced and all(shape.startswith("f32[") for c in reduced for shape in c.shapes), reduced
     gradient_bytes = sum(np.asarray(x).nbytes for x in jax.tree.leaves(params))
     assert sum(c.bytes for c in reduced) == gradient_bytes + 8  # float32 gradients, loss and accuracy

@@ -6,8 +6,12 @@ step casts the parameters and the floating arrays of the batch to ``compute`` dt
 forward and backward pass, and the loss to float32. The casts happen inside the
 differentiated function, so the gradients leave the backward pass already in ``params``
 dtype (the transpose of a cast is the cast back), before they are synchronised: under
-``pmap`` and ``shard_map`` the ``pmean`` after it, under ``jax.jit`` with shardings the
-all-reduce XLA inserts after that convert (a test reads it from the compiled HLO). Conceptually::
+``pmap`` and ``shard_map`` by the ``pmean`` after the backward pass. Under ``jax.jit`` with
+shardings XLA's partitioner would all-reduce the partial sums of the batch's contraction where
+it happens, inside the backward pass and in the compute dtype; there the SPMD strategies
+compute each replica's gradients as a row of their own (as accumulation does,
+:mod:`parallelkit.core.accumulate`), cast back, and the mean over the rows is the one float32
+all-reduce (tests read it from the compiled HLO for float16 and bfloat16). Conceptually::
 
     def scaled(params, batch):                     # differentiated
         loss = loss_fn(cast(params, compute), cast(batch, compute))

@@ -69,6 +69,11 @@ class MirroredPmap(Strategy):
         """Reshape each global array to ``(replicas, per_replica, ...)``; pmap sends row i to device i."""
         n = self.num_replicas
         try:
+            if type(batch) is dict:  # the usual flat batch, without the tree machinery (a few us a step)
+                try:
+                    return {key: x.reshape(n, -1, *x.shape[1:]) for key, x in batch.items()}
+                except AttributeError:  # a nested value: map over the tree below
+                    pass
             return jax.tree.map(lambda x: x.reshape(n, -1, *x.shape[1:]), batch)
         except ValueError:
             check_divisible(batch, n)  # explains the error; the check is off the per-step path

@@ -54,7 +54,7 @@ class _CompiledOnFirstCall:
             shardings = self.strategy.state_shardings(
                 state.params, state.tx, model_state=state.model_state, rng=state.rng
             )
-            extra = {} if self.accumulate == 1 else {"accumulate": self._accumulation(state.params)}
+            extra = {"accumulate": self._accumulation(state.params)} if self._replica_rows() else {}
             if self.precision is not None:
                 extra["precision"] = self.precision
             if state.loss_scale is not None:  # a dynamic loss scale, replicated as the step counter is
@@ -92,6 +92,18 @@ class _CompiledOnFirstCall:
             return (jax.lax.with_sharding_constraint(grads, where), *rest)
 
         return constrain
+
+    def _replica_rows(self) -> bool:
+        """Whether the step computes each replica's gradients as its own row (:meth:`_accumulation`).
+
+        With ``accumulate > 1``, so that the microbatches meet once; and with a precision whose
+        compute dtype is not the parameters' on several replicas, so that each replica's gradients
+        are cast back before they meet. Left to itself, XLA's partitioner all-reduces the partial
+        sums of the batch's contraction where that contraction happens, inside the backward pass:
+        in float16 (or bfloat16 where the backend multiplies in it), before the cast.
+        """
+        casts = self.precision is not None and self.precision.compute_dtype != self.precision.param_dtype
+        return self.accumulate > 1 or (casts and self.strategy.num_replicas > 1)
 
     def _accumulation(self, params: PyTree) -> Accumulation:
         """``accumulate`` microbatches with the replicas an explicit axis, each replica's gradients its own row.
