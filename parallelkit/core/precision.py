@@ -11,7 +11,11 @@ shardings XLA's partitioner would all-reduce the partial sums of the batch's con
 it happens, inside the backward pass and in the compute dtype; there the SPMD strategies
 compute each replica's gradients as a row of their own (as accumulation does,
 :mod:`parallelkit.core.accumulate`), cast back, and the mean over the rows is the one float32
-all-reduce (tests read it from the compiled HLO for float16 and bfloat16). Conceptually::
+all-reduce (a test reads it from the compiled HLO for float16 and bfloat16). The exception is
+a strategy that shards the gradients over the batch's own axes (``FullySharded`` stages 2 and
+3): a whole row on every device would undo that sharding, so its reduction stays where XLA
+puts it, in the compute dtype where the backend multiplies in it (float16 on this CPU;
+bfloat16 products are computed in float32 here). Conceptually::
 
     def scaled(params, batch):                     # differentiated
         loss = loss_fn(cast(params, compute), cast(batch, compute))

@@ -54,7 +54,7 @@ class _CompiledOnFirstCall:
             shardings = self.strategy.state_shardings(
                 state.params, state.tx, model_state=state.model_state, rng=state.rng
             )
-            extra = {"accumulate": self._accumulation(state.params)} if self._replica_rows() else {}
+            extra = {"accumulate": self._accumulation(state.params)} if self._replica_rows(state.params) else {}
             if self.precision is not None:
                 extra["precision"] = self.precision
             if state.loss_scale is not None:  # a dynamic loss scale, replicated as the step counter is
@@ -93,17 +93,28 @@ class _CompiledOnFirstCall:
 
         return constrain
 
-    def _replica_rows(self) -> bool:
+    def _replica_rows(self, params: PyTree) -> bool:
         """Whether the step computes each replica's gradients as its own row (:meth:`_accumulation`).
 
-        With ``accumulate > 1``, so that the microbatches meet once; and with a precision whose
-        compute dtype is not the parameters' on several replicas, so that each replica's gradients
-        are cast back before they meet. Left to itself, XLA's partitioner all-reduces the partial
-        sums of the batch's contraction where that contraction happens, inside the backward pass:
-        in float16 (or bfloat16 where the backend multiplies in it), before the cast.
+        With ``accumulate > 1``, so that the microbatches meet once. And with a precision whose
+        compute dtype is not the parameters', on several replicas that keep whole gradients, so
+        that each replica's gradients are cast back before they meet: left to itself, XLA's
+        partitioner all-reduces the partial sums of the batch's contraction where that
+        contraction happens, inside the backward pass, in the compute dtype where the backend
+        multiplies in it (float16 here). Where the gradients are sharded over the batch's own
+        axes (ZeRO-2 and 3) a whole row on every device would undo that sharding, so there the
+        reduction stays where XLA puts it, in whichever dtype that is.
         """
         casts = self.precision is not None and self.precision.compute_dtype != self.precision.param_dtype
-        return self.accumulate > 1 or (casts and self.strategy.num_replicas > 1)
+        if self.accumulate > 1 or not casts or self.strategy.num_replicas == 1:
+            return self.accumulate > 1
+        specs = self.strategy.gradient_specs(params)
+        if specs is None:
+            return True
+        axes = self.strategy.batch_sharding.spec[0]
+        batch_axes = {axes} if isinstance(axes, str) else set(axes)
+        split = jax.tree.leaves(jax.tree.map(lambda spec: bool(batch_axes & _mesh_axes(spec)), specs, is_leaf=_is_spec))
+        return not any(split)
 
     def _accumulation(self, params: PyTree) -> Accumulation:
         """``accumulate`` microbatches with the replicas an explicit axis, each replica's gradients its own row.
@@ -154,3 +165,12 @@ def _without(spec: P, axes: set[str]) -> tuple:
         kept = tuple(a for a in ((entry,) if isinstance(entry, str) else entry or ()) if a not in axes)
         entries.append(None if not kept else kept[0] if len(kept) == 1 else kept)
     return tuple(entries)
+
+
+def _is_spec(x: object) -> bool:
+    return isinstance(x, P)
+
+
+def _mesh_axes(spec: P) -> set[str]:
+    """Every mesh axis a ``PartitionSpec`` names."""
+    return {axis for entry in spec if entry is not None for axis in ((entry,) if isinstance(entry, str) else entry)}
