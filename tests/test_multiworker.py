@@ -12,6 +12,7 @@ import time
 import numpy as np
 import pytest
 from helpers import tree_allclose
+from test_precision import assert_within_bf16, dense_layers
 
 import parallelkit as pk
 
@@ -126,11 +127,23 @@ def train_accumulated_in_cluster() -> dict:
         tx = optax.sgd(0.1, momentum=0.9)
         return pk.fit(strat, loss_fn, params, tx, batches, accumulate=accumulate).params
 
+    def trace(strat, precision):
+        """The parameters after each SGD step under ``precision``, the initial ones first, and the last state's
+        parameters and optimizer state (host copies)."""
+        state, step = strat.init(params, optax.sgd(0.1)), strat.step(loss_fn, precision=precision)
+        out = [strat.unreplicate(state.params)]
+        for batch in pk.data.batches(dataset, BATCH, steps=STEPS):
+            state, _ = step(state, batch)
+            out.append(strat.unreplicate(state.params))
+        return out, jax.device_get(strat.unreplicate((state.params, state.opt_state)))
+
     return {
         "global": run(pk.MultiWorkerMirrored(), ACCUMULATE),
         "local": run(pk.MultiWorkerMirrored(batch="local"), ACCUMULATE, feed_local=True),
         "single": run(pk.SingleDevice(jax.local_devices()[0])),
         "init": jax.device_get(params),
+        "bf16": trace(pk.MultiWorkerMirrored(), pk.Precision.bf16()),
+        "single_bf16": trace(pk.SingleDevice(jax.local_devices()[0]), pk.Precision.bf16()),
     }
 
 
@@ -151,3 +164,17 @@ def test_multiworker_accumulation_equals_one_step_on_the_whole_batch(accumulated
         moved = [not np.allclose(a, b) for a, b in zip(_leaves(r[feed]), _leaves(r["init"]), strict=True)]
         assert all(moved), "a parameter did not change during training"
     tree_allclose(accumulated_results[0][feed], accumulated_results[1][feed], rtol=0, atol=0)
+
+
+@pytest.mark.multihost
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_multiworker_bf16_equals_single_device_under_the_same_policy(accumulated_results):
+    """bfloat16 passes on 2 processes x 2 devices: SingleDevice's bf16 parameters within the bound bfloat16 allows
+    (``assert_within_bf16``: each array within ``(2 L + 1) 2^-8`` of the path the reference travelled), and the
+    parameters and SGD's state stay float32."""
+    for r in accumulated_results:
+        trace, (final_params, opt_state) = r["bf16"]
+        assert_within_bf16(trace, r["single_bf16"][0], dense_layers(r["init"]))
+        floating = [x for x in _leaves((final_params, opt_state)) if np.issubdtype(np.asarray(x).dtype, np.floating)]
+        assert floating and all(np.asarray(x).dtype == np.float32 for x in floating)
