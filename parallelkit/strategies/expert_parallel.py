@@ -83,9 +83,13 @@ class ExpertParallel(SPMD):
         mesh = make_mesh(resolve_devices(devices) if devices is not None else None, data=data, expert=expert)
         super().__init__(mesh, rules=((BATCH, (DATA, EXPERT)), (EXPERT, EXPERT)), param_rules=rules or EXPERT_RULES)
 
+    maps_replicas = False  # the layer's shard_map splits the batch's own axes: no jax.vmap over the replicas
+
     def step(self, loss_fn: LossFn, accumulate: int = 1, precision: Precision | None = None) -> Step:
         """The compiled step; ``accumulate > 1`` is refused: that step maps the loss over the replicas
-        with ``jax.vmap(spmd_axis_name=...)``, and the layer's ``shard_map`` cannot split those axes again."""
+        with ``jax.vmap(spmd_axis_name=...)``, and the layer's ``shard_map`` cannot split those axes again.
+        For the same reason, with 16-bit ``precision`` the gradients' reduction stays where XLA puts it
+        (in the compute dtype where the backend multiplies in it), not after a cast of each replica's rows."""
         if check_accumulate(accumulate) != 1:
             raise ValueError(
                 f"{self!r} does not accumulate gradients (accumulate={accumulate}): use accumulate=1, with a "

@@ -102,11 +102,12 @@ class _CompiledOnFirstCall:
         partitioner all-reduces the partial sums of the batch's contraction where that
         contraction happens, inside the backward pass, in the compute dtype where the backend
         multiplies in it (float16 here). Where the gradients are sharded over the batch's own
-        axes (ZeRO-2 and 3) a whole row on every device would undo that sharding, so there the
-        reduction stays where XLA puts it, in whichever dtype that is.
+        axes (ZeRO-2 and 3) a whole row on every device would undo that sharding, and a strategy
+        that cannot map its replicas (:attr:`SPMD.maps_replicas`) has no rows: there the reduction
+        stays where XLA puts it, in whichever dtype that is.
         """
         casts = self.precision is not None and self.precision.compute_dtype != self.precision.param_dtype
-        if self.accumulate > 1 or not casts or self.strategy.num_replicas == 1:
+        if self.accumulate > 1 or not casts or self.strategy.num_replicas == 1 or not self.strategy.maps_replicas:
             return self.accumulate > 1
         specs = self.strategy.gradient_specs(params)
         if specs is None:

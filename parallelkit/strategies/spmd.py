@@ -61,6 +61,11 @@ class SPMD(Strategy):
         with ``batch``; at ``init``, a parameter no rule matches or a spec that does not fit its shape.
     """
 
+    # Whether the step may map the loss over the replicas (``jax.vmap`` with ``spmd_axis_name``), as
+    # accumulation does and 16-bit compute does to cast each replica's gradients before they meet. A
+    # model whose layers split the batch's own mesh axes in ``jax.shard_map`` (expert parallelism) cannot.
+    maps_replicas = True
+
     def __init__(
         self,
         mesh: Mesh,
