@@ -42,12 +42,7 @@ def train_in_cluster() -> dict:
     out["psum"] = float(total.addressable_data(0))
 
     def run(strat, feed_local=False):
-        batches = pk.data.batches(dataset, BATCH, steps=STEPS)
-        if feed_local:  # this process's rows only, as a sharded input pipeline would give them
-            rows = BATCH // jax.process_count()
-            lo = jax.process_index() * rows
-            batches = ({k: v[lo : lo + rows] for k, v in b.items()} for b in batches)
-        result = pk.fit(strat, loss_fn, params, optax.adam(1e-3), batches)
+        result = pk.fit(strat, loss_fn, params, optax.adam(1e-3), _batches(dataset, feed_local))
         return result, result.params
 
     result, out["global"] = run(strategy)
@@ -82,12 +77,7 @@ def test_cluster_shape_and_global_psum(cluster_results):
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("feed", ["global", "local"])
 def test_multiworker_mirrored_equals_single_device(cluster_results, feed):
-    for r in cluster_results:
-        tree_allclose(r[feed], r["single"])
-        moved = [not np.allclose(a, b) for a, b in zip(_leaves(r[feed]), _leaves(r["init"]), strict=True)]
-        assert all(moved), "a parameter did not change during training"
-    # Both processes hold the same replica.
-    tree_allclose(cluster_results[0][feed], cluster_results[1][feed], rtol=0, atol=0)
+    _assert_trained_as_single_device(cluster_results, feed)
 
 
 @pytest.mark.multihost
@@ -105,6 +95,28 @@ def _leaves(tree):
     return jax.tree.leaves(tree)
 
 
+def _batches(dataset, feed_local: bool = False):
+    """The run's global batches; with ``feed_local`` this process's rows of each, as a sharded input pipeline
+    would give them."""
+    import jax
+
+    batches = pk.data.batches(dataset, BATCH, steps=STEPS)
+    if not feed_local:
+        return batches
+    rows = BATCH // jax.process_count()
+    lo = jax.process_index() * rows
+    return ({k: v[lo : lo + rows] for k, v in b.items()} for b in batches)
+
+
+def _assert_trained_as_single_device(results: list[dict], feed: str) -> None:
+    """Every process's parameters equal its SingleDevice run's, every one moved, and both processes agree."""
+    for r in results:
+        tree_allclose(r[feed], r["single"])
+        moved = [not np.allclose(a, b) for a, b in zip(_leaves(r[feed]), _leaves(r["init"]), strict=True)]
+        assert all(moved), "a parameter did not change during training"
+    tree_allclose(results[0][feed], results[1][feed], rtol=0, atol=0)  # both processes hold the same replica
+
+
 ACCUMULATE = 4  # BATCH = 32 splits into 4 microbatches on each of the 4 devices
 
 
@@ -119,13 +131,8 @@ def train_accumulated_in_cluster() -> dict:
     loss_fn = pk.models.classifier_loss(apply)
 
     def run(strat, accumulate=1, feed_local=False):
-        batches = pk.data.batches(dataset, BATCH, steps=STEPS)
-        if feed_local:  # this process's rows only
-            rows = BATCH // jax.process_count()
-            lo = jax.process_index() * rows
-            batches = ({k: v[lo : lo + rows] for k, v in b.items()} for b in batches)
         tx = optax.sgd(0.1, momentum=0.9)
-        return pk.fit(strat, loss_fn, params, tx, batches, accumulate=accumulate).params
+        return pk.fit(strat, loss_fn, params, tx, _batches(dataset, feed_local), accumulate=accumulate).params
 
     def trace(strat, precision):
         """The parameters after each SGD step under ``precision``, the initial ones first, and the last state's
@@ -159,11 +166,7 @@ def accumulated_results():
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("feed", ["global", "local"])
 def test_multiworker_accumulation_equals_one_step_on_the_whole_batch(accumulated_results, feed):
-    for r in accumulated_results:
-        tree_allclose(r[feed], r["single"])
-        moved = [not np.allclose(a, b) for a, b in zip(_leaves(r[feed]), _leaves(r["init"]), strict=True)]
-        assert all(moved), "a parameter did not change during training"
-    tree_allclose(accumulated_results[0][feed], accumulated_results[1][feed], rtol=0, atol=0)
+    _assert_trained_as_single_device(accumulated_results, feed)
 
 
 @pytest.mark.multihost
