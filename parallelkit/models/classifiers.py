@@ -59,14 +59,22 @@ def _dense_relu(layer: nnx.Linear, x: jax.Array) -> jax.Array:
 
 
 def _dense(
-    width_in: int, width_out: int, axis_in: str, axis_out: str, rngs: nnx.Rngs, *, use_bias: bool = True
+    width_in: int,
+    width_out: int,
+    axis_in: str,
+    axis_out: str,
+    rngs: nnx.Rngs,
+    *,
+    use_bias: bool = True,
+    kernel_init: nnx.Initializer | None = None,
 ) -> nnx.Linear:
-    """``nnx.Linear`` whose kernel declares the logical axes ``(axis_in, axis_out)`` and its bias ``(axis_out,)``."""
+    """``nnx.Linear`` whose kernel declares the logical axes ``(axis_in, axis_out)`` and its bias ``(axis_out,)``;
+    the kernel drawn by ``kernel_init`` (LeCun normal, Flax's default, when None)."""
     return nnx.Linear(
         width_in,
         width_out,
         use_bias=use_bias,
-        kernel_init=with_axes(nnx.initializers.lecun_normal(), (axis_in, axis_out)),
+        kernel_init=with_axes(kernel_init or nnx.initializers.lecun_normal(), (axis_in, axis_out)),
         bias_init=with_axes(nnx.initializers.zeros_init(), (axis_out,)),
         rngs=rngs,
     )

@@ -18,22 +18,10 @@ from flax import nnx
 
 from .. import attention
 from ..core.axes import constrain
-from .classifiers import _dropout, _layer_norm, classifier_loss
+from .classifiers import _dense, _dropout, _layer_norm, classifier_loss
 from .functional import with_axes
 
 _INIT = nnx.initializers.normal(0.02)  # GPT-2's initialisation of every weight matrix and embedding
-
-
-def _dense(features_in: int, features_out: int, axes: tuple[str, str], *, bias: bool = True, rngs: nnx.Rngs):
-    """A Dense layer whose kernel is named ``axes`` and whose bias is named after its output axis."""
-    return nnx.Linear(
-        features_in,
-        features_out,
-        use_bias=bias,
-        kernel_init=with_axes(_INIT, axes),
-        bias_init=with_axes(nnx.initializers.zeros_init(), axes[1:]),
-        rngs=rngs,
-    )
 
 
 class GPT(nnx.Module):
@@ -83,7 +71,7 @@ class GPT(nnx.Module):
         self.position = nnx.Param(with_axes(_INIT, (None, "embed"))(rngs.params(), (max_length, dim)))
         self.blocks = nnx.List([_CausalBlock(dim, heads, mlp_dim, rngs=rngs) for _ in range(depth)])
         self.norm = _layer_norm(dim, "embed", rngs)
-        self.head = _dense(dim, vocab, ("embed", "vocab"), rngs=rngs)
+        self.head = _dense(dim, vocab, "embed", "vocab", rngs, kernel_init=_INIT)
 
     def __call__(self, tokens: jax.Array, *, rngs: jax.Array | None = None) -> jax.Array:
         """Logits ``(batch, length, vocab)`` for integer ``tokens`` ``(batch, length)``; position ``t`` sees ``<= t``.
@@ -110,14 +98,14 @@ class GPT(nnx.Module):
 class _CausalBlock(nnx.Module):
     def __init__(self, dim: int, heads: int, mlp_dim: int, *, rngs: nnx.Rngs):
         self.attn_norm = _layer_norm(dim, "embed", rngs)
-        self.query = _dense(dim, dim, ("embed", "heads"), rngs=rngs)
+        self.query = _dense(dim, dim, "embed", "heads", rngs, kernel_init=_INIT)
         # No bias for keys: q . (k + b) adds the same q . b to every logit of a row, which softmax removes.
-        self.key = _dense(dim, dim, ("embed", "heads"), bias=False, rngs=rngs)
-        self.value = _dense(dim, dim, ("embed", "heads"), rngs=rngs)
-        self.out = _dense(dim, dim, ("heads", "embed"), rngs=rngs)
+        self.key = _dense(dim, dim, "embed", "heads", rngs, use_bias=False, kernel_init=_INIT)
+        self.value = _dense(dim, dim, "embed", "heads", rngs, kernel_init=_INIT)
+        self.out = _dense(dim, dim, "heads", "embed", rngs, kernel_init=_INIT)
         self.mlp_norm = _layer_norm(dim, "embed", rngs)
-        self.mlp_in = _dense(dim, mlp_dim, ("embed", "mlp"), rngs=rngs)
-        self.mlp_out = _dense(mlp_dim, dim, ("mlp", "embed"), rngs=rngs)
+        self.mlp_in = _dense(dim, mlp_dim, "embed", "mlp", rngs, kernel_init=_INIT)
+        self.mlp_out = _dense(mlp_dim, dim, "mlp", "embed", rngs, kernel_init=_INIT)
 
     def __call__(self, x: jax.Array, heads: int, rate: float, key: jax.Array | None) -> jax.Array:
         batch, length, dim = x.shape
