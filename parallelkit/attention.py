@@ -333,8 +333,7 @@ def _check_arrays(q: jax.Array, k: jax.Array, v: jax.Array) -> None:
 
 def _split(mesh: Mesh, entry: MeshAxes) -> int:
     """How many pieces a spec entry cuts a dimension into."""
-    group = () if entry is None else (entry,) if isinstance(entry, str) else entry
-    return math.prod(mesh.shape[a] for a in group)
+    return math.prod(mesh.shape[a] for a in axes.axis_names(entry))
 
 
 def _check_split(shape: tuple[int, ...], spec: P, mesh: Mesh) -> None:

@@ -191,7 +191,7 @@ def expert_parallel(
     """
     groups = mesh.size if groups is None else groups
     tokens, dim, experts = _check(x, params, top_k, capacity_factor, groups)
-    names = _names(axis)
+    names = axes.axis_names(axis)
     if not names or any(name not in mesh.shape for name in names):
         raise ValueError(f"expert_parallel(axis={axis!r}): the mesh has axes {dict(mesh.shape)}; name one of them.")
     n = math.prod(mesh.shape[name] for name in names)
@@ -224,10 +224,6 @@ def expert_parallel(
     return y.reshape(x.shape), _aux(sums, tokens, top_k)
 
 
-def _names(axis: MeshAxes) -> tuple[str, ...]:
-    return () if axis is None else (axis,) if isinstance(axis, str) else tuple(axis)
-
-
 def _active_expert_axis() -> MeshAxes:
     """The mesh axes the active rules give the logical axis ``expert``, when they span more than one device."""
     active = axes.active()
@@ -235,7 +231,7 @@ def _active_expert_axis() -> MeshAxes:
         return None
     mesh, rules = active
     axis = rules.mesh_axes(EXPERT)
-    return axis if math.prod(mesh.shape[name] for name in _names(axis)) > 1 else None
+    return axis if math.prod(mesh.shape[name] for name in axes.axis_names(axis)) > 1 else None
 
 
 def _check(x: jax.Array, params: Params, top_k: int, capacity_factor: float, groups: int) -> tuple[int, int, int]:

@@ -33,6 +33,15 @@ MODEL = "model"  # tensor parallelism: each holds a slice of the weights
 MeshAxes = str | tuple[str, ...] | None  # what one logical axis maps to: a mesh axis, several, or none
 
 
+def axis_names(entry: MeshAxes) -> tuple[str, ...]:
+    """The mesh axes one rule target or ``PartitionSpec`` entry names: none, one, or each of a tuple.
+
+    >>> axis_names(None), axis_names("data"), axis_names(("data", "model"))
+    ((), ('data',), ('data', 'model'))
+    """
+    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+
 @dataclass(frozen=True)
 class AxisRules:
     """Logical axis name -> mesh axis (or axes, or ``None`` for replicated), first rule wins.
@@ -77,8 +86,7 @@ class AxisRules:
             if name is not None and all(logical != name for logical, _ in self.rules):
                 entries.append(unknown)
                 continue
-            axes = self.mesh_axes(name)
-            group = () if axes is None else (axes,) if isinstance(axes, str) else axes
+            group = axis_names(self.mesh_axes(name))
             if any(axis in used for axis in group):
                 group = ()
             used.update(group)
@@ -88,7 +96,7 @@ class AxisRules:
     def check(self, mesh: Mesh) -> None:
         """Raise a ValueError when a rule names a mesh axis that ``mesh`` lacks."""
         for logical, axes in self.rules:
-            for axis in () if axes is None else (axes,) if isinstance(axes, str) else axes:
+            for axis in axis_names(axes):
                 if axis not in mesh.shape:
                     raise ValueError(
                         f"The axis rule {logical!r} -> {axes!r} names mesh axis {axis!r}, but the mesh has only "

@@ -33,7 +33,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from .axes import MODEL
+from .axes import MODEL, axis_names
 
 PyTree = Any
 Rules = Sequence[tuple[str, P]]
@@ -175,7 +175,7 @@ def check_specs(params: PyTree, specs: PyTree, mesh: Mesh) -> None:
         if len(spec) > len(shape):
             raise ValueError(f"{label} has shape {shape}, too few dimensions for the partition spec {spec}.")
         for dim, entry in enumerate(spec):
-            axes = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+            axes = axis_names(entry)
             missing = [axis for axis in axes if axis not in mesh.shape]
             if missing:
                 raise ValueError(

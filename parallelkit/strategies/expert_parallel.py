@@ -23,13 +23,10 @@ from collections.abc import Sequence
 import jax
 
 from ..core import partition
-from ..core.accumulate import check_accumulate
 from ..core.axes import DATA, EXPERT
-from ..core.contract import LossFn, PyTree
+from ..core.contract import PyTree
 from ..core.devices import first_devices, resolve_devices
 from ..core.mesh import is_count, make_mesh
-from ..core.precision import Precision
-from ..core.step import Step
 from .spmd import BATCH, SPMD
 
 # The expert weights (experts on their leading axis) split over `expert`, by the logical name; the rest replicated.
@@ -83,19 +80,10 @@ class ExpertParallel(SPMD):
         mesh = make_mesh(resolve_devices(devices) if devices is not None else None, data=data, expert=expert)
         super().__init__(mesh, rules=((BATCH, (DATA, EXPERT)), (EXPERT, EXPERT)), param_rules=rules or EXPERT_RULES)
 
-    maps_replicas = False  # the layer's shard_map splits the batch's own axes: no jax.vmap over the replicas
-
-    def step(self, loss_fn: LossFn, accumulate: int = 1, precision: Precision | None = None) -> Step:
-        """The compiled step; ``accumulate > 1`` is refused: that step maps the loss over the replicas
-        with ``jax.vmap(spmd_axis_name=...)``, and the layer's ``shard_map`` cannot split those axes again.
-        For the same reason, with 16-bit ``precision`` the gradients' reduction stays where XLA puts it
-        (in the compute dtype where the backend multiplies in it), not after a cast of each replica's rows."""
-        if check_accumulate(accumulate) != 1:
-            raise ValueError(
-                f"{self!r} does not accumulate gradients (accumulate={accumulate}): use accumulate=1, with a "
-                "smaller global batch if one step's activations do not fit."
-            )
-        return super().step(loss_fn, precision=precision)
+    # The layer's shard_map splits the batch's own axes, so the step cannot map the loss over the replicas
+    # (jax.vmap with spmd_axis_name): SPMD.step refuses accumulate > 1, and under 16-bit precision the
+    # gradients' reduction stays where XLA puts it (in the compute dtype where the backend multiplies in it).
+    maps_replicas = False
 
     def __repr__(self) -> str:
         return f"ExpertParallel(expert={self.mesh.shape[EXPERT]}, data={self.mesh.shape[DATA]})"

@@ -27,6 +27,7 @@ from jax.sharding import PartitionSpec as P
 
 from ..core import partition
 from ..core.accumulate import Accumulation
+from ..core.axes import axis_names
 from ..core.contract import Batch, LossFn, PyTree
 from ..core.precision import Precision
 from ..core.state import TrainState
@@ -106,16 +107,15 @@ class _CompiledOnFirstCall:
         that cannot map its replicas (:attr:`SPMD.maps_replicas`) has no rows: there the reduction
         stays where XLA puts it, in whichever dtype that is.
         """
-        casts = self.precision is not None and self.precision.compute_dtype != self.precision.param_dtype
-        if self.accumulate > 1 or not casts or self.strategy.num_replicas == 1 or not self.strategy.maps_replicas:
-            return self.accumulate > 1
-        specs = self.strategy.gradient_specs(params)
-        if specs is None:
+        if self.accumulate > 1:
             return True
-        axes = self.strategy.batch_sharding.spec[0]
-        batch_axes = {axes} if isinstance(axes, str) else set(axes)
-        split = jax.tree.leaves(jax.tree.map(lambda spec: bool(batch_axes & _mesh_axes(spec)), specs, is_leaf=_is_spec))
-        return not any(split)
+        casts = self.precision is not None and self.precision.compute_dtype != self.precision.param_dtype
+        if not casts or self.strategy.num_replicas == 1 or not self.strategy.maps_replicas:
+            return False
+        specs = self.strategy.gradient_specs(params)
+        batch_axes = set(axis_names(self.strategy.batch_sharding.spec[0]))
+        leaves = jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P))
+        return not any(batch_axes.intersection(*map(axis_names, spec)) for spec in leaves)
 
     def _accumulation(self, params: PyTree) -> Accumulation:
         """``accumulate`` microbatches with the replicas an explicit axis, each replica's gradients its own row.
@@ -129,7 +129,7 @@ class _CompiledOnFirstCall:
         if replicas == 1:
             return Accumulation(self.accumulate)
         mesh, axes = strategy.mesh, strategy.batch_sharding.spec[0]
-        group = {axes} if isinstance(axes, str) else set(axes)
+        group = set(axis_names(axes))
         rows = partition.shardings(
             mesh,
             jax.tree.map(
@@ -163,15 +163,6 @@ def _without(spec: P, axes: set[str]) -> tuple:
     """
     entries = []
     for entry in spec:
-        kept = tuple(a for a in ((entry,) if isinstance(entry, str) else entry or ()) if a not in axes)
+        kept = tuple(a for a in axis_names(entry) if a not in axes)
         entries.append(None if not kept else kept[0] if len(kept) == 1 else kept)
     return tuple(entries)
-
-
-def _is_spec(x: object) -> bool:
-    return isinstance(x, P)
-
-
-def _mesh_axes(spec: P) -> set[str]:
-    """Every mesh axis a ``PartitionSpec`` names."""
-    return {axis for entry in spec if entry is not None for axis in ((entry,) if isinstance(entry, str) else entry)}

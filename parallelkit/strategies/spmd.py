@@ -30,7 +30,7 @@ from jax.sharding import PartitionSpec as P
 
 from ..core import partition
 from ..core.accumulate import accumulated_placement, check_accumulate
-from ..core.axes import DATA, AxisRules, MeshAxes, active_rules
+from ..core.axes import DATA, AxisRules, MeshAxes, active_rules, axis_names
 from ..core.contract import Batch, LossFn, PyTree, put_batch
 from ..core.precision import Precision, check_precision
 from ..core.state import TrainState, create_state, prng_key
@@ -91,9 +91,7 @@ class SPMD(Strategy):
     @cached_property
     def num_replicas(self) -> int:
         """How many slices the global batch is cut into: the product of the mesh axes ``batch`` maps to."""
-        entry = self.batch_sharding.spec[0]
-        axes = () if entry is None else (entry,) if isinstance(entry, str) else entry
-        return math.prod(self.mesh.shape[axis] for axis in axes)
+        return math.prod(self.mesh.shape[axis] for axis in axis_names(self.batch_sharding.spec[0]))
 
     @property
     def fed_replicas(self) -> int:
@@ -208,8 +206,16 @@ class SPMD(Strategy):
 
     def step(self, loss_fn: LossFn, accumulate: int = 1, precision: Precision | None = None) -> Step:
         """The compiled step; ``accumulate=K`` runs each replica's slice as ``K`` microbatches, synchronised once
-        (:mod:`parallelkit.core.accumulate`); ``precision`` casts and scales (:mod:`parallelkit.core.precision`)."""
-        check_accumulate(accumulate)
+        (:mod:`parallelkit.core.accumulate`); ``precision`` casts and scales (:mod:`parallelkit.core.precision`).
+
+        Raises:
+          ValueError: ``accumulate > 1`` on a strategy that cannot map its replicas (:attr:`maps_replicas`).
+        """
+        if check_accumulate(accumulate) > 1 and not self.maps_replicas:
+            raise ValueError(
+                f"{self!r} does not accumulate gradients (accumulate={accumulate}): use accumulate=1, with a "
+                "smaller global batch if one step's activations do not fit."
+            )
         check_precision(precision)
         place = accumulated_placement(self.place_batch, accumulate, self.fed_replicas)
         return Step(_CompiledOnFirstCall(self, loss_fn, accumulate, precision), place, self, precision)
