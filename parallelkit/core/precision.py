@@ -11,11 +11,15 @@ shardings XLA's partitioner would all-reduce the partial sums of the batch's con
 it happens, inside the backward pass and in the compute dtype; there the SPMD strategies
 compute each replica's gradients as a row of their own (as accumulation does,
 :mod:`parallelkit.core.accumulate`), cast back, and the mean over the rows is the one float32
-all-reduce (a test reads it from the compiled HLO for float16 and bfloat16). The exception is
-a strategy that shards the gradients over the batch's own axes (``FullySharded`` stages 2 and
-3): a whole row on every device would undo that sharding, so its reduction stays where XLA
-puts it, in the compute dtype where the backend multiplies in it (float16 on this CPU;
-bfloat16 products are computed in float32 here). Conceptually::
+all-reduce (a test reads it from the compiled HLO for float16 and bfloat16). Where the gradients are
+sharded over the batch's own axes (``FullySharded`` stages 2 and 3) rows still left part of the
+reduction to the partitioner (ZeRO-3 kept a float16 all-reduce); there each replica differentiates
+a copy of the parameters of its own, whose transpose casts the replica's gradient back before the
+sum over the replicas (:class:`~parallelkit.core.accumulate.ReplicaCopies`), so its reductions are
+float32 too, at the price of a whole float32 gradient on each device while it is reduced. A
+strategy that cannot map its replicas (``ExpertParallel``) leaves the reduction where XLA puts it,
+in the compute dtype where the backend multiplies in it (float16 on this CPU; bfloat16 products
+are computed in float32 here). Conceptually::
 
     def scaled(params, batch):                     # differentiated
         loss = loss_fn(cast(params, compute), cast(batch, compute))

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 import jax
 
-from .accumulate import Accumulation
+from .accumulate import Accumulation, ReplicaCopies
 from .contract import Batch, LossFn, LossInputError, Metrics, PyTree, _loss_with_aux, batch_size, explain_input_error
 from .precision import Precision, all_finite, check_param_dtypes, guarded, mixed_loss, unscale, with_loss_scale
 from .state import TrainState
@@ -24,7 +24,7 @@ def train_step(
     batch: Batch,
     sync: Callable[[PyTree], PyTree] = lambda tree: tree,
     replica_key: Callable[[jax.Array], jax.Array] = lambda key: key,
-    accumulate: Accumulation | None = None,
+    accumulate: Accumulation | ReplicaCopies | None = None,
     precision: Precision | None = None,
 ) -> tuple[TrainState, Metrics]:
     """The single-device step, shared by every strategy.
@@ -34,7 +34,9 @@ def train_step(
     It also averages the metrics and the new model state. ``replica_key`` turns the
     step's key into this replica's (the identity where the program sees the global batch).
     ``accumulate`` (:class:`~parallelkit.core.accumulate.Accumulation`) runs the batch as
-    microbatches and averages their gradients before ``sync``; None: one pass over the batch.
+    microbatches and averages their gradients before ``sync`` (or
+    :class:`~parallelkit.core.accumulate.ReplicaCopies` maps one pass over the replicas); None: one
+    pass over the batch.
     ``precision`` (:class:`~parallelkit.core.precision.Precision`) casts the passes, scales the
     loss and skips an update whose gradients are not all finite (after ``sync``, so every
     replica decides alike); None: the parameters' own dtype.
@@ -63,7 +65,7 @@ def loss_and_grads(
     batch: Batch,
     extras: dict,
     *,
-    accumulate: Accumulation | None = None,
+    accumulate: Accumulation | ReplicaCopies | None = None,
     precision: Precision | None = None,
     loss_scale: PyTree = None,
 ) -> tuple[jax.Array, dict, PyTree, PyTree]:
@@ -79,11 +81,10 @@ def loss_and_grads(
         check_param_dtypes(params, precision)
         scale = precision.scale(loss_scale)
         loss = mixed_loss(loss, precision, scale)
-    grad_fn = jax.value_and_grad(loss, has_aux=True)
     if accumulate is None:
-        (value, (aux, model_state)), grads = grad_fn(params, batch, **extras)
+        (value, (aux, model_state)), grads = jax.value_and_grad(loss, has_aux=True)(params, batch, **extras)
     else:
-        (value, (aux, model_state)), grads = accumulate(grad_fn, params, batch, extras)
+        (value, (aux, model_state)), grads = accumulate(loss, params, batch, extras)
     if precision is None:
         return value, aux, model_state, grads
     (value, aux) = aux  # the unscaled float32 loss and metrics

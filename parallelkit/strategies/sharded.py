@@ -26,7 +26,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from ..core import partition
-from ..core.accumulate import Accumulation
+from ..core.accumulate import Accumulation, ReplicaCopies
 from ..core.axes import axis_names
 from ..core.contract import Batch, LossFn, PyTree
 from ..core.precision import Precision
@@ -55,7 +55,8 @@ class _CompiledOnFirstCall:
             shardings = self.strategy.state_shardings(
                 state.params, state.tx, model_state=state.model_state, rng=state.rng
             )
-            extra = {"accumulate": self._accumulation(state.params)} if self._replica_rows(state.params) else {}
+            mapping = self._replica_mapping(state.params)
+            extra = {} if mapping is None else {"accumulate": mapping}
             if self.precision is not None:
                 extra["precision"] = self.precision
             if state.loss_scale is not None:  # a dynamic loss scale, replicated as the step counter is
@@ -83,39 +84,72 @@ class _CompiledOnFirstCall:
 
     def _gradient_layout(self, params: PyTree) -> Callable:
         """The step's ``sync``: constrain the gradients to the strategy's gradient specs, if it has any."""
+        place = self._place_gradients(params)
+        return lambda tree: (place(tree[0]), *tree[1:])
+
+    def _place_gradients(self, params: PyTree) -> Callable[[PyTree], PyTree]:
+        """Lays a tree of gradients out by the strategy's gradient specs (as it is, where it has none)."""
         specs = self.strategy.gradient_specs(params)
         if specs is None:
-            return lambda tree: tree
+            return lambda grads: grads
         where = partition.shardings(self.strategy.mesh, specs)
+        return lambda grads: jax.lax.with_sharding_constraint(grads, where)
 
-        def constrain(tree):
-            grads, *rest = tree
-            return (jax.lax.with_sharding_constraint(grads, where), *rest)
+    def _replica_mapping(self, params: PyTree) -> Accumulation | ReplicaCopies | None:
+        """How the step maps the replicas: each one's gradients a row of its own, a copy of the
+        parameters of its own, or not at all (the compiler's partitioning of the global batch).
 
-        return constrain
-
-    def _replica_rows(self, params: PyTree) -> bool:
-        """Whether the step computes each replica's gradients as its own row (:meth:`_accumulation`).
-
-        With ``accumulate > 1``, so that the microbatches meet once. And with a precision whose
-        compute dtype is not the parameters', on several replicas that keep whole gradients, so
-        that each replica's gradients are cast back before they meet: left to itself, XLA's
-        partitioner all-reduces the partial sums of the batch's contraction where that
-        contraction happens, inside the backward pass, in the compute dtype where the backend
-        multiplies in it (float16 here). Where the gradients are sharded over the batch's own
-        axes (ZeRO-2 and 3) a whole row on every device would undo that sharding, and a strategy
-        that cannot map its replicas (:attr:`SPMD.maps_replicas`) has no rows: there the reduction
-        stays where XLA puts it, in whichever dtype that is.
+        With ``accumulate > 1``, rows (:meth:`_accumulation`), so that the microbatches meet once.
+        With a precision whose compute dtype is not the parameters', on several replicas, so that
+        each replica's gradients are cast back before they meet: left to itself, XLA's partitioner
+        reduces the partial sums of the batch's contraction where that contraction happens, inside
+        the backward pass, in the compute dtype where the backend multiplies in it (float16 here).
+        Replicas that keep whole gradients get rows; where the gradients are sharded over the batch's
+        own axes (ZeRO-2 and 3) rows still left part of the reduction to the partitioner (ZeRO-3 kept a
+        float16 all-reduce), so there each replica differentiates its own copy of the parameters
+        (:class:`ReplicaCopies`), whose gradient is cast back before the reduction, leaf by leaf. A
+        strategy that cannot map its replicas (:attr:`SPMD.maps_replicas`) gets neither: its reduction
+        stays where XLA puts it.
         """
         if self.accumulate > 1:
-            return True
+            return self._accumulation(params)
         casts = self.precision is not None and self.precision.compute_dtype != self.precision.param_dtype
         if not casts or self.strategy.num_replicas == 1 or not self.strategy.maps_replicas:
-            return False
+            return None
         specs = self.strategy.gradient_specs(params)
         batch_axes = set(axis_names(self.strategy.batch_sharding.spec[0]))
         leaves = jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P))
-        return not any(batch_axes.intersection(*map(axis_names, spec)) for spec in leaves)
+        if not any(batch_axes.intersection(*map(axis_names, spec)) for spec in leaves):
+            return self._accumulation(params)
+        return self._copies(params)
+
+    def _copies(self, params: PyTree) -> ReplicaCopies:
+        """One pass, the replicas an explicit axis, each with its own copy of the parameters in the compute dtype."""
+        strategy = self.strategy
+        axes, rows, micro = self._replica_layout(params)
+        return ReplicaCopies(
+            strategy.num_replicas,
+            axes,
+            self.precision.compute_dtype,
+            place_rows=lambda batch: jax.lax.with_sharding_constraint(batch, micro),
+            place_copies=lambda copies: jax.lax.with_sharding_constraint(copies, rows),
+            place_grads=self._place_gradients(params),
+            within_replica=strategy.replica_tracing,
+        )
+
+    def _replica_layout(self, params: PyTree) -> tuple:
+        """(the mesh axes of the replicas; a parameter-shaped row on each; a batch's ``(replicas, ...)`` rows)."""
+        mesh, axes = self.strategy.mesh, self.strategy.batch_sharding.spec[0]
+        group = set(axis_names(axes))
+        rows = partition.shardings(
+            mesh,
+            jax.tree.map(
+                lambda spec: P(axes, *_without(spec, group)),
+                self.strategy.partition_specs(params),
+                is_leaf=lambda x: isinstance(x, P),
+            ),
+        )
+        return axes, rows, NamedSharding(mesh, P(axes))
 
     def _accumulation(self, params: PyTree) -> Accumulation:
         """``accumulate`` microbatches with the replicas an explicit axis, each replica's gradients its own row.
@@ -128,17 +162,8 @@ class _CompiledOnFirstCall:
         strategy, replicas = self.strategy, self.strategy.num_replicas
         if replicas == 1:
             return Accumulation(self.accumulate)
-        mesh, axes = strategy.mesh, strategy.batch_sharding.spec[0]
-        group = set(axis_names(axes))
-        rows = partition.shardings(
-            mesh,
-            jax.tree.map(
-                lambda spec: P(axes, *_without(spec, group)),
-                strategy.partition_specs(params),
-                is_leaf=lambda x: isinstance(x, P),
-            ),
-        )
-        micro = NamedSharding(mesh, P(None, axes))
+        axes, rows, _ = self._replica_layout(params)
+        micro = NamedSharding(strategy.mesh, P(None, axes))
         return Accumulation(
             self.accumulate,
             replicas,
