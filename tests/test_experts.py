@@ -357,3 +357,116 @@ def test_expert_parallel_strategy_takes_a_precision_policy():
     run = pk.fit(strategy, loss_fn, params, optax.sgd(0.1), batches, precision=pk.Precision.bf16())
     assert all(leaf.dtype == jnp.float32 for leaf in jax.tree.leaves(run.state.params))
     assert np.isfinite(run.history.losses).all()
+
+
+# -- the MoE GPT ----------------------------------------------------------------------------------------------------
+
+LENGTH = 16
+
+
+def moe_gpt(groups: int = 1, **overrides) -> pk.models.GPT:
+    """A tiny MoE GPT: 8 experts in each of its 2 blocks, top-2, capacity factor 1 (tokens are dropped)."""
+    from flax import nnx
+
+    config = dict(max_length=LENGTH, dim=16, heads=2, depth=2, mlp_dim=32, experts=8, capacity_factor=1.0)
+    return pk.models.GPT(256, **(config | overrides), groups=groups, rngs=nnx.Rngs(0))
+
+
+@pytest.fixture(scope="module")
+def corpus() -> pk.data.Dataset:
+    return pk.data.text(length=LENGTH, max_bytes=20_000)
+
+
+def test_moe_gpt_adds_the_weighted_load_balancing_loss_and_reports_routing(corpus):
+    model = moe_gpt(groups=2)
+    apply, params = pk.models.functional(model)
+    batch = next(pk.data.batches(corpus, 8, steps=1))
+    logits, aux = jax.jit(apply)(params, batch["x"])
+    loss, metrics = pk.models.lm_loss(apply)(params, batch)
+    plain, plain_metrics = pk.models.lm_loss(apply, load_balancing=0.0)(params, batch)
+    ce = optax_ce(logits, batch["y"])
+    np.testing.assert_allclose(plain, ce, rtol=1e-6)
+    np.testing.assert_allclose(loss, ce + 0.01 * np.sum(aux["load_balancing_loss"]), rtol=1e-6)
+    np.testing.assert_allclose(metrics["perplexity"], np.exp(ce), rtol=1e-6)
+    # Each block routes every token to top_k=2 experts: the counts of a block sum to 2 x tokens
+    np.testing.assert_array_equal(metrics["tokens_per_expert"].sum(axis=1), [2 * batch["x"].size] * 2)
+    assert metrics["tokens_per_expert"].shape == (2, 8)
+    assert float(metrics["dropped_fraction"]) == pytest.approx(float(np.mean(aux["dropped_fraction"])))
+    assert float(metrics["load_balancing_loss"]) == pytest.approx(float(np.sum(aux["load_balancing_loss"])))
+    assert float(metrics["router_z_loss"]) == pytest.approx(float(np.mean(aux["router_z_loss"])))
+    assert 0 < float(metrics["dropped_fraction"]) < 1  # capacity factor 1: some tokens find their experts full
+    assert sorted(plain_metrics) == sorted(metrics)
+
+
+def optax_ce(logits, labels):
+    import optax
+
+    return float(optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean())
+
+
+def test_moe_gpt_declares_the_expert_axis_first_on_every_expert_weight():
+    axes = pk.models.param_axes(moe_gpt())["blocks"][0]
+    assert "mlp_in" not in axes and "mlp_out" not in axes  # the MoE layer replaces the block's MLP
+    assert axes["moe"] == {
+        "router": ("embed", None),
+        "w_in": ("expert", "embed", "mlp"),
+        "w_out": ("expert", "mlp", "embed"),
+        "b_in": ("expert", "mlp"),
+        "b_out": ("expert", "embed"),
+    }
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("expert", "data"), STRATEGY_MESHES, ids=lambda v: str(v))
+def test_moe_gpt_under_expert_parallel_trains_as_one_device(corpus, expert, data):
+    """10 Adam steps (eps 1e-3: see FACTS on Adam's eps) with tokens dropped: SingleDevice's parameters with the
+    same groups; the experts split over `expert`, and the step's dispatch an all-to-all."""
+    import optax
+
+    count = expert * (data or 1)
+    apply, params = pk.models.functional(moe_gpt(groups=count))
+    loss_fn, batches = pk.models.lm_loss(apply), list(pk.data.batches(corpus, 8, steps=10))
+    tx = optax.adam(1e-2, eps=1e-3)
+    strategy = pk.ExpertParallel(expert=expert, data=data, devices=jax.devices()[:count])
+    reference = pk.fit(pk.SingleDevice(), loss_fn, params, tx, batches)
+    split = pk.fit(strategy, loss_fn, params, tx, batches)
+    tree_allclose(split.params, reference.params)
+    dropped = split.history.metric("dropped_fraction")
+    assert (dropped > 0).all()  # the setting really drops tokens, at every step
+    np.testing.assert_array_equal(dropped, reference.history.metric("dropped_fraction"))
+    assert split.history.metric("tokens_per_expert").shape == (10, 2, 8)
+    for block in split.state.params["blocks"].values():
+        for name in EXPERT_WEIGHTS:
+            leaf = block["moe"][name]
+            assert leaf.sharding.spec[0] == "expert"
+            assert leaf.sharding.shard_shape(leaf.shape)[0] == 8 // expert  # no device holds every expert
+        assert block["moe"]["router"].sharding.spec == P()
+    ops = [c.op for c in pk.inspect.collectives(strategy.step(loss_fn), split.state, batches[0])]
+    # per block: to the experts and back, forward and backward (the block's input needs its gradient)
+    assert ops.count("all-to-all") == 4 * 2 and "all-gather" not in ops
+
+
+def test_moe_gpt_bad_settings_are_clear_errors():
+    with pytest.raises(ValueError, match="top_k=9 but there are 8 experts"):
+        moe_gpt(top_k=9)
+    for factor in (0, -0.5):
+        with pytest.raises(ValueError, match="capacity_factor must be > 0"):
+            moe_gpt(capacity_factor=factor)
+    with pytest.raises(ValueError, match=r"GPT\(groups=0\)"):
+        moe_gpt(groups=0)
+    with pytest.raises(ValueError, match=r"GPT\(experts=2.5\)"):
+        moe_gpt(experts=2.5)
+
+
+def test_moe_gpt_experts_the_axis_does_not_split_and_groups_that_do_not_match(corpus):
+    import optax
+
+    batch = next(pk.data.batches(corpus, 8, steps=1))
+    strategy = pk.ExpertParallel(expert=4, devices=jax.devices()[:4])
+    apply, params = pk.models.functional(moe_gpt(groups=4, experts=6))
+    with pytest.raises(ValueError, match=r"blocks/0/moe/b_in has shape \(6, .* does not split evenly over expert = 4"):
+        strategy.init(params, optax.sgd(0.1))
+    apply, params = pk.models.functional(moe_gpt(groups=2))
+    state = strategy.init(params, optax.sgd(0.1))
+    with pytest.raises(ValueError, match=r"groups must equal the 4 devices .* pass groups=4"):
+        strategy.step(pk.models.lm_loss(apply))(state, batch)
