@@ -87,6 +87,22 @@ def capacity(tokens_per_group: int, experts: int, top_k: int, capacity_factor: f
     return math.ceil(Fraction(str(capacity_factor)) * top_k * tokens_per_group / experts)
 
 
+def dispatch_bytes(
+    tokens_per_group: int, dim: int, experts: int, top_k: int, capacity_factor: float, itemsize: int = 4
+) -> int:
+    """Bytes of one group's dispatched slots, ``(experts, capacity, dim)``: what one all-to-all carries per device.
+
+    Under expert parallelism each device's group is dispatched into every expert's
+    :func:`capacity` slots and the whole buffer enters ``jax.lax.all_to_all``; each device
+    keeps ``1/n`` of it and sends the rest, ``(n-1)/n``, to the ``n - 1`` others. The
+    results come back in a buffer of the same size, and the backward pass sends both again.
+
+    >>> dispatch_bytes(16, dim=8, experts=4, top_k=2, capacity_factor=1.0)  # 4 experts x 8 slots x 8 x 4 B
+    1024
+    """
+    return experts * capacity(tokens_per_group, experts, top_k, capacity_factor) * dim * itemsize
+
+
 def moe_layer(
     x: jax.Array, params: Params, *, top_k: int = 2, capacity_factor: float = 1.25, groups: int = 1
 ) -> tuple[jax.Array, dict[str, jax.Array]]:

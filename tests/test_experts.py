@@ -470,3 +470,39 @@ def test_moe_gpt_experts_the_axis_does_not_split_and_groups_that_do_not_match(co
     state = strategy.init(params, optax.sgd(0.1))
     with pytest.raises(ValueError, match=r"groups must equal the 4 devices .* pass groups=4"):
         strategy.step(pk.models.lm_loss(apply))(state, batch)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("expert", "data"), [(4, None), (4, 2)], ids=str)
+def test_cost_model_all_to_all_bytes_are_the_compiled_steps(corpus, expert, data):
+    """What the cost model has each device send (pairwise exchanges of pk.experts.dispatch_bytes per MoE block,
+    four times) against (n-1)/n of the all-to-all payloads the compiled step holds; the traffic report's
+    all-to-all flow, and TopologyModel timing it."""
+    import optax
+
+    from parallelkit.experts import dispatch_bytes
+    from parallelkit.measure import costmodel
+
+    count, batch_size, depth = expert * (data or 1), 8, 2
+    apply, params = pk.models.functional(moe_gpt(groups=count))
+    loss_fn, batch = pk.models.lm_loss(apply), next(pk.data.batches(corpus, batch_size, steps=1))
+    strategy = pk.ExpertParallel(expert=expert, data=data, devices=jax.devices()[:count])
+    state = strategy.init(params, optax.sgd(0.1))
+    found = [c for c in pk.inspect.collectives(strategy.step(loss_fn), state, batch) if c.op == "all-to-all"]
+    assert {c.group_size for c in found} == {expert}
+    measured = sum(c.bytes for c in found) * (expert - 1) / expert  # what one device sends of its payloads
+
+    per_device = batch_size // count  # sequences in each device's group
+    slots = dispatch_bytes(per_device * LENGTH, dim=16, experts=8, top_k=2, capacity_factor=1.0)
+    work = costmodel.Workload(0, 1e-3, per_device, all_to_alls=(slots / per_device,) * (4 * depth))
+    cluster = costmodel.Cluster(1, count, costmodel.PRESETS["nvlink3"])
+    rounds = costmodel.expert_rounds(work, cluster, expert)
+    predicted = sum(b for r in rounds for source, _, b in r if source == 0)
+    assert predicted == pytest.approx(measured, rel=1e-12)
+
+    traffic = strategy.traffic(loss_fn, state, batch)
+    flow = traffic.flow("other collectives (all-to-all)")
+    assert traffic.pattern == "all-to-all" and flow.measured == 4 * depth * slots
+    model = pk.traffic.TopologyModel(device_link_GBps=100, host_link_GBps=25)
+    exchanges = 4 * depth * model.alltoall_seconds(slots, count)
+    assert model.seconds(traffic) == pytest.approx(model.mirrored_seconds(traffic.param_bytes, count) + exchanges)

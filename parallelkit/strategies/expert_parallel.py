@@ -106,6 +106,11 @@ class ExpertParallel(SPMD):
     # gradients' reduction stays where XLA puts it (in the compute dtype where the backend multiplies in it).
     maps_replicas = False
 
+    # Its step's own collectives are all-to-alls of the dispatched tokens (TopologyModel times them as pairwise
+    # exchanges); their payload depends on the layers' capacity, which the traffic's sizes do not hold, so
+    # expected_collectives gives no formula and the measured all-to-alls are reported as they are.
+    traffic_pattern = "all-to-all"
+
     def __repr__(self) -> str:
         return f"ExpertParallel(expert={self.mesh.shape[EXPERT]}, data={self.mesh.shape[DATA]})"
 
