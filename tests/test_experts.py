@@ -390,7 +390,10 @@ def test_moe_gpt_adds_the_weighted_load_balancing_loss_and_reports_routing(corpu
     np.testing.assert_allclose(metrics["perplexity"], np.exp(ce), rtol=1e-6)
     # Each block routes every token to top_k=2 experts: the counts of a block sum to 2 x tokens
     np.testing.assert_array_equal(metrics["tokens_per_expert"].sum(axis=1), [2 * batch["x"].size] * 2)
-    assert metrics["tokens_per_expert"].shape == (2, 8)
+    assert metrics["tokens_per_expert"].shape == metrics["kept_per_expert"].shape == (2, 8)
+    assert (metrics["kept_per_expert"] <= metrics["tokens_per_expert"]).all()
+    kept = metrics["kept_per_expert"].sum(axis=1) / (2 * batch["x"].size)
+    np.testing.assert_allclose(1 - kept, aux["dropped_fraction"], rtol=1e-6)  # the kept share is what is not dropped
     assert float(metrics["dropped_fraction"]) == pytest.approx(float(np.mean(aux["dropped_fraction"])))
     assert float(metrics["load_balancing_loss"]) == pytest.approx(float(np.sum(aux["load_balancing_loss"])))
     assert float(metrics["router_z_loss"]) == pytest.approx(float(np.mean(aux["router_z_loss"])))

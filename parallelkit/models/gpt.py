@@ -45,8 +45,8 @@ class GPT(nnx.Module):
     ``mlp_dim`` (GELU), each token sent to its ``top_k`` experts within
     ``capacity_factor``, its tokens routed in ``groups`` equal groups. ``__call__`` then
     returns ``(logits, aux)``, where ``aux`` holds each MoE block's ``load_balancing_loss``,
-    ``router_z_loss`` and ``dropped_fraction`` (shape ``(depth,)``) and
-    ``tokens_per_expert`` (``(depth, experts)``), which :func:`lm_loss` adds to the loss
+    ``router_z_loss`` and ``dropped_fraction`` (shape ``(depth,)``), ``tokens_per_expert``
+    and ``kept_per_expert`` (``(depth, experts)``), which :func:`lm_loss` adds to the loss
     and the metrics. Under :class:`~parallelkit.ExpertParallel` the layer exchanges tokens by
     all-to-all and needs ``groups`` equal to the devices the tokens are split over.
 
@@ -130,8 +130,8 @@ class GPT(nnx.Module):
         return logits, {name: jnp.stack([aux[name] for aux in layers]) for name in MOE_METRICS}
 
 
-# What the MoE GPT reports of each MoE layer (pk.experts.moe_layer's aux, less the kept tokens per expert)
-MOE_METRICS = ("load_balancing_loss", "router_z_loss", "dropped_fraction", "tokens_per_expert")
+# What the MoE GPT reports of each MoE layer: pk.experts.moe_layer's aux
+MOE_METRICS = ("load_balancing_loss", "router_z_loss", "dropped_fraction", "tokens_per_expert", "kept_per_expert")
 
 
 def _check_experts(experts: int, top_k: int, capacity_factor: float, groups: int) -> None:
@@ -215,8 +215,8 @@ def lm_loss(apply: Callable[..., Any], *, load_balancing: float = LOAD_BALANCING
     load-balancing losses summed over the MoE blocks (0.01, the Switch Transformer's
     weight), and the metrics add the ``cross_entropy``, that sum as
     ``load_balancing_loss``, the mean over the blocks of the ``router_z_loss`` (reported,
-    not added) and of the ``dropped_fraction``, and ``tokens_per_expert``,
-    ``(blocks, experts)`` token-choices routed to each expert before capacity.
+    not added) and of the ``dropped_fraction``, ``tokens_per_expert``, ``(blocks, experts)``
+    token-choices routed to each expert before capacity, and ``kept_per_expert``, those it kept.
 
     Conceptually, this is::
 
@@ -252,6 +252,7 @@ def lm_loss(apply: Callable[..., Any], *, load_balancing: float = LOAD_BALANCING
                 "router_z_loss": jnp.mean(moe["router_z_loss"]),
                 "dropped_fraction": jnp.mean(moe["dropped_fraction"]),
                 "tokens_per_expert": moe["tokens_per_expert"],
+                "kept_per_expert": moe["kept_per_expert"],
             }
             loss = loss + load_balancing * balance
         return (loss, aux, new_state) if "model_state" in extras else (loss, aux)
