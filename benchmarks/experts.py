@@ -22,7 +22,7 @@ turns (``interleaved.take_turns``). The devices are simulated: all of them share
 machine's cores (2 here), so the times show what the exchange costs on a CPU, not a
 speed-up.
 
-    .venv/bin/python benchmarks/experts.py          # about two minutes on 2 cores
+    .venv/bin/python benchmarks/experts.py          # a few minutes on 2 cores
 """
 
 from __future__ import annotations
