@@ -65,7 +65,7 @@ def _parser() -> argparse.ArgumentParser:
 def expert_bytes_per_device(params) -> tuple[int, int]:
     """(bytes of expert weights on the first device, bytes of all expert weights)."""
     leaves = [block["moe"][name] for block in params["blocks"].values() for name in EXPERT_WEIGHTS]
-    first = leaves[0].sharding.device_set and min(leaves[0].sharding.device_set, key=lambda d: d.id)
+    first = min(leaves[0].sharding.device_set, key=lambda d: d.id)
     held = sum(s.data.nbytes for leaf in leaves for s in leaf.addressable_shards if s.device == first)
     return held, sum(leaf.nbytes for leaf in leaves)
 
