@@ -419,6 +419,17 @@ def test_moe_gpt_declares_the_expert_axis_first_on_every_expert_weight():
     }
 
 
+def test_expert_parallel_splits_what_declares_the_expert_axis_and_by_name_what_declares_none():
+    params = pk.models.functional(moe_gpt(groups=4))[1]
+    specs = pk.ExpertParallel(expert=4, devices=jax.devices()[:4]).partition_specs(params)
+    moe = specs["blocks"][0]["moe"]
+    assert moe["w_in"] == moe["w_out"] == P("expert", None, None) and moe["b_in"] == P("expert", None)
+    assert moe["router"] == P() and specs["embed"]["embedding"] == P()  # every other name replicated
+    plain = {"moe": random_problem((16, 8))[1], "head": jnp.zeros((8, 1))}  # a plain dict: no declared axes
+    by_name = pk.ExpertParallel(expert=4, devices=jax.devices()[:4]).partition_specs(plain)
+    assert by_name["moe"]["w_in"] == P("expert") and by_name["moe"]["router"] == P() and by_name["head"] == P()
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(("expert", "data"), STRATEGY_MESHES, ids=lambda v: str(v))
 def test_moe_gpt_under_expert_parallel_trains_as_one_device(corpus, expert, data):
