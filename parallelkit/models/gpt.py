@@ -40,7 +40,7 @@ class GPT(nnx.Module):
     to ``__call__``; each block draws from its own key split from it.
 
     With ``experts > 0`` the model is a mixture of experts: the MLP of every block (as in
-    Mixtral; Switch and GShard replace every other one) is
+    Mixtral; GShard replaces every other one) is
     :func:`parallelkit.experts.moe_layer` over ``experts`` feed-forward networks of width
     ``mlp_dim`` (GELU), each token sent to its ``top_k`` experts within
     ``capacity_factor``, its tokens routed in ``groups`` equal groups. ``__call__`` then
