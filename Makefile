@@ -34,6 +34,7 @@ bench: setup
 	$(BIN)/python benchmarks/prefetch.py
 	$(BIN)/python benchmarks/layouts.py
 	$(BIN)/python benchmarks/central.py
+	$(BIN)/python benchmarks/experts.py
 	$(BIN)/python benchmarks/roofline.py
 
 course: setup

@@ -87,6 +87,22 @@ def capacity(tokens_per_group: int, experts: int, top_k: int, capacity_factor: f
     return math.ceil(Fraction(str(capacity_factor)) * top_k * tokens_per_group / experts)
 
 
+def dispatch_bytes(
+    tokens_per_group: int, dim: int, experts: int, top_k: int, capacity_factor: float, itemsize: int = 4
+) -> int:
+    """Bytes of one group's dispatched slots, ``(experts, capacity, dim)``: what one all-to-all carries per device.
+
+    Under expert parallelism each device's group is dispatched into every expert's
+    :func:`capacity` slots and the whole buffer enters ``jax.lax.all_to_all``; each device
+    keeps ``1/n`` of it and sends the rest, ``(n-1)/n``, to the ``n - 1`` others. The
+    results come back in a buffer of the same size, and the backward pass sends both again.
+
+    >>> dispatch_bytes(16, dim=8, experts=4, top_k=2, capacity_factor=1.0)  # 4 experts x 8 slots x 8 x 4 B
+    1024
+    """
+    return experts * capacity(tokens_per_group, experts, top_k, capacity_factor) * dim * itemsize
+
+
 def moe_layer(
     x: jax.Array, params: Params, *, top_k: int = 2, capacity_factor: float = 1.25, groups: int = 1
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
@@ -234,6 +250,25 @@ def _active_expert_axis() -> MeshAxes:
     return axis if math.prod(mesh.shape[name] for name in axes.axis_names(axis)) > 1 else None
 
 
+def check_routing(experts: int, top_k: int, capacity_factor: float) -> None:
+    """Raise a ValueError unless ``top_k`` is a whole number in ``1..experts`` and ``capacity_factor > 0``.
+
+    >>> check_routing(8, top_k=2, capacity_factor=1.25)
+    >>> check_routing(4, top_k=5, capacity_factor=1.25)
+    Traceback (most recent call last):
+    ValueError: top_k=5 but there are 4 experts: choose a whole number 1 <= top_k <= 4.
+    """
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= experts:
+        raise ValueError(
+            f"top_k={top_k!r} but there are {experts} experts: choose a whole number 1 <= top_k <= {experts}."
+        )
+    if not capacity_factor > 0:
+        raise ValueError(
+            f"capacity_factor must be > 0, got {capacity_factor!r}: each expert keeps "
+            "ceil(capacity_factor * top_k * tokens_per_group / experts) tokens of a group (1.25 is usual)."
+        )
+
+
 def _check(x: jax.Array, params: Params, top_k: int, capacity_factor: float, groups: int) -> tuple[int, int, int]:
     """``(tokens, dim, experts)``, or a ValueError saying what is wrong with the arguments."""
     missing = [name for name in REQUIRED if name not in params]
@@ -258,15 +293,7 @@ def _check(x: jax.Array, params: Params, top_k: int, capacity_factor: float, gro
             f"moe_layer takes x of shape (tokens, {dim}) or (batch, length, {dim}) for a router of {dim} inputs, "
             f"got {x.shape}."
         )
-    if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= experts:
-        raise ValueError(
-            f"top_k={top_k!r} but there are {experts} experts: choose a whole number 1 <= top_k <= {experts}."
-        )
-    if not capacity_factor > 0:
-        raise ValueError(
-            f"capacity_factor must be > 0, got {capacity_factor!r}: each expert keeps "
-            "ceil(capacity_factor * top_k * tokens_per_group / experts) tokens of a group (1.25 is usual)."
-        )
+    check_routing(experts, top_k, capacity_factor)
     tokens = math.prod(x.shape[:-1])
     if not is_count(groups) or tokens % groups:
         raise ValueError(

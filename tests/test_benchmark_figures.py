@@ -281,9 +281,39 @@ def test_what_the_precision_prose_says_holds():
         assert rows[f"Mirrored(8) {precision} accumulate=1"]["ratio_to_float32"] < 1
 
 
+def _experts() -> list[str]:
+    d = load("experts.json")
+
+    def row(r: dict) -> str:
+        dropped = sum(r["dropped_fraction_per_step"]) / len(r["dropped_fraction_per_step"])
+        cells = [r["devices"], r["all_to_all_count"], f"{r['all_to_all_sent_bytes']:,.0f}",
+                 f"{r['formula_sent_bytes']:,.0f}", f"{r['expert_weight_bytes_per_device']:,}",
+                 f"{r['expert_weight_bytes']:,}", f"{dropped:.2f}", f"{r['expert_parallel_ms']['median_ms']:.1f}",
+                 f"{r['single_device_ms']['median_ms']:.1f}"]  # fmt: skip
+        return "| " + " | ".join(map(str, cells)) + " |"
+
+    last = [int(v) for v in d["rows"]["8"]["tokens_per_expert_per_step"][-1][0]]
+    return [*(row(r) for r in d["rows"].values()), f"eight experts received {last} token-choices on 8 devices"]
+
+
+def test_what_the_experts_prose_says_holds():
+    """ "equal the formula", "1/n of the expert weights", "about a third dropped", the times' order, and the check."""
+    rows = load("experts.json")["rows"]
+    for r in rows.values():
+        n = r["devices"]
+        assert r["all_to_all_sent_bytes"] == r["formula_sent_bytes"] and r["all_to_all_count"] == 8
+        assert r["expert_weight_bytes_per_device"] * n == r["expert_weight_bytes"]
+        assert 0.25 < sum(r["dropped_fraction_per_step"]) / len(r["dropped_fraction_per_step"]) < 0.42
+        assert r["max_param_diff"] < 1e-5
+    ep, one = ({n: r[key]["median_ms"] for n, r in rows.items()} for key in ("expert_parallel_ms", "single_device_ms"))
+    assert ep["2"] < one["2"] and ep["4"] < one["4"] and ep["8"] > one["8"]
+    assert one["2"] > one["4"] > one["8"]
+
+
 QUOTES = [
     *((doc, q) for doc in (README, BENCH_README) for q in _notebooks(doc) + _central(doc) + _roofline(doc)),
     *((BENCH_README, q) for q in _overhead() + _cpu_pool() + _strategies() + _dashboard() + _precision()),
+    *((BENCH_README, q) for q in _experts()),
     *((BENCH_README, q) for q in _bench(BENCH_README) + _prefetch(BENCH_README) + _layouts(BENCH_README)),
     *((README, q) for q in _bench(README) + _prefetch(README) + _layouts(README)),
 ]

@@ -13,6 +13,7 @@ from parallelkit.measure.costmodel import (
     Workload,
     allreduce_rounds,
     allreduce_seconds,
+    alltoall_rounds,
     communication_seconds,
     fit_link,
     local_vs_distributed,
@@ -308,3 +309,37 @@ def test_workload_without_its_compute_or_batch_is_explained():
         Workload(P, batch_per_device=8, flops_per_sample=1e9, peak_flops=1e12, efficiency=0)
     with pytest.raises(ValueError, match="a peak > 0"):
         Workload(P, batch_per_device=8, flops_per_sample=1e9, peak_flops=0.0)
+
+
+def test_expert_parallel_by_hand():
+    # 4 devices in expert groups of 2 ([0, 1], [2, 3]), 2 samples each, 1 GB/s, no latency
+    work = Workload(8e3, 1e-3, 2, all_to_alls=(1e3,) * 4, expert_bytes=4e3)
+    cluster = Cluster(1, 4, ONE_GB)
+    dense = 2 * 3 * (4e3 / 4 / 1e9)  # the 4 kB that are not experts: a ring over all 4 devices
+    experts = 2 * 1 * (4e3 / 2 / 2 / 1e9)  # each device's 2 kB of experts: a ring over its data group of 2
+    exchanges = 4 * 1 * (2 * 1e3 / 2 / 1e9)  # 4 all-to-alls of 2 kB a device: 1 round of 1 kB to the other
+    p = predict(work, cluster, "expert", model=2)
+    assert p.communication_s == pytest.approx(dense + experts + exchanges)
+    # one group of all 4: each device holds experts no other does (nothing to all-reduce), and each
+    # all-to-all takes 3 rounds of 2 kB / 4
+    everyone = predict(work, cluster, "expert")
+    assert everyone.communication_s == pytest.approx(dense + 4 * 3 * (2 * 1e3 / 4 / 1e9))
+
+
+def test_alltoall_rounds_send_all_but_each_devices_own_share():
+    rounds = alltoall_rounds([[0, 1, 2, 3]], 400.0)
+    assert len(rounds) == 3
+    for device in range(4):
+        assert sum(b for r in rounds for s, _, b in r if s == device) == 300.0  # (n-1)/n of 400 B
+        assert {t for r in rounds for s, t, _ in r if s == device} == {0, 1, 2, 3} - {device}
+
+
+def test_expert_parallel_arguments_are_checked():
+    with pytest.raises(ValueError, match="all_to_alls"):
+        predict(Workload(P, 1e-3, 8), Cluster(1, 4, FAST), "expert")
+    with pytest.raises(ValueError, match="expert_bytes"):
+        Workload(P, 1e-3, 8, expert_bytes=2 * P)
+    with pytest.raises(ValueError, match="byte counts"):
+        Workload(P, 1e-3, 8, all_to_alls=(-1.0,))
+    with pytest.raises(ValueError, match="divides"):
+        predict(Workload(P, 1e-3, 8, all_to_alls=(1.0,)), Cluster(1, 4, FAST), "expert", model=3)

@@ -357,3 +357,166 @@ def test_expert_parallel_strategy_takes_a_precision_policy():
     run = pk.fit(strategy, loss_fn, params, optax.sgd(0.1), batches, precision=pk.Precision.bf16())
     assert all(leaf.dtype == jnp.float32 for leaf in jax.tree.leaves(run.state.params))
     assert np.isfinite(run.history.losses).all()
+
+
+# -- the MoE GPT ----------------------------------------------------------------------------------------------------
+
+LENGTH = 16
+
+
+def moe_gpt(groups: int = 1, **overrides) -> pk.models.GPT:
+    """A tiny MoE GPT: 8 experts in each of its 2 blocks, top-2, capacity factor 1 (tokens are dropped)."""
+    from flax import nnx
+
+    config = dict(max_length=LENGTH, dim=16, heads=2, depth=2, mlp_dim=32, experts=8, capacity_factor=1.0)
+    return pk.models.GPT(256, **(config | overrides), groups=groups, rngs=nnx.Rngs(0))
+
+
+@pytest.fixture(scope="module")
+def corpus() -> pk.data.Dataset:
+    return pk.data.text(length=LENGTH, max_bytes=20_000)
+
+
+def test_moe_gpt_adds_the_weighted_load_balancing_loss_and_reports_routing(corpus):
+    model = moe_gpt(groups=2)
+    apply, params = pk.models.functional(model)
+    batch = next(pk.data.batches(corpus, 8, steps=1))
+    logits, aux = jax.jit(apply)(params, batch["x"])
+    loss, metrics = pk.models.lm_loss(apply)(params, batch)
+    plain, plain_metrics = pk.models.lm_loss(apply, load_balancing=0.0)(params, batch)
+    ce = optax_ce(logits, batch["y"])
+    np.testing.assert_allclose(plain, ce, rtol=1e-6)
+    np.testing.assert_allclose(loss, ce + 0.01 * np.sum(aux["load_balancing_loss"]), rtol=1e-6)
+    np.testing.assert_allclose(metrics["perplexity"], np.exp(ce), rtol=1e-6)
+    # Each block routes every token to top_k=2 experts: the counts of a block sum to 2 x tokens
+    np.testing.assert_array_equal(metrics["tokens_per_expert"].sum(axis=1), [2 * batch["x"].size] * 2)
+    assert metrics["tokens_per_expert"].shape == metrics["kept_per_expert"].shape == (2, 8)
+    assert (metrics["kept_per_expert"] <= metrics["tokens_per_expert"]).all()
+    kept = metrics["kept_per_expert"].sum(axis=1) / (2 * batch["x"].size)
+    np.testing.assert_allclose(1 - kept, aux["dropped_fraction"], rtol=1e-6)  # the kept share is what is not dropped
+    assert float(metrics["dropped_fraction"]) == pytest.approx(float(np.mean(aux["dropped_fraction"])))
+    assert float(metrics["load_balancing_loss"]) == pytest.approx(float(np.sum(aux["load_balancing_loss"])))
+    assert float(metrics["router_z_loss"]) == pytest.approx(float(np.mean(aux["router_z_loss"])))
+    assert 0 < float(metrics["dropped_fraction"]) < 1  # capacity factor 1: some tokens find their experts full
+    assert sorted(plain_metrics) == sorted(metrics)
+
+
+def optax_ce(logits, labels):
+    import optax
+
+    return float(optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean())
+
+
+def test_moe_gpt_declares_the_expert_axis_first_on_every_expert_weight():
+    axes = pk.models.param_axes(moe_gpt())["blocks"][0]
+    assert "mlp_in" not in axes and "mlp_out" not in axes  # the MoE layer replaces the block's MLP
+    assert axes["moe"] == {
+        "router": ("embed", None),
+        "w_in": ("expert", "embed", "mlp"),
+        "w_out": ("expert", "mlp", "embed"),
+        "b_in": ("expert", "mlp"),
+        "b_out": ("expert", "embed"),
+    }
+
+
+def test_expert_parallel_splits_what_declares_the_expert_axis_and_by_name_what_declares_none():
+    params = pk.models.functional(moe_gpt(groups=4))[1]
+    specs = pk.ExpertParallel(expert=4, devices=jax.devices()[:4]).partition_specs(params)
+    moe = specs["blocks"][0]["moe"]
+    assert moe["w_in"] == moe["w_out"] == P("expert", None, None) and moe["b_in"] == P("expert", None)
+    assert moe["router"] == P() and specs["embed"]["embedding"] == P()  # every other name replicated
+    plain = {"moe": random_problem((16, 8))[1], "head": jnp.zeros((8, 1))}  # a plain dict: no declared axes
+    by_name = pk.ExpertParallel(expert=4, devices=jax.devices()[:4]).partition_specs(plain)
+    assert by_name["moe"]["w_in"] == P("expert") and by_name["moe"]["router"] == P() and by_name["head"] == P()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("expert", "data"), STRATEGY_MESHES, ids=lambda v: str(v))
+def test_moe_gpt_under_expert_parallel_trains_as_one_device(corpus, expert, data):
+    """10 Adam steps (eps 1e-3: see FACTS on Adam's eps) with tokens dropped: SingleDevice's parameters with the
+    same groups; the experts split over `expert`, and the step's dispatch an all-to-all."""
+    import optax
+
+    count = expert * (data or 1)
+    apply, params = pk.models.functional(moe_gpt(groups=count))
+    loss_fn, batches = pk.models.lm_loss(apply), list(pk.data.batches(corpus, 8, steps=10))
+    tx = optax.adam(1e-2, eps=1e-3)
+    strategy = pk.ExpertParallel(expert=expert, data=data, devices=jax.devices()[:count])
+    reference = pk.fit(pk.SingleDevice(), loss_fn, params, tx, batches)
+    split = pk.fit(strategy, loss_fn, params, tx, batches)
+    tree_allclose(split.params, reference.params)
+    dropped = split.history.metric("dropped_fraction")
+    assert (dropped > 0).all()  # the setting really drops tokens, at every step
+    np.testing.assert_array_equal(dropped, reference.history.metric("dropped_fraction"))
+    assert split.history.metric("tokens_per_expert").shape == (10, 2, 8)
+    for block in split.state.params["blocks"].values():
+        for name in EXPERT_WEIGHTS:
+            leaf = block["moe"][name]
+            assert leaf.sharding.spec[0] == "expert"
+            assert leaf.sharding.shard_shape(leaf.shape)[0] == 8 // expert  # no device holds every expert
+        assert block["moe"]["router"].sharding.spec == P()
+    ops = [c.op for c in pk.inspect.collectives(strategy.step(loss_fn), split.state, batches[0])]
+    # per block: to the experts and back, forward and backward (the block's input needs its gradient)
+    assert ops.count("all-to-all") == 4 * 2 and "all-gather" not in ops
+
+
+def test_moe_gpt_bad_settings_are_clear_errors():
+    with pytest.raises(ValueError, match="top_k=9 but there are 8 experts"):
+        moe_gpt(top_k=9)
+    for factor in (0, -0.5):
+        with pytest.raises(ValueError, match="capacity_factor must be > 0"):
+            moe_gpt(capacity_factor=factor)
+    with pytest.raises(ValueError, match=r"GPT\(groups=0\)"):
+        moe_gpt(groups=0)
+    with pytest.raises(ValueError, match=r"GPT\(experts=2.5\)"):
+        moe_gpt(experts=2.5)
+
+
+def test_moe_gpt_experts_the_axis_does_not_split_and_groups_that_do_not_match(corpus):
+    import optax
+
+    batch = next(pk.data.batches(corpus, 8, steps=1))
+    strategy = pk.ExpertParallel(expert=4, devices=jax.devices()[:4])
+    apply, params = pk.models.functional(moe_gpt(groups=4, experts=6))
+    with pytest.raises(ValueError, match=r"blocks/0/moe/b_in has shape \(6, .* does not split evenly over expert = 4"):
+        strategy.init(params, optax.sgd(0.1))
+    apply, params = pk.models.functional(moe_gpt(groups=2))
+    state = strategy.init(params, optax.sgd(0.1))
+    with pytest.raises(ValueError, match=r"groups must equal the 4 devices .* pass groups=4"):
+        strategy.step(pk.models.lm_loss(apply))(state, batch)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("expert", "data"), [(4, None), (4, 2)], ids=str)
+def test_cost_model_all_to_all_bytes_are_the_compiled_steps(corpus, expert, data):
+    """What the cost model has each device send (pairwise exchanges of pk.experts.dispatch_bytes per MoE block,
+    four times) against (n-1)/n of the all-to-all payloads the compiled step holds; the traffic report's
+    all-to-all flow, and TopologyModel timing it."""
+    import optax
+
+    from parallelkit.experts import dispatch_bytes
+    from parallelkit.measure import costmodel
+
+    count, batch_size, depth = expert * (data or 1), 8, 2
+    apply, params = pk.models.functional(moe_gpt(groups=count))
+    loss_fn, batch = pk.models.lm_loss(apply), next(pk.data.batches(corpus, batch_size, steps=1))
+    strategy = pk.ExpertParallel(expert=expert, data=data, devices=jax.devices()[:count])
+    state = strategy.init(params, optax.sgd(0.1))
+    found = [c for c in pk.inspect.collectives(strategy.step(loss_fn), state, batch) if c.op == "all-to-all"]
+    assert {c.group_size for c in found} == {expert}
+    measured = sum(c.bytes for c in found) * (expert - 1) / expert  # what one device sends of its payloads
+
+    per_device = batch_size // count  # sequences in each device's group
+    slots = dispatch_bytes(per_device * LENGTH, dim=16, experts=8, top_k=2, capacity_factor=1.0)
+    work = costmodel.Workload(0, 1e-3, per_device, all_to_alls=(slots / per_device,) * (4 * depth))
+    cluster = costmodel.Cluster(1, count, costmodel.PRESETS["nvlink3"])
+    rounds = costmodel.expert_rounds(work, cluster, expert)
+    predicted = sum(b for r in rounds for source, _, b in r if source == 0)
+    assert predicted == pytest.approx(measured, rel=1e-12)
+
+    traffic = strategy.traffic(loss_fn, state, batch)
+    flow = traffic.flow("other collectives (all-to-all)")
+    assert traffic.pattern == "all-to-all" and flow.measured == 4 * depth * slots
+    model = pk.traffic.TopologyModel(device_link_GBps=100, host_link_GBps=25)
+    exchanges = 4 * depth * model.alltoall_seconds(slots, count)
+    assert model.seconds(traffic) == pytest.approx(model.mirrored_seconds(traffic.param_bytes, count) + exchanges)

@@ -6,6 +6,7 @@ import os
 import signal
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -140,6 +141,20 @@ def test_loss_without_aux_is_accepted(mlp, batch):
     strategy = pk.Mirrored(backend="pmap")
     _, metrics = strategy.step(loss_only)(strategy.init(params, optax.sgd(0.1)), batch)
     assert set(metrics) == {"loss"}
+
+
+def test_a_metric_with_axes_is_recorded_as_an_array_per_step(mlp, digits):
+    loss_fn, params = mlp
+
+    def with_counts(p, b):
+        loss, aux = loss_fn(p, b)
+        return loss, {**aux, "per_class": jnp.bincount(b["y"], length=10)}  # an array metric, exact counts
+
+    batches = list(pk.data.batches(digits, 32, steps=3))
+    history = pk.fit(pk.SingleDevice(), with_counts, params, optax.sgd(0.1), batches).history
+    counts = history.metric("per_class")
+    np.testing.assert_array_equal(counts, [np.bincount(b["y"], minlength=10) for b in batches])
+    assert isinstance(history.records[0].metrics["loss"], float) and history.losses.shape == (3,)
 
 
 def test_history_times_need_a_step():

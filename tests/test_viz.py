@@ -314,3 +314,23 @@ def test_trace_figure_draws_each_event_where_and_as_long_as_it_ran(tmp_path):
         ((3.0, 0.6, 0.5, 0.8), to_rgba("tab:red")),
         ((1.5, 1.6, 2.0, 0.8), to_rgba("tab:blue")),
     ]
+
+
+def test_routing_figure_draws_the_routed_tokens_and_each_experts_kept_and_dropped():
+    routed = np.array([[5, 3, 0, 0], [6, 1, 1, 0], [2, 2, 2, 2]])
+    kept = np.minimum(routed, 4)
+    fig = viz.routing_figure(routed, kept, step=1, capacity=4)
+    np.testing.assert_array_equal(_grid(fig), routed)
+    heights = [p.get_height() for p in fig.axes[1].patches]
+    assert heights == [4, 1, 1, 0, 2, 0, 0, 0]  # kept at step 1, then dropped on top
+    assert "25% of the choices dropped" in fig.axes[1].get_title()
+    with pytest.raises(ValueError, match="step=3 is not one of the 3 recorded steps"):
+        viz.routing_figure(routed, kept, step=3)
+    with pytest.raises(ValueError, match=r"\(steps, experts\)"):
+        viz.routing_figure(routed, kept[:, :2], step=0)
+
+
+def test_alltoall_figure_sends_each_other_device_an_equal_part():
+    fig = viz.alltoall_figure(2, 2048)
+    assert [t.get_text() for t in fig.axes[0].texts] == ["kept", "1.0 kB", "1.0 kB", "kept"]
+    assert "1/2 of 2.0 kB" in fig.axes[0].get_title()

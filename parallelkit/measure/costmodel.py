@@ -24,7 +24,8 @@ Rabenseifner and Gropp, 2005) applied round by round. Its assumptions, all of th
   it (0 by default: nothing hidden; frameworks that all-reduce during the backward
   pass, about two thirds of the compute, hide up to that much);
 - activations are on the critical path and are never hidden: tensor parallelism's
-  all-reduces (the compiler's, taken to be rings) and a pipeline's sends between
+  all-reduces (the compiler's, taken to be rings), expert parallelism's all-to-alls (taken
+  to be pairwise exchanges, :func:`alltoall_rounds`) and a pipeline's sends between
   stages, one send after each of the ``2 (m + s - 1)`` forward and backward slots of
   a GPipe or 1F1B schedule, whose idle share is the bubble ``(s - 1) / (m + s - 1)``;
 - a model-parallel group is ``k`` neighbouring devices (device ``r k + j`` is position
@@ -228,6 +229,10 @@ class Workload:
     # backward): for the kit's MLP, ``megatron_mlp_allreduces(1, widths)`` x the item size
     activation_allreduces: tuple[float, ...] = ()
     boundary_bytes: float = 0.0  # bytes per sample of the activation a pipeline stage sends the next
+    # bytes per sample of each all-to-all expert parallelism makes in one step (forward and backward):
+    # the dispatched slots a device holds, pk.experts.dispatch_bytes over the samples of its group
+    all_to_alls: tuple[float, ...] = ()
+    expert_bytes: float = 0.0  # the part of param_bytes that is expert weights (split over the expert axis)
     flops_per_sample: float | None = None  # one sample's forward and backward, the whole model on one device
     peak_flops: float | None = None  # one device's FLOP/s: measured (ceilings) or published (hardware)
     efficiency: float = 1.0  # the fraction of peak_flops a step reaches (its MFU), in (0, 1]
@@ -239,8 +244,13 @@ class Workload:
             raise ValueError(f"Workload(batch_per_device={self.batch_per_device!r}): the samples a device takes, >= 1.")
         if self.param_bytes < 0 or (self.seconds_per_sample is not None and self.seconds_per_sample < 0):
             raise ValueError("Workload: param_bytes and seconds_per_sample >= 0, batch_per_device >= 1.")
-        if self.boundary_bytes < 0 or any(b < 0 for b in self.activation_allreduces):
-            raise ValueError("Workload: activation_allreduces and boundary_bytes are byte counts >= 0.")
+        if self.boundary_bytes < 0 or any(b < 0 for b in (*self.activation_allreduces, *self.all_to_alls)):
+            raise ValueError("Workload: activation_allreduces, all_to_alls and boundary_bytes are byte counts >= 0.")
+        if not 0 <= self.expert_bytes <= self.param_bytes:
+            raise ValueError(
+                f"Workload(expert_bytes={self.expert_bytes!r}): the expert weights' share of param_bytes="
+                f"{self.param_bytes!r}, between 0 and param_bytes."
+            )
         if not 0.0 < self.efficiency <= 1.0:
             raise ValueError(f"Workload(efficiency={self.efficiency}): the share of the peak reached, in (0, 1].")
         if self.seconds_per_sample is None:
@@ -302,8 +312,9 @@ class Pattern:
     ``communication(workload, cluster, options)`` returns (gradient seconds, which overlap can
     hide; activation seconds, which it cannot). ``model`` says what ``model=`` means:
     ``"none"`` (data parallelism: no model groups), ``"all"`` (one group of every device),
-    ``"given"`` (groups of ``model``, which must be given) or ``"stages"`` (pipeline stages,
-    every device by default, with the bubble in the step's time).
+    ``"given"`` (groups of ``model``, which must be given), ``"any"`` (groups of ``model``,
+    every device by default: the expert axis) or ``"stages"`` (pipeline stages, every device
+    by default, with the bubble in the step's time).
     """
 
     communication: Callable[[Workload, Cluster, Options], tuple[float, float]]
@@ -311,6 +322,7 @@ class Pattern:
 
 
 PATTERNS: dict[str, Pattern] = {}  # by name; see register_pattern
+KINDS = ("none", "all", "given", "any", "stages")  # what a pattern's model= means (Pattern.model)
 
 
 def register_pattern(name: str, pattern: Pattern) -> Pattern:
@@ -323,8 +335,8 @@ def register_pattern(name: str, pattern: Pattern) -> Pattern:
     """
     if name in PATTERNS:
         raise ValueError(f"The cost model already has a pattern {name!r}.")
-    if pattern.model not in ("none", "all", "given", "stages"):
-        raise ValueError(f"Pattern(model={pattern.model!r}): choose 'none', 'all', 'given' or 'stages'.")
+    if pattern.model not in KINDS:
+        raise ValueError(f"Pattern(model={pattern.model!r}): choose one of {KINDS}.")
     PATTERNS[name] = pattern
     return pattern
 
@@ -413,6 +425,51 @@ def _tensor(workload: Workload, cluster: Cluster, options: Options) -> tuple[flo
     return gradients, activations
 
 
+def alltoall_rounds(groups: Sequence[Sequence[int]], nbytes: float) -> list[Round]:
+    """The messages of each round of an all-to-all of ``nbytes`` per device within each of ``groups`` at once.
+
+    The pairwise exchange (Thakur, Rabenseifner and Gropp, 2005): ``g - 1`` rounds; in round
+    ``r`` the device at position ``j`` of its group sends the ``nbytes / g`` meant for position
+    ``j + r`` (mod ``g``). Each device sends ``(g-1)/g`` of its ``nbytes`` in all and keeps
+    its own share.
+
+    >>> alltoall_rounds([[0, 1, 2]], 3.0)
+    [[(0, 1, 1.0), (1, 2, 1.0), (2, 0, 1.0)], [(0, 2, 1.0), (1, 0, 1.0), (2, 1, 1.0)]]
+    """
+    g = len(groups[0])
+    return [[(group[j], group[(j + r) % g], nbytes / g) for group in groups for j in range(g)] for r in range(1, g)]
+
+
+def expert_rounds(workload: Workload, cluster: Cluster, expert: int) -> list[Round]:
+    """Every round of the all-to-alls of one expert-parallel step: each of ``workload.all_to_alls`` within
+    every group of ``expert`` neighbouring devices at once, each device's batch its own tokens.
+
+    >>> work = Workload(0, 1e-3, 2, all_to_alls=(100.0,) * 4)  # one MoE layer: 4 all-to-alls of 200 B a device
+    >>> rounds = expert_rounds(work, Cluster(1, 4, Link("test", 1, 0, "by hand")), expert=2)
+    >>> len(rounds), sum(b for r in rounds for source, _, b in r if source == 0)  # device 0 sends 4 x 100 B
+    (4, 400.0)
+    """
+    along, _ = _groups(cluster.devices, expert)
+    return [r for each in workload.all_to_alls for r in alltoall_rounds(along, each * workload.batch_per_device)]
+
+
+def _expert(workload: Workload, cluster: Cluster, options: Options) -> tuple[float, float]:
+    """The all-to-alls of the dispatch within each expert group; the gradients: the expert weights' slices
+    over the data groups, every other parameter over all the devices."""
+    k, n = options.model, cluster.devices
+    dense = _rings_seconds(cluster, [list(range(n))], workload.param_bytes - workload.expert_bytes)
+    _, across = _groups(n, k)
+    gradients = dense + _rings_seconds(cluster, across, workload.expert_bytes / k)
+    if k == 1:
+        return gradients, 0.0
+    if not workload.all_to_alls:
+        raise ValueError(
+            "Expert parallelism sends tokens to their experts by all-to-all: give Workload(all_to_alls=...), bytes "
+            "per sample of each (4 per MoE layer: pk.experts.dispatch_bytes over the samples of a group)."
+        )
+    return gradients, sum(cluster.round_seconds(r) for r in expert_rounds(workload, cluster, k))
+
+
 def _pipeline(workload: Workload, cluster: Cluster, options: Options) -> tuple[float, float]:
     """``2 (m + s - 1)`` sends of one microbatch's boundary activation, and each stage's gradient slice."""
     k = options.model
@@ -461,6 +518,7 @@ for _name, _built_in in (
     ("tensor", Pattern(_tensor, model="all")),
     ("hybrid", Pattern(_tensor, model="given")),
     ("pipeline", Pattern(_pipeline, model="stages")),
+    ("expert", Pattern(_expert, model="any")),
 ):
     register_pattern(_name, _built_in)
 STRATEGIES = PATTERNS  # the names predict takes besides the catalog's (kept under its earlier name)
@@ -510,7 +568,11 @@ def communication_seconds(
       ``P/model`` gradient slice over the data groups;
     - pipeline (``model`` stages, ``microbatches``): ``2 (m + s - 1)`` sends of one
       microbatch's boundary activation between neighbouring stages (the slowest pair
-      sets the pace), plus the all-reduce of each stage's ``P/s`` over its data groups.
+      sets the pace), plus the all-reduce of each stage's ``P/s`` over its data groups;
+    - expert (groups of ``model`` devices, all of them by default): each of the workload's
+      ``all_to_alls`` within every group at once, for each device's own ``batch_per_device``
+      samples (:func:`expert_rounds`), plus an all-reduce of the ``param_bytes - expert_bytes``
+      over every device and of each device's ``expert_bytes / model`` over its data group.
 
     >>> link = Link("test", GBps=1, latency_us=0, source="by hand")
     >>> work = Workload(0, 1e-3, 8, activation_allreduces=(1e3, 1e3))  # two all-reduces of 1 kB a sample
@@ -536,7 +598,8 @@ def predict(
     Step time = compute + the pipeline's bubble + activation communication + the gradient
     communication beyond ``overlap x compute``; efficiency = samples/s over ``devices``
     times the samples/s of the same workload on one device. ``model``: devices per
-    model-parallel group for tensor (all of them) and hybrid, stages for pipeline.
+    model-parallel group for tensor (all of them) and hybrid, stages for pipeline, devices per
+    expert group for expert (all of them by default).
 
     >>> work = Workload(param_bytes=0, seconds_per_sample=1e-3, batch_per_device=8, boundary_bytes=1e3)
     >>> link = Link("test", GBps=1, latency_us=0, source="by hand")

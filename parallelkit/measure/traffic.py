@@ -113,7 +113,7 @@ class StepTraffic:
     """
 
     strategy: str
-    pattern: str  # "local", "all-reduce", "central" or "sharded"
+    pattern: str  # "local", "all-reduce", "central", "sharded", "all-to-all", ... (a strategy's traffic_pattern)
     replicas: int
     param_bytes: int  # P
     metric_bytes: int  # M: the scalar metrics one replica reports
@@ -335,6 +335,11 @@ class TopologyModel:
       all devices at once, all through the one host;
     - parameter servers: ``k`` shards, each with a host side of ``host_total_GBps`` of its
       own (separate machines), each serving its ``P/k`` to every worker;
+    - expert parallelism: the all-to-alls a step's compiled program holds (their measured
+      payloads ``S``), each a pairwise exchange over all ``n`` replicas in ``n - 1`` rounds
+      of ``S/n`` per device, plus a ring all-reduce of every gradient ``P`` over all of them
+      (with a ``data`` axis the expert groups are smaller and the expert weights' gradients
+      meet only across them: then this is an upper bound);
     - compute, the optimizer update, the batch and any overlap of communication with
       compute are left out (real systems overlap: the ring can start during the backward
       pass, a pull cannot start before the previous update ends).
@@ -376,6 +381,17 @@ class TopologyModel:
             return 0.0
         alpha, per_byte = self._ring_round(n)
         return 2 * (n - 1) * (alpha + param_bytes * per_byte)
+
+    def alltoall_seconds(self, nbytes: float, n: int) -> float:
+        """Pairwise exchange: ``n-1`` rounds, in each of which every device sends ``nbytes/n`` to another.
+
+        >>> TopologyModel(device_link_GBps=1, host_link_GBps=1).alltoall_seconds(4e6, 4)  # 3 x 1 MB at 1 GB/s
+        0.003
+        """
+        if n <= 1:
+            return 0.0
+        alpha, per_byte = self._ring_round(n)
+        return (n - 1) * (alpha + nbytes * per_byte)
 
     def central_seconds(self, param_bytes: float, n: int) -> float:
         """A pull of ``P`` to every device, then a push of ``P`` from every device, all through one host."""
@@ -429,6 +445,13 @@ def register_topology(pattern: str, seconds: Callable[[TopologyModel, StepTraffi
 register_topology("local", lambda model, t: 0.0)
 register_topology("all-reduce", lambda model, t: model.mirrored_seconds(t.param_bytes, t.replicas))
 register_topology("central", lambda model, t: model.central_seconds(t.param_bytes, t.replicas))
+register_topology(
+    "all-to-all",
+    lambda model, t: (
+        model.mirrored_seconds(t.param_bytes, t.replicas)
+        + sum(model.alltoall_seconds(f.measured, t.replicas) for f in t.flows if "(all-to-all)" in f.what)
+    ),
+)
 register_topology(
     "sharded", lambda model, t: model.parameter_server_seconds(t.param_bytes, t.replicas, len(t.owner_bytes))
 )

@@ -18,10 +18,13 @@ from flax import nnx
 
 from .. import attention
 from ..core.axes import constrain
-from .classifiers import _dense, _dropout, _layer_norm, classifier_loss
+from ..core.mesh import is_count
+from ..experts import check_routing, moe_layer
+from .classifiers import _dense, _dropout, _layer_norm, cross_entropy
 from .functional import with_axes
 
 _INIT = nnx.initializers.normal(0.02)  # GPT-2's initialisation of every weight matrix and embedding
+LOAD_BALANCING = 0.01  # the weight of the load-balancing loss (the Switch Transformer's alpha)
 
 
 class GPT(nnx.Module):
@@ -36,18 +39,36 @@ class GPT(nnx.Module):
     attention weights, which stay inside ``attend``) when ``rngs`` (a PRNG key) is passed
     to ``__call__``; each block draws from its own key split from it.
 
+    With ``experts > 0`` the model is a mixture of experts: the MLP of every block (as in
+    Mixtral; GShard replaces every other one) is
+    :func:`parallelkit.experts.moe_layer` over ``experts`` feed-forward networks of width
+    ``mlp_dim`` (GELU), each token sent to its ``top_k`` experts within
+    ``capacity_factor``, its tokens routed in ``groups`` equal groups. ``__call__`` then
+    returns ``(logits, aux)``, where ``aux`` holds each MoE block's ``load_balancing_loss``,
+    ``router_z_loss`` and ``dropped_fraction`` (shape ``(depth,)``), ``tokens_per_expert``
+    and ``kept_per_expert`` (``(depth, experts)``), which :func:`lm_loss` adds to the loss
+    and the metrics. Under :class:`~parallelkit.ExpertParallel` the layer exchanges tokens by
+    all-to-all and needs ``groups`` equal to the devices the tokens are split over.
+
     Logical axes: the token embedding is ``("vocab", "embed")``, the positions
     ``(None, "embed")``, the query, key and value kernels ``("embed", "heads")``, the
     attention output ``("heads", "embed")``, the MLP ``("embed", "mlp")`` and
     ``("mlp", "embed")``, the head ``("embed", "vocab")``, each bias its output axis,
-    and the layer norms' scales and biases ``("embed",)``.
+    and the layer norms' scales and biases ``("embed",)``. With experts, the router is
+    ``("embed", None)`` and the experts' weights ``("expert", "embed", "mlp")`` and
+    ``("expert", "mlp", "embed")``, their biases ``("expert", "mlp")`` and ``("expert", "embed")``.
 
     >>> model = GPT(256, max_length=16, dim=32, heads=4, depth=1, mlp_dim=64, rngs=nnx.Rngs(0))
     >>> model(jnp.zeros((2, 16), jnp.int32)).shape
     (2, 16, 256)
+    >>> moe = GPT(256, max_length=16, dim=32, heads=4, depth=1, mlp_dim=64, experts=4, rngs=nnx.Rngs(0))
+    >>> logits, aux = moe(jnp.zeros((2, 16), jnp.int32))
+    >>> logits.shape, aux["tokens_per_expert"].shape
+    ((2, 16, 256), (1, 4))
 
     Raises:
-      ValueError: ``dim`` that ``heads`` does not divide.
+      ValueError: ``dim`` that ``heads`` does not divide; with experts, ``top_k`` outside
+        ``1..experts``, ``capacity_factor <= 0``, or ``groups`` that is not a whole number >= 1.
     """
 
     def __init__(
@@ -60,21 +81,30 @@ class GPT(nnx.Module):
         depth: int = 2,
         mlp_dim: int = 256,
         dropout: float = 0.0,
+        experts: int = 0,
+        top_k: int = 2,
+        capacity_factor: float = 1.25,
+        groups: int = 1,
         rngs: nnx.Rngs,
     ):
         if dim % heads:
             raise ValueError(f"dim={dim} must divide into heads={heads} equal heads: choose a multiple of {heads}.")
+        if experts:
+            _check_experts(experts, top_k, capacity_factor, groups)
         self.heads, self.max_length, self.dropout_rate = heads, max_length, dropout
+        self.routing = dict(top_k=top_k, capacity_factor=capacity_factor, groups=groups) if experts else None
         self.embed = nnx.Embed(vocab, dim, embedding_init=with_axes(_INIT, ("vocab", "embed")), rngs=rngs)
         # Positions stay whole along the length: the model reads the table's first `length` rows, which
         # would move rows between devices if the table were split over the length and longer than the tokens.
         self.position = nnx.Param(with_axes(_INIT, (None, "embed"))(rngs.params(), (max_length, dim)))
-        self.blocks = nnx.List([_CausalBlock(dim, heads, mlp_dim, rngs=rngs) for _ in range(depth)])
+        self.blocks = nnx.List([_CausalBlock(dim, heads, mlp_dim, experts, rngs=rngs) for _ in range(depth)])
         self.norm = _layer_norm(dim, "embed", rngs)
         self.head = _dense(dim, vocab, "embed", "vocab", rngs, kernel_init=_INIT)
 
-    def __call__(self, tokens: jax.Array, *, rngs: jax.Array | None = None) -> jax.Array:
+    def __call__(self, tokens: jax.Array, *, rngs: jax.Array | None = None) -> jax.Array | tuple[jax.Array, dict]:
         """Logits ``(batch, length, vocab)`` for integer ``tokens`` ``(batch, length)``; position ``t`` sees ``<= t``.
+
+        With experts, ``(logits, aux)``: the MoE layers' aux, stacked over the blocks.
 
         Raises:
           ValueError: tokens that are not ``(batch, length)``, or longer than ``max_length``.
@@ -90,13 +120,34 @@ class GPT(nnx.Module):
         keys = [None] * (len(self.blocks) + 1) if rngs is None else list(jax.random.split(rngs, len(self.blocks) + 1))
         x = self.embed(tokens) + self.position[:length][None]
         x = constrain(_dropout(x, self.dropout_rate, keys[0]), ("batch", "length", "embed"))
+        layers = []
         for block, key in zip(self.blocks, keys[1:], strict=True):
-            x = block(x, self.heads, self.dropout_rate, key)
-        return constrain(self.head(self.norm(x)), ("batch", "length", "vocab"))
+            x, aux = block(x, self.heads, self.dropout_rate, key, self.routing)
+            layers.append(aux)
+        logits = constrain(self.head(self.norm(x)), ("batch", "length", "vocab"))
+        if self.routing is None:
+            return logits
+        return logits, {name: jnp.stack([aux[name] for aux in layers]) for name in MOE_METRICS}
+
+
+# What the MoE GPT reports of each MoE layer: pk.experts.moe_layer's aux
+MOE_METRICS = ("load_balancing_loss", "router_z_loss", "dropped_fraction", "tokens_per_expert", "kept_per_expert")
+
+
+def _check_experts(experts: int, top_k: int, capacity_factor: float, groups: int) -> None:
+    """A ValueError for MoE settings that cannot route, said in the model's own words."""
+    if not is_count(experts):
+        raise ValueError(f"GPT(experts={experts!r}): give a whole number of experts >= 1 (or 0 for a dense MLP).")
+    check_routing(experts, top_k, capacity_factor)
+    if not is_count(groups):
+        raise ValueError(
+            f"GPT(groups={groups!r}): the tokens route in a whole number >= 1 of groups (under ExpertParallel, "
+            "the number of devices the tokens are split over)."
+        )
 
 
 class _CausalBlock(nnx.Module):
-    def __init__(self, dim: int, heads: int, mlp_dim: int, *, rngs: nnx.Rngs):
+    def __init__(self, dim: int, heads: int, mlp_dim: int, experts: int = 0, *, rngs: nnx.Rngs):
         self.attn_norm = _layer_norm(dim, "embed", rngs)
         self.query = _dense(dim, dim, "embed", "heads", rngs, kernel_init=_INIT)
         # No bias for keys: q . (k + b) adds the same q . b to every logit of a row, which softmax removes.
@@ -104,10 +155,16 @@ class _CausalBlock(nnx.Module):
         self.value = _dense(dim, dim, "embed", "heads", rngs, kernel_init=_INIT)
         self.out = _dense(dim, dim, "heads", "embed", rngs, kernel_init=_INIT)
         self.mlp_norm = _layer_norm(dim, "embed", rngs)
-        self.mlp_in = _dense(dim, mlp_dim, "embed", "mlp", rngs, kernel_init=_INIT)
-        self.mlp_out = _dense(mlp_dim, dim, "mlp", "embed", rngs, kernel_init=_INIT)
+        if experts:
+            self.moe = _Experts(dim, mlp_dim, experts, rngs=rngs)
+        else:
+            self.mlp_in = _dense(dim, mlp_dim, "embed", "mlp", rngs, kernel_init=_INIT)
+            self.mlp_out = _dense(mlp_dim, dim, "mlp", "embed", rngs, kernel_init=_INIT)
 
-    def __call__(self, x: jax.Array, heads: int, rate: float, key: jax.Array | None) -> jax.Array:
+    def __call__(
+        self, x: jax.Array, heads: int, rate: float, key: jax.Array | None, routing: dict | None = None
+    ) -> tuple[jax.Array, dict | None]:
+        """The block's output, and the MoE layer's aux (None without experts)."""
         batch, length, dim = x.shape
         keys = [None, None] if key is None else list(jax.random.split(key))
         h = self.attn_norm(x)
@@ -118,11 +175,30 @@ class _CausalBlock(nnx.Module):
         attended = constrain(attention.attend(q, k, v, causal=True), ("batch", "length", "heads", None))
         x = x + _dropout(self.out(attended.reshape(batch, length, dim)), rate, keys[0])
         x = constrain(x, ("batch", "length", "embed"))
-        hidden = constrain(jax.nn.gelu(self.mlp_in(self.mlp_norm(x))), ("batch", "length", "mlp"))
-        return constrain(x + _dropout(self.mlp_out(hidden), rate, keys[1]), ("batch", "length", "embed"))
+        if routing is None:
+            hidden = constrain(jax.nn.gelu(self.mlp_in(self.mlp_norm(x))), ("batch", "length", "mlp"))
+            out, aux = self.mlp_out(hidden), None
+        else:
+            out, aux = moe_layer(self.mlp_norm(x), self.moe.params(), **routing)
+        return constrain(x + _dropout(out, rate, keys[1]), ("batch", "length", "embed")), aux
 
 
-def lm_loss(apply: Callable[..., Any]) -> Callable[..., Any]:
+class _Experts(nnx.Module):
+    """The parameters of :func:`parallelkit.experts.moe_layer` as NNX parameters that declare their logical axes."""
+
+    def __init__(self, dim: int, hidden: int, experts: int, *, rngs: nnx.Rngs):
+        zeros = nnx.initializers.zeros_init()
+        self.router = nnx.Param(with_axes(_INIT, ("embed", None))(rngs.params(), (dim, experts)))
+        self.w_in = nnx.Param(with_axes(_INIT, ("expert", "embed", "mlp"))(rngs.params(), (experts, dim, hidden)))
+        self.w_out = nnx.Param(with_axes(_INIT, ("expert", "mlp", "embed"))(rngs.params(), (experts, hidden, dim)))
+        self.b_in = nnx.Param(with_axes(zeros, ("expert", "mlp"))(rngs.params(), (experts, hidden)))
+        self.b_out = nnx.Param(with_axes(zeros, ("expert", "embed"))(rngs.params(), (experts, dim)))
+
+    def params(self) -> dict[str, jax.Array]:
+        return {name: getattr(self, name)[...] for name in ("router", "w_in", "w_out", "b_in", "b_out")}
+
+
+def lm_loss(apply: Callable[..., Any], *, load_balancing: float = LOAD_BALANCING) -> Callable[..., Any]:
     """``loss_fn(params, batch, **extras)``: mean next-token cross-entropy of a language model, with metrics.
 
     The batch is ``{"x": tokens, "y": targets}``, both integer ``(batch, length)``, where
@@ -130,14 +206,23 @@ def lm_loss(apply: Callable[..., Any]) -> Callable[..., Any]:
     Inputs and targets of one length split along the sequence the same way, which a
     batch holding only ``x`` (predicting ``x[:, 1:]`` from ``x[:, :-1]``) would not.
     The loss is the mean over every position of every sequence; the metrics are the
-    ``accuracy`` of the most likely next token and the ``perplexity``, ``exp(loss)``.
-    Extras are passed on as :func:`parallelkit.models.classifier_loss` passes them
-    (``rng=`` turns dropout on).
+    ``accuracy`` of the most likely next token and the ``perplexity``, ``exp`` of the
+    cross-entropy. Extras are passed on as :func:`parallelkit.models.classifier_loss`
+    passes them (``rng=`` turns dropout on).
+
+    For a mixture-of-experts model (one whose ``apply`` returns ``(logits, aux)``, as
+    :class:`GPT` with ``experts`` does) the loss adds ``load_balancing`` times the
+    load-balancing losses summed over the MoE blocks (0.01, the Switch Transformer's
+    weight), and the metrics add the ``cross_entropy``, that sum as
+    ``load_balancing_loss``, the mean over the blocks of the ``router_z_loss`` (reported,
+    not added) and of the ``dropped_fraction``, ``tokens_per_expert``, ``(blocks, experts)``
+    token-choices routed to each expert before capacity, and ``kept_per_expert``, those it kept.
 
     Conceptually, this is::
 
         logits = apply(params, batch["x"])  # (batch, length, vocab)
         loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()  # over batch and length
+        # with experts: logits, aux = apply(...); loss += load_balancing * aux["load_balancing_loss"].sum()
 
     >>> from parallelkit.models import functional
     >>> apply, params = functional(GPT(256, max_length=8, dim=8, heads=2, depth=1, mlp_dim=8, rngs=nnx.Rngs(0)))
@@ -146,7 +231,6 @@ def lm_loss(apply: Callable[..., Any]) -> Callable[..., Any]:
     >>> sorted(aux)
     ['accuracy', 'perplexity']
     """
-    classify = classifier_loss(apply)
 
     def loss_fn(params: dict, batch: dict, **extras):
         if "y" not in batch or batch["y"].shape != batch["x"].shape:
@@ -155,7 +239,22 @@ def lm_loss(apply: Callable[..., Any]) -> Callable[..., Any]:
                 f"lm_loss needs targets batch['y'] of the shape of batch['x'] {batch['x'].shape}, the token after each "
                 f"input token, but the batch has {got}. pk.data.text gives both."
             )
-        loss, aux, *model_state = classify(params, batch, **extras)
-        return (loss, {**aux, "perplexity": jnp.exp(loss)}, *model_state)
+        out = apply(params, batch["x"], **extras)
+        out, new_state = out if "model_state" in extras else (out, None)
+        logits, moe = out if isinstance(out, tuple) else (out, None)
+        loss, aux = cross_entropy(logits, batch)
+        aux["perplexity"] = jnp.exp(loss)
+        if moe is not None:
+            balance = jnp.sum(moe["load_balancing_loss"])
+            aux |= {
+                "cross_entropy": loss,
+                "load_balancing_loss": balance,
+                "router_z_loss": jnp.mean(moe["router_z_loss"]),
+                "dropped_fraction": jnp.mean(moe["dropped_fraction"]),
+                "tokens_per_expert": moe["tokens_per_expert"],
+                "kept_per_expert": moe["kept_per_expert"],
+            }
+            loss = loss + load_balancing * balance
+        return (loss, aux, new_state) if "model_state" in extras else (loss, aux)
 
     return loss_fn

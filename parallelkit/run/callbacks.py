@@ -48,10 +48,10 @@ class RunInfo:
 
 @dataclass(frozen=True)
 class StepRecord:
-    """One finished step: its metrics as floats and its wall-clock time."""
+    """One finished step: its metrics (floats; NumPy arrays for metrics with axes) and its wall-clock time."""
 
     step: int  # 1-based
-    metrics: dict[str, float]
+    metrics: dict[str, float | np.ndarray]
     seconds: float
     compiled: bool  # True for the first step, which includes tracing and compiling
 
@@ -68,6 +68,7 @@ class History:
     batch_size: int = 0
 
     def metric(self, name: str) -> np.ndarray:
+        """One metric over the steps: ``(steps,)``, or ``(steps, ...)`` for a metric with axes."""
         return np.array([r.metrics[name] for r in self.records])
 
     @property

@@ -38,6 +38,7 @@ from itertools import islice
 from pathlib import Path
 
 import jax
+import numpy as np
 import optax
 
 from ..core.contract import Batch, LossFn, PyTree, batch_size
@@ -105,7 +106,8 @@ def fit(
 
     Args:
       strategy: any parallelkit strategy.
-      loss_fn: ``loss_fn(params, batch) -> loss`` or ``(loss, dict of scalar metrics)``.
+      loss_fn: ``loss_fn(params, batch) -> loss`` or ``(loss, dict of metrics)``: scalars, recorded as
+        floats, or arrays (recorded as NumPy arrays).
       params, tx: initial parameters and the Optax optimizer.
       batches: global batches (dicts of host arrays); the strategy splits them. When
         resuming, the same batches as the interrupted run, from its start.
@@ -230,10 +232,15 @@ def _record(pending: tuple, state: TrainState, history: History) -> StepRecord:
     """Wait for the dispatched step, then record it: its state is the run's state from here on."""
     i, start, metrics, size = pending
     jax.block_until_ready((state, metrics))
-    record = StepRecord(i, {k: float(v) for k, v in metrics.items()}, time.perf_counter() - start, i == 1)
+    record = StepRecord(i, {k: _host(v) for k, v in metrics.items()}, time.perf_counter() - start, i == 1)
     history.batch_size = size
     history.records.append(record)
     return record
+
+
+def _host(value: jax.Array) -> float | np.ndarray:
+    """A metric on the host: a float, or a NumPy array for a metric with axes (an MoE model's tokens per expert)."""
+    return float(value) if np.ndim(value) == 0 else np.asarray(value)
 
 
 @contextlib.contextmanager

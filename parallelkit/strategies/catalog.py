@@ -27,6 +27,7 @@ import jax
 from ..core.protocol import StrategyProtocol
 from ..measure import costmodel
 from .central import CentralStorage
+from .expert_parallel import ExpertParallel
 from .fully_sharded import FullySharded
 from .hybrid import Hybrid
 from .mirrored import Mirrored
@@ -130,6 +131,10 @@ def _built_in() -> None:
               "MultiWorkerMirroredStrategy", mirrored_torch, "all-reduce", "mirrored", bench=False),
         Entry("PS(2, async)", lambda n: ParameterServer(2, mode="async", devices=n), ps_tf, ps_torch, "sharded",
               "parameter_server", meant_to_differ=True, bench=False),
+        # Not in the tour or the bench: they train a classifier without experts, on which ExpertParallel is data
+        # parallelism over all its devices (no parameter declares `expert`); its all-to-alls need MoE layers.
+        Entry("ExpertParallel", lambda n: ExpertParallel(expert=n, devices=jax.devices()[:n]), None,
+              "--expert-model-parallel-size", "all-to-all", "expert", tour=False, bench=False),
     ):  # fmt: skip
         register(entry)
 

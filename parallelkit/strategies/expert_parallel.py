@@ -1,9 +1,12 @@
 """Expert parallelism: each device holds some of the experts, and tokens travel to them by all-to-all.
 
 The devices form a ``data`` x ``expert`` grid. The batch is split over all of them;
-every parameter whose path ends in ``w_in``, ``w_out``, ``b_in`` or ``b_out`` (the
-expert weights of :func:`parallelkit.experts.moe_layer`) is split along its leading
-(expert) axis over ``expert``, and the rest is replicated. The rules map the logical
+every parameter that declares the logical axis ``expert`` (as the MoE
+:class:`~parallelkit.models.GPT` does, found by :func:`parallelkit.models.declared_axes`)
+is split along it over ``expert``; for parameters that declare no logical axes, every one
+whose path ends in ``w_in``, ``w_out``, ``b_in`` or ``b_out`` (the expert weights of
+:func:`parallelkit.experts.moe_layer`) is split along its leading (expert) axis. The rest
+is replicated. The rules map the logical
 axis ``expert`` to the mesh axis ``expert``, so while the step traces,
 :func:`~parallelkit.experts.moe_layer` runs as :func:`~parallelkit.experts.expert_parallel`:
 each device routes its own tokens as one group and two all-to-alls inside
@@ -27,6 +30,7 @@ from ..core.axes import DATA, EXPERT
 from ..core.contract import PyTree
 from ..core.devices import first_devices, resolve_devices
 from ..core.mesh import is_count, make_mesh
+from ..models import declared_axes
 from .spmd import BATCH, SPMD
 
 # The expert weights (experts on their leading axis) split over `expert`, by the logical name; the rest replicated.
@@ -49,13 +53,15 @@ class ExpertParallel(SPMD):
       data: groups of ``expert`` devices (the ``data`` mesh axis); ``None``: all the devices
         (or those given) divided by ``expert``.
       rules: ``(regex, spec)`` partition rules for the parameters (a spec may be a tuple of
-        logical names); :data:`EXPERT_RULES` by default.
+        logical names). Default: the logical axes the parameters declare, ``expert`` split
+        over ``expert`` and every other name replicated; :data:`EXPERT_RULES` for parameters
+        that declare no ``expert`` axis.
       devices: which devices; all by default when ``data`` is ``None``, else the first ``data x expert``.
 
     Raises:
       DeviceCountError: devices that do not split into ``data x expert``.
       ValueError: an axis size that is not a whole number >= 1; at ``init``, an expert weight
-        whose leading axis ``expert`` does not divide.
+        whose expert axis ``expert`` does not divide.
 
     Warns:
       DeviceSubsetWarning: with ``data`` and without ``devices``, when ``data x expert`` is
@@ -78,12 +84,36 @@ class ExpertParallel(SPMD):
             devices = first_devices(data * expert, f"ExpertParallel(expert={expert}, data={data})",
                                     f"ExpertParallel(expert={expert}, data={total // expert})")  # fmt: skip
         mesh = make_mesh(resolve_devices(devices) if devices is not None else None, data=data, expert=expert)
-        super().__init__(mesh, rules=((BATCH, (DATA, EXPERT)), (EXPERT, EXPERT)), param_rules=rules or EXPERT_RULES)
+        super().__init__(mesh, rules=((BATCH, (DATA, EXPERT)), (EXPERT, EXPERT)), param_rules=rules)
+
+    def partition_specs(self, params: PyTree) -> PyTree:
+        """The rules' specs; by default the declared ``expert`` axes over ``expert`` (or :data:`EXPERT_RULES`)."""
+        if self.param_rules is not None:
+            return super().partition_specs(params)
+        axes = declared_axes(params)
+        named = axes is not None and any(
+            names is not None and EXPERT in names for names in jax.tree.leaves(axes, is_leaf=_is_names)
+        )
+        if named:
+            specs = partition.logical_specs(axes, self.axis_rules.spec)
+        else:
+            specs = partition.param_specs(params, partition.logical_rules(EXPERT_RULES, self.axis_rules.spec))
+        partition.check_specs(params, specs, self.mesh)
+        return specs
 
     # The layer's shard_map splits the batch's own axes, so the step cannot map the loss over the replicas
     # (jax.vmap with spmd_axis_name): SPMD.step refuses accumulate > 1, and under 16-bit precision the
     # gradients' reduction stays where XLA puts it (in the compute dtype where the backend multiplies in it).
     maps_replicas = False
 
+    # Its step's own collectives are all-to-alls of the dispatched tokens (TopologyModel times them as pairwise
+    # exchanges); their payload depends on the layers' capacity, which the traffic's sizes do not hold, so
+    # expected_collectives gives no formula and the measured all-to-alls are reported as they are.
+    traffic_pattern = "all-to-all"
+
     def __repr__(self) -> str:
         return f"ExpertParallel(expert={self.mesh.shape[EXPERT]}, data={self.mesh.shape[DATA]})"
+
+
+def _is_names(x: object) -> bool:
+    return x is None or isinstance(x, tuple)

@@ -6,6 +6,8 @@ matplotlib, so it is fast and headless-safe.
 """
 
 from .bench import bench_figure as bench_figure
+from .experts import alltoall_figure as alltoall_figure
+from .experts import routing_figure as routing_figure
 from .gradsync import gradient_sync_figure as gradient_sync_figure
 from .gradsync import ring_figure as ring_figure
 from .gradsync import spread_figure as spread_figure
