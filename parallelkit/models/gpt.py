@@ -20,6 +20,7 @@ from .. import attention
 from ..core.axes import constrain
 from .classifiers import _dense, _dropout, _layer_norm, classifier_loss
 from .functional import with_axes
+from .sequence import RESIDUAL, gather_columns, scatter_rows
 
 _INIT = nnx.initializers.normal(0.02)  # GPT-2's initialisation of every weight matrix and embedding
 
@@ -40,7 +41,14 @@ class GPT(nnx.Module):
     ``(None, "embed")``, the query, key and value kernels ``("embed", "heads")``, the
     attention output ``("heads", "embed")``, the MLP ``("embed", "mlp")`` and
     ``("mlp", "embed")``, the head ``("embed", "vocab")``, each bias its output axis,
-    and the layer norms' scales and biases ``("embed",)``.
+    and the layer norms' scales and biases ``("embed",)``. Activations: the residual stream
+    (the embeddings and every block's input and output, where the layer norms, dropout and
+    residual adds act) is ``("batch", "norm_length", "embed")`` (MaxText's ``activation_norm_length``),
+    so rules can split it where attention and the MLP see whole sequences (Megatron's sequence
+    parallelism, :mod:`parallelkit.models.sequence`); queries,
+    keys, values and attention's output ``("batch", "length", "heads", None)``, the MLP's
+    hidden units ``("batch", "length", "mlp")``, and the logits ``("batch", "norm_length", "vocab")``
+    (the final norm and the head act on each token alone, as the residual stream's layers do).
 
     >>> model = GPT(256, max_length=16, dim=32, heads=4, depth=1, mlp_dim=64, rngs=nnx.Rngs(0))
     >>> model(jnp.zeros((2, 16), jnp.int32)).shape
@@ -89,10 +97,10 @@ class GPT(nnx.Module):
             )
         keys = [None] * (len(self.blocks) + 1) if rngs is None else list(jax.random.split(rngs, len(self.blocks) + 1))
         x = self.embed(tokens) + self.position[:length][None]
-        x = constrain(_dropout(x, self.dropout_rate, keys[0]), ("batch", "length", "embed"))
+        x = constrain(_dropout(x, self.dropout_rate, keys[0]), RESIDUAL)
         for block, key in zip(self.blocks, keys[1:], strict=True):
             x = block(x, self.heads, self.dropout_rate, key)
-        return constrain(self.head(self.norm(x)), ("batch", "length", "vocab"))
+        return constrain(self.head(self.norm(x)), ("batch", "norm_length", "vocab"))  # a token at a time, as norms
 
 
 class _CausalBlock(nnx.Module):
@@ -110,16 +118,19 @@ class _CausalBlock(nnx.Module):
     def __call__(self, x: jax.Array, heads: int, rate: float, key: jax.Array | None) -> jax.Array:
         batch, length, dim = x.shape
         keys = [None, None] if key is None else list(jax.random.split(key))
-        h = self.attn_norm(x)
+        # gather_columns and scatter_rows are the layers themselves, or Megatron's sequence-parallel edges
+        # (all-gather of the tokens in, reduce-scatter out) under rules that split the residual stream.
+        projected = gather_columns(self.attn_norm(x), (self.query, self.key, self.value), "heads")
         q, k, v = (
-            constrain(layer(h).reshape(batch, length, heads, dim // heads), ("batch", "length", "heads", None))
-            for layer in (self.query, self.key, self.value)
+            constrain(y.reshape(batch, length, heads, dim // heads), ("batch", "length", "heads", None))
+            for y in projected
         )
         attended = constrain(attention.attend(q, k, v, causal=True), ("batch", "length", "heads", None))
-        x = x + _dropout(self.out(attended.reshape(batch, length, dim)), rate, keys[0])
-        x = constrain(x, ("batch", "length", "embed"))
-        hidden = constrain(jax.nn.gelu(self.mlp_in(self.mlp_norm(x))), ("batch", "length", "mlp"))
-        return constrain(x + _dropout(self.mlp_out(hidden), rate, keys[1]), ("batch", "length", "embed"))
+        x = x + _dropout(scatter_rows(attended.reshape(batch, length, dim), self.out, "heads"), rate, keys[0])
+        x = constrain(x, RESIDUAL)
+        (hidden,) = gather_columns(self.mlp_norm(x), (self.mlp_in,), "mlp")
+        hidden = constrain(jax.nn.gelu(hidden), ("batch", "length", "mlp"))
+        return constrain(x + _dropout(scatter_rows(hidden, self.mlp_out, "mlp"), rate, keys[1]), RESIDUAL)
 
 
 def lm_loss(apply: Callable[..., Any]) -> Callable[..., Any]:

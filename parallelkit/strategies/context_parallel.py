@@ -2,7 +2,7 @@
 
 The devices form a ``data`` x ``seq`` grid. Every batch array is split on its leading
 axis over ``data`` and on its second (the tokens) over ``seq``; the rules map the
-logical axis ``length`` to ``seq``, so every activation the model constrains
+logical axes ``length`` and ``norm_length`` (the residual stream's) to ``seq``, so every activation the model constrains
 (:func:`parallelkit.core.axes.constrain`) keeps its length split, and
 :func:`parallelkit.attention.attend` runs as :func:`parallelkit.attention.context_parallel`
 by the strategy's method: the one place where a token needs the others. The
@@ -31,6 +31,7 @@ from ..core.mesh import is_count, make_mesh
 from .spmd import BATCH, SPMD
 
 LENGTH = "length"  # the logical name of the tokens' axis, a batch array's second
+NORM_LENGTH = "norm_length"  # the residual stream's length (pk.models.GPT): split the same way
 TOKENS = (BATCH, LENGTH)  # how a batch array's axes are named unless batch_axes says otherwise
 
 
@@ -100,7 +101,8 @@ class ContextParallel(SPMD):
             devices = first_devices(data * seq, f"ContextParallel(seq={seq}, data={data})",
                                     f"ContextParallel(seq={seq}, data={total // seq})")  # fmt: skip
         mesh = make_mesh(resolve_devices(devices) if devices is not None else None, data=data, seq=seq)
-        super().__init__(mesh, rules=((BATCH, DATA), (LENGTH, SEQ)), param_rules=rules, batch_axes=batch_axes)
+        split = ((BATCH, DATA), (LENGTH, SEQ), (NORM_LENGTH, SEQ))
+        super().__init__(mesh, rules=split, param_rules=rules, batch_axes=batch_axes)
         self.method = method
 
     def batch_shardings(self, batch: Batch) -> NamedSharding | dict[str, NamedSharding]:
