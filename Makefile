@@ -35,6 +35,7 @@ bench: setup
 	$(BIN)/python benchmarks/layouts.py
 	$(BIN)/python benchmarks/central.py
 	$(BIN)/python benchmarks/roofline.py
+	$(BIN)/python benchmarks/context.py
 
 course: setup
 	$(BIN)/python -m parallelkit course --out build/course
