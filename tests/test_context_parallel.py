@@ -120,3 +120,29 @@ def test_ulysses_with_heads_that_do_not_divide_is_a_clear_error(corpus):
     state, batch = strategy.init(params, optax.sgd(0.1)), next(pk.data.batches(corpus, 2, steps=1))
     with pytest.raises(ValueError, match=r"4 head\(s\) do not divide by its 8 devices"):
         strategy.step(loss_fn)(state, batch)
+
+
+def test_traffic_reads_the_batch_slice_and_the_rings_permutes(corpus):
+    loss_fn, params = _loss_and_params(0.0)
+    strategy = pk.ContextParallel(seq=4, data=2)
+    batch = next(pk.data.batches(corpus, 4, steps=1))
+    traffic = strategy.traffic(loss_fn, strategy.init(params, OPTIMIZER), batch)
+    assert traffic.pattern == "context" and traffic.replicas == 2
+    sliced = traffic.flow("batch slice")
+    assert sliced.measured == sliced.expected == 2 * 4 * LENGTH * 4 / 8  # x and y, int32, over data x seq
+    assert traffic.flow("other collectives (collective-permute)").measured > 0
+
+
+@pytest.mark.slow
+def test_accumulation_splits_each_replicas_sequences_too(corpus):
+    """accumulate=2 (each replica's rows as two microbatches, one sync): one device's step on the whole batch."""
+
+    def run(strategy, accumulate):
+        loss_fn, params = _loss_and_params(0.0)
+        state, step = strategy.init(params, OPTIMIZER), strategy.step(loss_fn, accumulate=accumulate)
+        for batch in pk.data.batches(corpus, 8, steps=3):
+            state, _ = step(state, batch)
+        return strategy.unreplicate(state.params)
+
+    reference = run(pk.SingleDevice(), 1)
+    tree_allclose(run(pk.ContextParallel(seq=2, data=2, devices=jax.devices()[:4]), 2), reference)

@@ -17,6 +17,7 @@ ContextParallel(seq=1, method='ring', data=1)
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Iterator, Mapping, Sequence
 
 import jax
@@ -25,9 +26,11 @@ from jax.sharding import NamedSharding
 from .. import attention
 from ..core import partition
 from ..core.axes import DATA, SEQ, context_method
-from ..core.contract import Batch, PyTree
+from ..core.contract import Batch, LossFn, PyTree
 from ..core.devices import DeviceCountError, first_devices, resolve_devices
 from ..core.mesh import is_count, make_mesh
+from ..core.state import TrainState
+from ..measure.traffic import StepTraffic, compiled_traffic
 from .spmd import BATCH, SPMD
 
 LENGTH = "length"  # the logical name of the tokens' axis, a batch array's second
@@ -157,6 +160,15 @@ class ContextParallel(SPMD):
         return _with_method(super().replica_tracing(), self.method)
 
     traffic_pattern = "context"
+
+    def traffic(self, loss_fn: LossFn, state: TrainState, batch: Batch) -> StepTraffic:
+        """The compiled step's traffic (:func:`parallelkit.measure.traffic.compiled_traffic`), with the batch
+        slice's formula ``B/(n x seq)``: each device holds ``1/seq`` of its replica's tokens."""
+        found = compiled_traffic(self, loss_fn, state, batch)
+        first, *rest = found.flows
+        seq = self.mesh.shape[SEQ]
+        first = dataclasses.replace(first, expected=first.expected / seq, formula="B/(n x seq)")
+        return dataclasses.replace(found, flows=(first, *rest))
 
     def __repr__(self) -> str:
         return f"ContextParallel(seq={self.mesh.shape[SEQ]}, method={self.method!r}, data={self.mesh.shape[DATA]})"
