@@ -67,10 +67,11 @@ class TensorParallel(SPMD):
         ``pk.models.from_nnx``, ``functional`` or ``build``) mapped by :data:`TENSOR_AXES`:
         Megatron's column and row splits for the kit's MLP, CNN and transformer, which declare
         them; a model that declares none needs rules.
-      sequence_parallel: Megatron's sequence parallelism (:data:`SEQUENCE_PARALLEL`) for models
-        that name their residual stream's length ``norm_length`` (:class:`parallelkit.models.GPT`
-        and the classifier ``Transformer``): layer norms and dropout on ``1/model`` of the tokens,
-        and each block's all-reduce replaced by a reduce-scatter and an all-gather.
+      sequence_parallel: Megatron's sequence parallelism (:data:`SEQUENCE_PARALLEL`) for a model
+        that names its residual stream's length ``norm_length`` and calls its split layers through
+        :mod:`parallelkit.models.sequence` (:class:`parallelkit.models.GPT` does): layer norms and
+        dropout on ``1/model`` of the tokens, and each block's all-reduce replaced by a
+        reduce-scatter and an all-gather. Another model trains as under plain tensor parallelism.
       devices: which devices; the first ``model`` by default.
 
     Raises:
