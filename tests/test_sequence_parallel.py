@@ -90,3 +90,21 @@ def test_the_rule_set_and_its_option():
     assert repr(strategy) == "TensorParallel(model=2, sequence_parallel=True)"
     assert repr(pk.Hybrid(2, 2, sequence_parallel=True, devices=jax.devices()[:4])).endswith("sequence_parallel=True)")
     assert repr(pk.TensorParallel(2, devices=jax.devices()[:2])) == "TensorParallel(model=2)"
+
+
+@pytest.mark.slow
+def test_the_classifier_transformer_too(digits):
+    """Its 8 tokens (pixel rows) split over 2 devices between blocks: one device's parameters after 5 steps with
+    dropout, and a reduce-scatter for each of its blocks' 2 partial sums, forward and backward."""
+    apply, params = pk.models.build("transformer", digits.input_shape, digits.num_classes)
+    loss_fn = pk.models.classifier_loss(apply)
+    batches = list(pk.data.batches(digits, 16, steps=5))
+    results = []
+    for strategy in (pk.SingleDevice(), pk.TensorParallel(2, sequence_parallel=True, devices=jax.devices()[:2])):
+        state, step = strategy.init(params, OPTIMIZER, rng=0), strategy.step(loss_fn)
+        for batch in batches:
+            state, _ = step(state, batch)
+        results.append(strategy.unreplicate(state.params))
+    tree_allclose(results[1], results[0])
+    ops = collections.Counter(c.op for c in pk.inspect.collectives(step, state, batches[0]))
+    assert ops["reduce-scatter"] == 4 * len(params["blocks"]), ops
