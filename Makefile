@@ -36,6 +36,7 @@ bench: setup
 	$(BIN)/python benchmarks/central.py
 	$(BIN)/python benchmarks/experts.py
 	$(BIN)/python benchmarks/roofline.py
+	$(BIN)/python benchmarks/context.py
 
 course: setup
 	$(BIN)/python -m parallelkit course --out build/course

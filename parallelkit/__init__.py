@@ -47,6 +47,7 @@ from .run.training import StepRecord as StepRecord
 from .run.training import fit as fit
 from .strategies import SPMD as SPMD
 from .strategies import CentralStorage as CentralStorage
+from .strategies import ContextParallel as ContextParallel
 from .strategies import ExpertParallel as ExpertParallel
 from .strategies import FullySharded as FullySharded
 from .strategies import Hybrid as Hybrid

@@ -251,7 +251,7 @@ def _shard_mapped(
     """``method`` in ``shard_map`` over ``mesh``, q, k, v and the output laid out by ``spec`` (length: ``spec[1]``)."""
     axis = spec[1]
     size = mesh.shape[axis]
-    _check_method(method)
+    check_method(method)
     _check_split(q.shape, spec, mesh)
     if method == "ring_zigzag" and q.shape[1] % (2 * size):
         raise ValueError(
@@ -314,11 +314,12 @@ def method(name: str) -> contextlib.AbstractContextManager:
     Raises:
       ValueError: an unknown method.
     """
-    _check_method(name)
+    check_method(name)
     return axes.context_method(name)
 
 
-def _check_method(name: str) -> None:
+def check_method(name: str) -> None:
+    """Raise a ValueError naming :data:`METHODS` unless ``name`` is one of them."""
     if name not in METHODS:
         raise ValueError(f"Unknown attention method {name!r}: use one of {', '.join(map(repr, METHODS))}.")
 

@@ -310,8 +310,38 @@ def test_what_the_experts_prose_says_holds():
     assert one["2"] > one["4"] > one["8"]
 
 
+def _context_row(strategy: str, length: int, devices: int, method: str | None = None) -> dict:
+    (found,) = [
+        r for r in load("context.json")["rows"]
+        if r["strategy"].startswith(strategy) and (r["length"], r["devices"]) == (length, devices)
+        and r.get("method") == method
+    ]  # fmt: skip
+    return found
+
+
+def _context() -> list[str]:
+    one = _context_row("SingleDevice", 1024, 1)
+    eight = [_context_row("ContextParallel", 1024, 8, m) for m in ("allgather", "ring", "ring_zigzag", "ulysses")]
+    figures = ", ".join(f"{r['attention_temp_bytes'] / 1e6:.1f} ({r['method']})" for r in eight)
+    return [
+        f"attention alone plans {one['attention_temp_bytes'] / 1e6:.0f} MB of temporaries on one device, and on each "
+        f"of 8 devices {figures}: each under `1/n` of one device's figure",
+        f"share of one layer's scores ({eight[0]['scores_bytes_per_device'] / 1e6:.1f} MB)",
+    ]
+
+
+def test_what_the_context_prose_says_holds():
+    """ "Every count and payload the compiler wrote equals the cost model's", "each under 1/n of one device's"."""
+    rows = [r for r in load("context.json")["rows"] if r["predicted"]]
+    assert rows and all(r["collectives"] == r["predicted"] for r in rows)
+    one = _context_row("SingleDevice", 1024, 1)["attention_temp_bytes"]
+    for method in ("allgather", "ring", "ring_zigzag", "ulysses"):
+        assert _context_row("ContextParallel", 1024, 8, method)["attention_temp_bytes"] < one / 8
+
+
 QUOTES = [
     *((doc, q) for doc in (README, BENCH_README) for q in _notebooks(doc) + _central(doc) + _roofline(doc)),
+    *((BENCH_README, q) for q in _context()),
     *((BENCH_README, q) for q in _overhead() + _cpu_pool() + _strategies() + _dashboard() + _precision()),
     *((BENCH_README, q) for q in _experts()),
     *((BENCH_README, q) for q in _bench(BENCH_README) + _prefetch(BENCH_README) + _layouts(BENCH_README)),

@@ -236,6 +236,10 @@ class Workload:
     flops_per_sample: float | None = None  # one sample's forward and backward, the whole model on one device
     peak_flops: float | None = None  # one device's FLOP/s: measured (ceilings) or published (hardware)
     efficiency: float = 1.0  # the fraction of peak_flops a step reaches (its MFU), in (0, 1]
+    # splitting the sequence (parallelkit.measure.sequence_costs): one sample's (length, dim) activation in
+    # bytes (the size of its keys, or values, in one layer), and the attention layers
+    sequence_bytes: float = 0.0
+    layers: int = 0
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.overlap <= 1.0:
@@ -251,6 +255,8 @@ class Workload:
                 f"Workload(expert_bytes={self.expert_bytes!r}): the expert weights' share of param_bytes="
                 f"{self.param_bytes!r}, between 0 and param_bytes."
             )
+        if self.sequence_bytes < 0 or not (isinstance(self.layers, int) and self.layers >= 0):
+            raise ValueError("Workload: sequence_bytes is a byte count >= 0 and layers a whole number >= 0.")
         if not 0.0 < self.efficiency <= 1.0:
             raise ValueError(f"Workload(efficiency={self.efficiency}): the share of the peak reached, in (0, 1].")
         if self.seconds_per_sample is None:
@@ -363,10 +369,22 @@ def name_strategy(strategy: str, pattern: str | None) -> None:
 
 def _pattern(strategy: str) -> Pattern:
     """The pattern ``strategy`` names: a pattern's own name, or a named strategy's (the catalog's ``cost_pattern``)."""
+    return PATTERNS[pattern_name(strategy)]
+
+
+def pattern_name(strategy: str) -> str:
+    """The name of the pattern ``strategy`` names: a pattern's own name, or a catalog name's ``cost_pattern``.
+
+    >>> pattern_name("Mirrored(jit)"), pattern_name("mirrored")
+    ('mirrored', 'mirrored')
+
+    Raises:
+      ValueError: neither a pattern nor a named strategy.
+    """
     if strategy in PATTERNS:
-        return PATTERNS[strategy]
+        return strategy
     if strategy in STRATEGY_PATTERNS:
-        return PATTERNS[STRATEGY_PATTERNS[strategy]]
+        return STRATEGY_PATTERNS[strategy]
     raise ValueError(f"Unknown strategy {strategy!r}: choose one of {list(PATTERNS)} or {list(STRATEGY_PATTERNS)}.")
 
 
@@ -380,7 +398,10 @@ def _model_size(cluster: Cluster, strategy: str, model: int | None) -> int:
         return 1
     k = n if model is None else model
     if kind == "given" and model is None:
-        raise ValueError(f"{strategy} needs model=k: the devices per tensor-parallel group (the model axis).")
+        raise ValueError(
+            f"{strategy} needs model=k: the devices per group that splits the model or the sequence "
+            "(the model axis for tensor parallelism, seq for context parallelism)."
+        )
     if kind == "all" and k != n:
         raise ValueError(f"{strategy} splits every weight over all {n} devices; use hybrid for model={k} groups.")
     if not (isinstance(k, int) and k >= 1 and n % k == 0):
@@ -402,7 +423,7 @@ def _rings_seconds(cluster: Cluster, rings: list[list[int]], nbytes: float) -> f
     return sum(cluster.round_seconds(r) for r in _ring_rounds(rings, nbytes))
 
 
-def _gradient_groups(workload: Workload, cluster: Cluster, k: int) -> float:
+def gradient_groups_seconds(workload: Workload, cluster: Cluster, k: int) -> float:
     """The all-reduce of each device's ``1/k`` gradient slice over its data group."""
     _, across = _groups(cluster.devices, k)
     return _rings_seconds(cluster, across, workload.param_bytes / k)
@@ -411,7 +432,7 @@ def _gradient_groups(workload: Workload, cluster: Cluster, k: int) -> float:
 def _tensor(workload: Workload, cluster: Cluster, options: Options) -> tuple[float, float]:
     """Each of the workload's activation all-reduces over every model group at once, and the gradient slices."""
     k = options.model
-    gradients = _gradient_groups(workload, cluster, k)
+    gradients = gradient_groups_seconds(workload, cluster, k)
     if k == 1:
         return gradients, 0.0
     if not workload.activation_allreduces:
@@ -473,7 +494,7 @@ def _expert(workload: Workload, cluster: Cluster, options: Options) -> tuple[flo
 def _pipeline(workload: Workload, cluster: Cluster, options: Options) -> tuple[float, float]:
     """``2 (m + s - 1)`` sends of one microbatch's boundary activation, and each stage's gradient slice."""
     k = options.model
-    gradients = _gradient_groups(workload, cluster, k)
+    gradients = gradient_groups_seconds(workload, cluster, k)
     if k == 1:
         return gradients, 0.0
     if not workload.boundary_bytes:
@@ -573,6 +594,9 @@ def communication_seconds(
       ``all_to_alls`` within every group at once, for each device's own ``batch_per_device``
       samples (:func:`expert_rounds`), plus an all-reduce of the ``param_bytes - expert_bytes``
       over every device and of each device's ``expert_bytes / model`` over its data group.
+    - ``context_allgather``, ``context_ring``, ``context_ring_zigzag``, ``context_ulysses``
+      (``model`` devices split each sequence) and ``sequence_parallel`` (groups of ``model``):
+      the activations they move, as :mod:`parallelkit.measure.sequence_costs` lists them.
 
     >>> link = Link("test", GBps=1, latency_us=0, source="by hand")
     >>> work = Workload(0, 1e-3, 8, activation_allreduces=(1e3, 1e3))  # two all-reduces of 1 kB a sample

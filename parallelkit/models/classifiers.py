@@ -14,6 +14,7 @@ from flax import nnx
 from ..core.axes import constrain
 from .functional import functional, graph_and_params, with_axes
 from .recompute import maybe_remat, remat_policy
+from .sequence import RESIDUAL, gather_columns, scatter_rows
 
 Apply = Callable[[dict, jax.Array], jax.Array]
 
@@ -162,9 +163,12 @@ class Transformer(nnx.Module):
     what a tensor-parallel rule splits.
 
     Activations name their axes with :func:`parallelkit.core.axes.constrain` (``batch``,
-    ``length``, ``embed``, ``heads``, ``mlp``): under :class:`parallelkit.SPMD` rules
-    that map ``length`` to ``seq`` the tokens are split over that mesh axis; elsewhere
-    the calls do nothing.
+    ``length``, ``embed``, ``heads``, ``mlp``; the residual stream's length, where the layer
+    norms, dropout and residual adds act, is ``norm_length``, as in :class:`parallelkit.models.GPT`):
+    under :class:`parallelkit.SPMD` rules that map ``length`` (and ``norm_length``) to ``seq`` the
+    tokens are split over that mesh axis; elsewhere the calls do nothing. The split layers are
+    called through :mod:`parallelkit.models.sequence`, so ``TensorParallel(k, sequence_parallel=True)``
+    splits the residual stream along the tokens (Megatron's sequence parallelism).
 
     The parameters declare their logical axes: ``query``, ``key`` and ``value`` kernels
     ``("embed", "heads")``, ``out`` ``("heads", "embed")``, ``mlp_in`` ``("embed", "mlp")``,
@@ -204,7 +208,7 @@ class Transformer(nnx.Module):
 
     def __call__(self, x: jax.Array, *, rngs: jax.Array | None = None) -> jax.Array:
         x = x.reshape(x.shape[0], x.shape[1], -1)  # (batch, tokens, features of a token)
-        x = constrain(self.embed(x) + self.position[None], ("batch", "length", "embed"))
+        x = constrain(self.embed(x) + self.position[None], RESIDUAL)
         keys = [None] * len(self.blocks) if rngs is None else list(jax.random.split(rngs, len(self.blocks)))
         run = maybe_remat(lambda block, x, key: block(x, self.heads, self.dropout_rate, key), self.remat)
         for block, key in zip(self.blocks, keys, strict=True):
@@ -227,17 +231,18 @@ class _Block(nnx.Module):
     def __call__(self, x: jax.Array, heads: int, rate: float, key: jax.Array | None) -> jax.Array:
         batch, tokens, dim = x.shape
         keys = [None] * 3 if key is None else list(jax.random.split(key, 3))
-        h = self.attn_norm(x)
+        projected = gather_columns(self.attn_norm(x), (self.query, self.key, self.value), "heads")
         q, k, v = (
-            constrain(layer(h).reshape(batch, tokens, heads, dim // heads), ("batch", "length", "heads", None))
-            for layer in (self.query, self.key, self.value)
+            constrain(y.reshape(batch, tokens, heads, dim // heads), ("batch", "length", "heads", None))
+            for y in projected
         )
         weights = jax.nn.softmax(jnp.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(dim // heads), axis=-1)
         weights = _dropout(weights, rate, keys[0])
         attended = jnp.einsum("bhqk,bkhd->bqhd", weights, v).reshape(batch, tokens, dim)
-        x = constrain(x + _dropout(self.out(attended), rate, keys[1]), ("batch", "length", "embed"))
-        hidden = constrain(jax.nn.gelu(self.mlp_in(self.mlp_norm(x))), ("batch", "length", "mlp"))
-        return constrain(x + _dropout(self.mlp_out(hidden), rate, keys[2]), ("batch", "length", "embed"))
+        x = constrain(x + _dropout(scatter_rows(attended, self.out, "heads"), rate, keys[1]), RESIDUAL)
+        (hidden,) = gather_columns(self.mlp_norm(x), (self.mlp_in,), "mlp")
+        hidden = constrain(jax.nn.gelu(hidden), ("batch", "length", "mlp"))
+        return constrain(x + _dropout(scatter_rows(hidden, self.mlp_out, "mlp"), rate, keys[2]), RESIDUAL)
 
 
 class Tower(nnx.Module):

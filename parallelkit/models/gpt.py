@@ -22,6 +22,7 @@ from ..core.mesh import is_count
 from ..experts import check_routing, moe_layer
 from .classifiers import _dense, _dropout, _layer_norm, cross_entropy
 from .functional import with_axes
+from .sequence import RESIDUAL, gather_columns, scatter_rows
 
 _INIT = nnx.initializers.normal(0.02)  # GPT-2's initialisation of every weight matrix and embedding
 LOAD_BALANCING = 0.01  # the weight of the load-balancing loss (the Switch Transformer's alpha)
@@ -57,6 +58,14 @@ class GPT(nnx.Module):
     and the layer norms' scales and biases ``("embed",)``. With experts, the router is
     ``("embed", None)`` and the experts' weights ``("expert", "embed", "mlp")`` and
     ``("expert", "mlp", "embed")``, their biases ``("expert", "mlp")`` and ``("expert", "embed")``.
+    Activations: the residual stream (the embeddings and every block's input and output, where
+    the layer norms, dropout and residual adds act) is ``("batch", "norm_length", "embed")``
+    (MaxText's ``activation_norm_length``), so rules can split it where attention and the MLP
+    see whole sequences (Megatron's sequence parallelism, :mod:`parallelkit.models.sequence`);
+    queries, keys, values and attention's output ``("batch", "length", "heads", None)``, the
+    MLP's hidden units ``("batch", "length", "mlp")``, and the logits
+    ``("batch", "norm_length", "vocab")`` (the final norm and the head act on each token alone,
+    as the residual stream's layers do).
 
     >>> model = GPT(256, max_length=16, dim=32, heads=4, depth=1, mlp_dim=64, rngs=nnx.Rngs(0))
     >>> model(jnp.zeros((2, 16), jnp.int32)).shape
@@ -119,12 +128,12 @@ class GPT(nnx.Module):
             )
         keys = [None] * (len(self.blocks) + 1) if rngs is None else list(jax.random.split(rngs, len(self.blocks) + 1))
         x = self.embed(tokens) + self.position[:length][None]
-        x = constrain(_dropout(x, self.dropout_rate, keys[0]), ("batch", "length", "embed"))
+        x = constrain(_dropout(x, self.dropout_rate, keys[0]), RESIDUAL)
         layers = []
         for block, key in zip(self.blocks, keys[1:], strict=True):
             x, aux = block(x, self.heads, self.dropout_rate, key, self.routing)
             layers.append(aux)
-        logits = constrain(self.head(self.norm(x)), ("batch", "length", "vocab"))
+        logits = constrain(self.head(self.norm(x)), ("batch", "norm_length", "vocab"))  # a token at a time, as norms
         if self.routing is None:
             return logits
         return logits, {name: jnp.stack([aux[name] for aux in layers]) for name in MOE_METRICS}
@@ -167,20 +176,23 @@ class _CausalBlock(nnx.Module):
         """The block's output, and the MoE layer's aux (None without experts)."""
         batch, length, dim = x.shape
         keys = [None, None] if key is None else list(jax.random.split(key))
-        h = self.attn_norm(x)
+        # gather_columns and scatter_rows are the layers themselves, or Megatron's sequence-parallel edges
+        # (all-gather of the tokens in, reduce-scatter out) under rules that split the residual stream.
+        projected = gather_columns(self.attn_norm(x), (self.query, self.key, self.value), "heads")
         q, k, v = (
-            constrain(layer(h).reshape(batch, length, heads, dim // heads), ("batch", "length", "heads", None))
-            for layer in (self.query, self.key, self.value)
+            constrain(y.reshape(batch, length, heads, dim // heads), ("batch", "length", "heads", None))
+            for y in projected
         )
         attended = constrain(attention.attend(q, k, v, causal=True), ("batch", "length", "heads", None))
-        x = x + _dropout(self.out(attended.reshape(batch, length, dim)), rate, keys[0])
-        x = constrain(x, ("batch", "length", "embed"))
+        x = x + _dropout(scatter_rows(attended.reshape(batch, length, dim), self.out, "heads"), rate, keys[0])
+        x = constrain(x, RESIDUAL)
         if routing is None:
-            hidden = constrain(jax.nn.gelu(self.mlp_in(self.mlp_norm(x))), ("batch", "length", "mlp"))
-            out, aux = self.mlp_out(hidden), None
+            (hidden,) = gather_columns(self.mlp_norm(x), (self.mlp_in,), "mlp")
+            hidden = constrain(jax.nn.gelu(hidden), ("batch", "length", "mlp"))
+            out, aux = scatter_rows(hidden, self.mlp_out, "mlp"), None
         else:
             out, aux = moe_layer(self.mlp_norm(x), self.moe.params(), **routing)
-        return constrain(x + _dropout(out, rate, keys[1]), ("batch", "length", "embed")), aux
+        return constrain(x + _dropout(out, rate, keys[1]), RESIDUAL), aux
 
 
 class _Experts(nnx.Module):

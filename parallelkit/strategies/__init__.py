@@ -7,6 +7,7 @@ from ..core.state import TrainState as TrainState
 from ..core.step import Step as Step
 from .base import Strategy as Strategy
 from .central import CentralStorage as CentralStorage
+from .context_parallel import ContextParallel as ContextParallel
 from .expert_parallel import ExpertParallel as ExpertParallel
 from .fully_sharded import FullySharded as FullySharded
 from .hybrid import Hybrid as Hybrid

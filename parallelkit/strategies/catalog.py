@@ -26,7 +26,9 @@ import jax
 
 from ..core.protocol import StrategyProtocol
 from ..measure import costmodel
+from ..measure import sequence_costs as sequence_costs  # registers the cost patterns that split the sequence
 from .central import CentralStorage
+from .context_parallel import ContextParallel
 from .expert_parallel import ExpertParallel
 from .fully_sharded import FullySharded
 from .hybrid import Hybrid
@@ -135,8 +137,27 @@ def _built_in() -> None:
         # parallelism over all its devices (no parameter declares `expert`); its all-to-alls need MoE layers.
         Entry("ExpertParallel", lambda n: ExpertParallel(expert=n, devices=jax.devices()[:n]), None,
               "--expert-model-parallel-size", "all-to-all", "expert", tour=False, bench=False),
+        # Splitting the sequence needs a model that names its sequence axes (pk.models.GPT); the tour and the
+        # bench train the digits MLP, whose inputs have no token axis: in neither table.
+        Entry("TensorParallel(SP)", lambda n: TensorParallel(n, sequence_parallel=True, devices=jax.devices()[:n]),
+              None, "SequenceParallel", "tensor", "sequence_parallel", tour=False, bench=False),
+        *(Entry(f"ContextParallel({method})", _context(method), None, torch, "context", f"context_{method}",
+                min_devices=2, tour=False, bench=False) for method, torch in _CONTEXT_ROSETTA),
     ):  # fmt: skip
         register(entry)
+
+
+_CONTEXT_ROSETTA = (  # each method and its PyTorch counterpart in docs/rosetta.md
+    ("allgather", "--context-parallel-size"),
+    ("ring", "torch.distributed.tensor.experimental.context_parallel"),
+    ("ring_zigzag", "torch.distributed.tensor.experimental.context_parallel"),
+    ("ulysses", "DeepSpeed-Ulysses"),
+)
+
+
+def _context(method: str) -> Callable[[int], ContextParallel]:
+    """Context parallelism over the sequence of every sequence on ``n`` devices, by ``method``."""
+    return lambda n: ContextParallel(seq=n, method=method, devices=jax.devices()[:n])
 
 
 _built_in()

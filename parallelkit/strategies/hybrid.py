@@ -24,8 +24,8 @@ from ..core.axes import DATA
 from ..core.contract import PyTree
 from ..core.devices import first_devices, resolve_devices
 from ..core.mesh import is_count, make_mesh
-from .spmd import BATCH_ON_DATA, SPMD
-from .tensor import every_device_hint, model_specs
+from .spmd import SPMD
+from .tensor import activation_rules, every_device_hint, model_specs
 
 
 class Hybrid(SPMD):
@@ -46,6 +46,8 @@ class Hybrid(SPMD):
         (the kit's MLP, CNN and transformer have defaults).
       shard_data: also shard the weights over ``data`` (FSDP on the data axis).
       min_size: with ``shard_data``, leaves with fewer elements stay replicated over ``data``.
+      sequence_parallel: Megatron's sequence parallelism within each ``model`` group, as for
+        :class:`~parallelkit.TensorParallel`.
       devices: which devices, ``data x model`` of them; the first ``data x model`` by default.
 
     Raises:
@@ -66,6 +68,7 @@ class Hybrid(SPMD):
         *,
         shard_data: bool = False,
         min_size: int = partition.MIN_SHARD_SIZE,
+        sequence_parallel: bool = False,
         devices: Sequence[jax.Device] | None = None,
     ):
         for name, size in (("data", data), ("model", model)):
@@ -73,8 +76,10 @@ class Hybrid(SPMD):
                 raise ValueError(f"Hybrid({name}={size!r}): an axis size must be a whole number >= 1.")
         if devices is None:  # the first data x model devices, with a warning if that leaves some idle
             devices = first_devices(data * model, f"Hybrid(data={data}, model={model})", every_device_hint(model))
-        super().__init__(make_mesh(resolve_devices(devices), data=data, model=model), rules=BATCH_ON_DATA)
+        mesh = make_mesh(resolve_devices(devices), data=data, model=model)
+        super().__init__(mesh, rules=activation_rules(sequence_parallel))
         self.rules, self.shard_data, self.min_size = rules, shard_data, min_size
+        self.sequence_parallel = sequence_parallel
 
     def partition_specs(self, params: PyTree) -> PyTree:
         specs = model_specs(params, self.rules, self.mesh)
@@ -92,5 +97,7 @@ class Hybrid(SPMD):
         return None
 
     def __repr__(self) -> str:
-        shard = ", shard_data=True" if self.shard_data else ""
+        shard = (", shard_data=True" if self.shard_data else "") + (
+            ", sequence_parallel=True" if self.sequence_parallel else ""
+        )
         return f"Hybrid(data={self.mesh.shape[DATA]}, model={self.mesh.shape['model']}{shard})"

@@ -8,7 +8,8 @@ axes of an array, such as a token axis ``length``, to lay them out too), the par
 :func:`parallelkit.core.axes.constrain`, which becomes ``with_sharding_constraint`` while
 this strategy traces its step. XLA's SPMD partitioner inserts the communication
 the shardings imply. :class:`~parallelkit.TensorParallel`,
-:class:`~parallelkit.FullySharded` and :class:`~parallelkit.Hybrid` are presets of it.
+:class:`~parallelkit.FullySharded`, :class:`~parallelkit.Hybrid`, :class:`~parallelkit.ExpertParallel`
+and :class:`~parallelkit.ContextParallel` are presets of it.
 
 >>> import parallelkit as pk
 >>> mesh = pk.mesh.make_mesh(jax.devices()[:1], data=1, seq=1)

@@ -38,6 +38,13 @@ from .spmd import BATCH_ON_DATA, SPMD
 # (a model annotated with the mesh axis name). Every other name stays replicated.
 TENSOR_AXES = AxisRules((("heads", MODEL), ("mlp", MODEL), ("hidden_channels", MODEL), (MODEL, MODEL)))
 
+# Megatron's sequence parallelism, as activation rules: the residual stream (``norm_length``: layer norms,
+# dropout, residual adds) split along the sequence over `model`; inside attention and the MLP whole sequences
+# (``length`` replicated) with the heads and hidden units split. Between the two XLA all-gathers the sequence
+# before each column-split layer and reduce-scatters the row-split layer's partial sums after it, where plain
+# tensor parallelism all-reduces them.
+SEQUENCE_PARALLEL = AxisRules((("norm_length", MODEL), ("length", None), ("heads", MODEL), ("mlp", MODEL)))
+
 
 class TensorParallel(SPMD):
     """Split every large weight over ``model`` devices; the batch is not split.
@@ -60,6 +67,12 @@ class TensorParallel(SPMD):
         ``pk.models.from_nnx``, ``functional`` or ``build``) mapped by :data:`TENSOR_AXES`:
         Megatron's column and row splits for the kit's MLP, CNN and transformer, which declare
         them; a model that declares none needs rules.
+      sequence_parallel: Megatron's sequence parallelism (:data:`SEQUENCE_PARALLEL`) for a model
+        that names its residual stream's length ``norm_length`` and calls its split layers through
+        :mod:`parallelkit.models.sequence` (:class:`parallelkit.models.GPT` and the classifier
+        ``Transformer`` do): layer norms and dropout on ``1/model`` of the tokens, and each block's
+        all-reduce replaced by a reduce-scatter and an all-gather. Another model trains as under
+        plain tensor parallelism.
       devices: which devices; the first ``model`` by default.
 
     Raises:
@@ -73,14 +86,23 @@ class TensorParallel(SPMD):
         (the rest would stay idle; :class:`~parallelkit.Hybrid` can use them).
     """
 
-    def __init__(self, model: int, rules: partition.Rules | PyTree | AxisRules | None = None, *, devices=None):
+    def __init__(
+        self,
+        model: int,
+        rules: partition.Rules | PyTree | AxisRules | None = None,
+        *,
+        sequence_parallel: bool = False,
+        devices=None,
+    ):
         if not is_count(model):
             raise ValueError(f"TensorParallel(model={model!r}) needs a whole number of devices >= 1.")
         if devices is None:  # the first `model` devices, with a warning if that leaves some idle
             devices = first_devices(model, f"TensorParallel(model={model})", every_device_hint(model))
-        super().__init__(make_mesh(resolve_devices(devices), data=1, model=model), rules=BATCH_ON_DATA)
+        mesh = make_mesh(resolve_devices(devices), data=1, model=model)
+        super().__init__(mesh, rules=activation_rules(sequence_parallel))
         self.model = model
         self.rules = rules
+        self.sequence_parallel = sequence_parallel
 
     def partition_specs(self, params: PyTree) -> PyTree:
         return model_specs(params, self.rules, self.mesh)
@@ -99,7 +121,13 @@ class TensorParallel(SPMD):
         return (ExpectedCollective("all-reduce", what, sum(elements) * itemsize, "B x block widths (Megatron)"),)
 
     def __repr__(self) -> str:
-        return f"TensorParallel(model={self.model})"
+        return f"TensorParallel(model={self.model}{', sequence_parallel=True' if self.sequence_parallel else ''})"
+
+
+def activation_rules(sequence_parallel: bool) -> AxisRules:
+    """The activation rules of a tensor-parallel preset: the batch over ``data``, and
+    :data:`SEQUENCE_PARALLEL` too with ``sequence_parallel``."""
+    return AxisRules(BATCH_ON_DATA + (SEQUENCE_PARALLEL.rules if sequence_parallel else ()))
 
 
 def every_device_hint(model: int) -> str:

@@ -1,0 +1,121 @@
+"""The cost model's patterns for splitting the sequence: context parallelism by each method, Megatron's SP.
+
+Both move activations, not gradients, so what they send is written in two workload
+figures: ``sequence_bytes``, one sample's ``(length, dim)`` activation (the size of its
+keys, or of its values, in one layer), and ``layers``. :func:`collectives` lists what one
+device's step sends, each collective with its count and its payload as
+:func:`parallelkit.measure.inspect.collectives` reads a compiled program (an all-gather's
+gathered result, a reduce-scatter's shard, an all-to-all's or a permute's array), so a
+prediction can be set beside the compiler's own figures. With ``n`` devices splitting
+each sequence, a group of ``n`` takes ``n x batch_per_device`` samples (the cost model's
+convention), so each device holds a block of ``b = batch_per_device x sequence_bytes``
+of every ``(length, dim)`` activation (``1/n`` of the group's sequences' tokens). Per layer,
+forward and backward:
+
+- ``context_allgather``: keys and values all-gathered (``2 x``, each ``n b``), their
+  gradients reduce-scattered (``2 x``, each ``b``): ``(n-1)/n`` of the K,V bytes arrive;
+- ``context_ring``: keys and values passed on ``n - 1`` times forward, their gradients
+  ``n - 1`` times backward (``4 (n-1)`` permutes of ``b``);
+- ``context_ring_zigzag``: the ring, and q, k, v into the zig-zag layout and the output back
+  (``8`` permutes of ``b/2`` each way: ``16``);
+- ``context_ulysses``: q, k, v and the output by all-to-all, forward and backward (``8`` of ``b``);
+- ``sequence_parallel``: the 2 all-reduces of each block forward and 2 backward, each
+  a reduce-scatter (shard ``b``) and an all-gather (``n b``); their time is the ring
+  all-reduce's, whose two halves they are.
+
+The gradients of the replicated parameters are all-reduced over every device, as for
+mirrored training (``context_*``: hidden behind compute by ``overlap``, like data parallelism's),
+or over the data groups (``sequence_parallel``, as for hybrid). Times follow the cost model's
+rounds: an all-gather or reduce-scatter is ``n - 1`` ring rounds of ``1/n`` of the gathered
+array, a permute one round, an all-to-all ``n - 1`` rounds of ``b/n`` to one peer each.
+
+>>> from parallelkit.measure.costmodel import Workload
+>>> work = Workload(0, 1e-3, batch_per_device=2, sequence_bytes=1024, layers=3)
+>>> [(c.op, c.count, c.payload) for c in collectives(work, "context_ring", 4)]
+[('collective-permute', 36, 2048)]
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from . import costmodel
+from .costmodel import Cluster, Options, Pattern, Workload
+
+CONTEXT_METHODS = ("allgather", "ring", "ring_zigzag", "ulysses")
+
+
+@dataclass(frozen=True)
+class Planned:
+    """``count`` collectives ``op`` in one device's step, each of ``payload`` bytes (pk.inspect's convention)."""
+
+    op: str
+    count: int
+    payload: float
+
+    @property
+    def bytes(self) -> float:
+        return self.count * self.payload
+
+
+def collectives(workload: Workload, strategy: str, n: int) -> list[Planned]:
+    """What one device's training step sends to split the sequence over ``n`` devices, by ``strategy``.
+
+    ``strategy``: ``"context_allgather"``, ``"context_ring"``, ``"context_ring_zigzag"``,
+    ``"context_ulysses"`` or ``"sequence_parallel"`` (or a catalog name for one of them).
+    The gradients' all-reduce is left out (it is data parallelism's).
+
+    Raises:
+      ValueError: a strategy that does not split the sequence, or a workload without
+        ``sequence_bytes`` and ``layers``.
+    """
+    name = costmodel.pattern_name(strategy)
+    if name not in PLANS:
+        raise ValueError(f"{strategy!r} does not split the sequence: choose one of {list(PLANS)}.")
+    if not (workload.sequence_bytes > 0 and workload.layers >= 1):
+        raise ValueError(
+            "Splitting the sequence moves activations: give Workload(sequence_bytes=..., layers=...), the bytes of "
+            "one sample's (length, dim) activation (length x dim x item size) and the attention layers."
+        )
+    if n == 1:
+        return []
+    b, layers = workload.batch_per_device * workload.sequence_bytes, workload.layers
+    return [Planned(op, count * layers, payload) for op, count, payload in PLANS[name](n, b) if count]
+
+
+PLANS = {  # per layer: (op, count, payload) for n devices and a block of b bytes
+    "context_allgather": lambda n, b: [("all-gather", 2, n * b), ("reduce-scatter", 2, b)],
+    "context_ring": lambda n, b: [("collective-permute", 4 * (n - 1), b)],
+    "context_ring_zigzag": lambda n, b: [("collective-permute", 4 * (n - 1), b), ("collective-permute", 16, b / 2)],
+    "context_ulysses": lambda n, b: [("all-to-all", 8, b)],
+    "sequence_parallel": lambda n, b: [("reduce-scatter", 4, b), ("all-gather", 4, n * b)],
+}
+
+
+def _rounds_seconds(cluster: Cluster, groups: list[list[int]], planned: Planned) -> float:
+    """``planned`` run over every group at once, in the cost model's rounds."""
+    n = len(groups[0])
+    ring = [(g[i], g[(i + 1) % n]) for g in groups for i in range(n)]
+    if planned.op == "collective-permute":  # one round: every device sends its array to the next
+        return planned.count * cluster.round_seconds([(s, t, planned.payload) for s, t in ring])
+    if planned.op == "all-to-all":  # n - 1 rounds: in round r, device i sends b/n to device i + r
+        rounds = [[(g[i], g[(i + r) % n], planned.payload / n) for g in groups for i in range(n)] for r in range(1, n)]
+        return planned.count * sum(cluster.round_seconds(r) for r in rounds)
+    share = planned.payload / n if planned.op == "all-gather" else planned.payload  # a ring's piece per round
+    return planned.count * (n - 1) * cluster.round_seconds([(s, t, share) for s, t in ring])
+
+
+def _splitting(name: str):
+    def communication(workload: Workload, cluster: Cluster, options: Options) -> tuple[float, float]:
+        n = options.model
+        along = [[r * n + j for j in range(n)] for r in range(cluster.devices // n)]
+        critical = sum(_rounds_seconds(cluster, along, p) for p in collectives(workload, name, n))
+        if name == "sequence_parallel":  # each device's 1/n of the weights, over its data group
+            return costmodel.gradient_groups_seconds(workload, cluster, n), critical
+        return costmodel.allreduce_seconds(cluster, workload.param_bytes, options.allreduce), critical
+
+    return communication
+
+
+for _name in (*(f"context_{m}" for m in CONTEXT_METHODS), "sequence_parallel"):
+    costmodel.register_pattern(_name, Pattern(_splitting(_name), model="given"))
