@@ -30,6 +30,7 @@ this one cancels slow drifts best).
 
     .venv/bin/python benchmarks/overhead.py                  # devices 2 4 8, 60 steps
     .venv/bin/python benchmarks/overhead.py --devices 8 --steps 200
+    .venv/bin/python benchmarks/overhead.py --steps 3000 --repeats 3   # the recorded run: 3 runs per device count
 """
 
 from __future__ import annotations
@@ -66,6 +67,10 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--order", choices=("fixed", "alternate", "rotate", "random"), default="alternate",
         help="order of the variants within each timed round (see _round_order)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--repeats", type=int, default=1,
+        help="fresh child processes per device count, taken in turns (2 4 8 2 4 8 ...): the run-to-run spread",
     )  # fmt: skip
     parser.add_argument("--out", default="benchmarks/results/overhead.json", help="where the JSON results go")
     parser.add_argument("--child", type=int, metavar="N", help=argparse.SUPPRESS)  # internal: run one device count
@@ -320,6 +325,40 @@ def _table(res: dict, args: argparse.Namespace) -> str:
     return "\n".join(lines)
 
 
+def _across_runs(results: list[dict]) -> dict:
+    """Per device count and backend: each run's per-round ratio, and their median, minimum and maximum."""
+    import numpy as np
+
+    summary: dict = {}
+    for res in results:
+        if "skipped" in res:
+            continue
+        for backend, r in res["ratios"].items():
+            summary.setdefault(str(res["devices"]), {}).setdefault(backend, []).append(r["per_round_median_ratio"])
+    return {
+        n: {
+            backend: {
+                "per_round_ratios": runs,
+                "median": float(np.median(runs)),
+                "min": min(runs),
+                "max": max(runs),
+                "within_target": bool(np.median(runs) <= TARGET_RATIO),
+            }
+            for backend, runs in backends.items()
+        }
+        for n, backends in summary.items()
+    }
+
+
+def _summary_table(summary: dict, repeats: int) -> str:
+    lines = [f"== across {repeats} runs: per-round ratio library/hand, median [min, max] of the runs"]
+    lines.append(f"{'devices':<9}" + "".join(f"{backend:>26}" for backend in ("jit", "pmap")))
+    for n, backends in summary.items():
+        cells = [f"{r['median']:.3f} [{r['min']:.3f}, {r['max']:.3f}]" for r in backends.values()]
+        lines.append(f"{n:<9}" + "".join(f"{c:>26}" for c in cells))
+    return "\n".join(lines)
+
+
 # --------------------------------------------------------------------------- parent
 
 
@@ -352,13 +391,19 @@ def main(argv: list[str] | None = None) -> int:
     bad = [n for n in args.devices if n < 1 or args.batch_size % n]
     if bad:
         raise SystemExit(f"--batch-size {args.batch_size} must split evenly over every device count; not over {bad}.")
+    if args.repeats < 1:
+        raise SystemExit(f"--repeats must be at least 1, got {args.repeats}.")
     started = time.perf_counter()
     results = []
-    for n in args.devices:
-        res = _summarise(_run_child(n, args))
-        results.append(res)
-        print(_table(res, args), flush=True)
-        print()
+    for repeat in range(args.repeats):
+        for n in args.devices:
+            res = {"repeat": repeat, **_summarise(_run_child(n, args))}
+            results.append(res)
+            print(_table(res, args), flush=True)
+            print()
+    summary = _across_runs(results)
+    if args.repeats > 1:
+        print(_summary_table(summary, args.repeats))
     print(
         f"Target: library/hand-written step time <= {TARGET_RATIO} for each backend (the per-round ratio, "
         "the median of lib/hand over the rounds of the interleaved run, is the robust figure)."
@@ -380,6 +425,7 @@ def main(argv: list[str] | None = None) -> int:
         "target_ratio": TARGET_RATIO,
         "args": {k: v for k, v in vars(args).items() if k not in ("child", "child_out")},
         "wall_seconds": time.perf_counter() - started,
+        "summary": summary,
         "results": results,
     }
     out = Path(args.out)

@@ -11,7 +11,7 @@ from flax import struct
 from .contract import PyTree
 
 
-@struct.dataclass
+@struct.dataclass(kw_only=True)
 class TrainState:
     """Parameters, optimizer state and step count; the optimizer rides along, static.
 
@@ -28,9 +28,12 @@ class TrainState:
       and None otherwise (:mod:`parallelkit.core.precision`).
     """
 
-    step: jax.Array
-    params: PyTree
+    # The leaves come in this order (the optimizer state, the parameters, the counter), as in a dict with these
+    # keys: measured, a pmap step on simulated CPU devices whose state held the counter or the parameters first
+    # took about 20 us longer (benchmarks/README.md, overhead.py). Keyword-only: a positional call is an error.
     opt_state: PyTree
+    params: PyTree
+    step: jax.Array
     tx: optax.GradientTransformation = struct.field(pytree_node=False)
     rng: jax.Array | None = None
     model_state: PyTree = None

@@ -374,7 +374,9 @@ class ParameterServer(OffDeviceStrategy):
             jax.device_get((jnp.zeros((), jnp.int32), prng_key(rng), model_state)), self.shard_storage[0]
         )
         params = Sharded(tuple(p for p, _ in placed), part)
-        return TrainState(step, params, tuple(o for _, o in placed), tx, rng=rng, model_state=model_state)
+        return TrainState(
+            step=step, params=params, opt_state=tuple(o for _, o in placed), tx=tx, rng=rng, model_state=model_state
+        )
 
     def step(self, loss_fn: LossFn, accumulate: int = 1, precision: Precision | None = None) -> Step:
         """Pull, compute, push and update (sync or async); ``accumulate > 1`` in sync mode only.
@@ -479,6 +481,8 @@ def _shard_update_program(where: SingleDeviceSharding, precision: Precision | No
 def _shard_update(tx, step, params, opt_state, extras, rows, *, compute, precision=None):
     """One shard's update: the shared :func:`apply_mean_gradients` on its own slice and optimizer state."""
     rng, model_state, loss_scale = extras
-    owned = TrainState(step, params, opt_state, tx, rng=rng, model_state=model_state, loss_scale=loss_scale)
+    owned = TrainState(
+        step=step, params=params, opt_state=opt_state, tx=tx, rng=rng, model_state=model_state, loss_scale=loss_scale
+    )
     state, metrics = apply_mean_gradients(owned, rows, compute, precision)
     return state.step, state.params, state.opt_state, (state.rng, state.model_state, state.loss_scale), metrics
