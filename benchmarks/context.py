@@ -26,12 +26,12 @@ from __future__ import annotations
 
 import argparse
 import collections
-import datetime
 import json
 import os
-import platform
 import time
 from pathlib import Path
+
+from interleaved import header
 
 import parallelkit as pk
 
@@ -179,13 +179,7 @@ def main() -> None:
                 )
                 print(f"{repr(strategy):<48}{length:>6}{n:>3}  {cells:<58}{'-':>18}{'-':>13}{'-':>12}{ms:>9.1f}")
     record = {
-        "benchmark": "context",
-        "date": datetime.date.today().isoformat(),
-        "jax_version": jax.__version__,
-        "platform": jax.devices()[0].platform,
-        "simulated": True,
-        "host": {"machine": platform.machine(), "cpus": os.cpu_count()},
-        "args": vars(args),
+        **header("context", args),
         "model": {"dim": DIM, "heads": HEADS, "depth": DEPTH, "batch": 1},
         "rows": rows,
     }

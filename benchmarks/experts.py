@@ -28,13 +28,11 @@ speed-up.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import platform
 from pathlib import Path
 
-from interleaved import summarize, take_turns
+from interleaved import header, summarize, take_turns
 
 import parallelkit as pk
 
@@ -141,13 +139,7 @@ def main() -> None:
         print(f"tokens per expert at step {args.check_steps}, {n} devices (block 0): {last[0].astype(int).tolist()}")
 
     record = {
-        "benchmark": "experts",
-        "date": datetime.date.today().isoformat(),
-        "jax_version": jax.__version__,
-        "platform": jax.devices()[0].platform,
-        "simulated": True,
-        "host": {"machine": platform.machine(), "cpus": os.cpu_count()},
-        "args": vars(args),
+        **header("experts", args),
         "model": MODEL,
         "rows": {str(n): row for n, row in rows.items()},
     }

@@ -1,13 +1,17 @@
-"""Variants timed in turns: the loop shared by the benchmarks that set a few steps side by side.
+"""What the benchmarks share: variants timed in turns, and the fields every record opens with.
 
 Scripts in this folder import it as a sibling module (``from interleaved import ...``).
 """
 
 from __future__ import annotations
 
+import datetime
 import gc
+import os
+import platform
 import time
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -48,4 +52,20 @@ def summarize(per_step: dict[str, list[float]], hand: str) -> dict[str, dict[str
             "ratio_to_hand": float(np.median(t)) / floor,
         }
         for name, t in per_step.items()
+    }
+
+
+def header(benchmark: str, args: Any) -> dict:
+    """A record's opening fields: which benchmark, when, on which JAX and platform, simulated or not, the host, the
+    command line's arguments (JAX must already be started with the device count the script asked for)."""
+    import jax
+
+    return {
+        "benchmark": benchmark,
+        "date": datetime.date.today().isoformat(),
+        "jax_version": jax.__version__,
+        "platform": jax.devices()[0].platform,
+        "simulated": jax.devices()[0].platform == "cpu",
+        "host": {"machine": platform.machine(), "cpus": os.cpu_count()},
+        "args": vars(args),
     }

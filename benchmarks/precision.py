@@ -22,13 +22,10 @@ units that XLA uses: the times say what each option costs here, not on a GPU.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import os
-import platform
 from pathlib import Path
 
-from interleaved import summarize, take_turns
+from interleaved import header, summarize, take_turns
 
 import parallelkit as pk
 
@@ -131,13 +128,7 @@ def main() -> None:
     print(f"default Mirrored(8) step / hand-written: {default_ratio:.3f} (target {TARGET_RATIO})")
 
     record = {
-        "benchmark": "precision",
-        "date": datetime.date.today().isoformat(),
-        "jax_version": jax.__version__,
-        "platform": jax.devices()[0].platform,
-        "simulated": True,
-        "host": {"machine": platform.machine(), "cpus": os.cpu_count()},
-        "args": vars(args),
+        **header("precision", args),
         "parameters": count,
         "rows": rows,
         "hand_written_ms": timed["hand-written Mirrored(8) float32"]["median_ms"],

@@ -9,6 +9,9 @@ from pathlib import Path
 
 import jax
 import numpy as np
+from flax import nnx
+
+import parallelkit as pk
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -81,3 +84,11 @@ def assert_steps_compile_once(strategy, loss_fn, params, dataset) -> None:
         state, _ = step(state, third)
         jax.block_until_ready(state)
     assert compiles == []
+
+
+def small_gpt(length: int, *, dim: int = 32, depth: int = 2, dropout: float = 0.0) -> tuple:
+    """(loss_fn, params) of a small byte-level GPT (4 heads, MLP width 64) for sequences of ``length`` tokens."""
+    model = pk.models.GPT(256, max_length=length, dim=dim, heads=4, depth=depth, mlp_dim=64, dropout=dropout,
+                          rngs=nnx.Rngs(0))  # fmt: skip
+    apply, params = pk.models.functional(model)
+    return pk.models.lm_loss(apply), params

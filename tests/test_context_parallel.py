@@ -6,8 +6,7 @@ import jax
 import numpy as np
 import optax
 import pytest
-from flax import nnx
-from helpers import tree_allclose
+from helpers import small_gpt, tree_allclose
 from jax.sharding import PartitionSpec as P
 
 import parallelkit as pk
@@ -21,13 +20,6 @@ COLLECTIVE = {"allgather": "all-gather", "ring": "collective-permute", "ring_zig
               "ulysses": "all-to-all"}  # fmt: skip
 
 
-def _loss_and_params(dropout: float) -> tuple:
-    model = pk.models.GPT(256, max_length=LENGTH, dim=32, heads=4, depth=2, mlp_dim=64, dropout=dropout,
-                          rngs=nnx.Rngs(0))  # fmt: skip
-    apply, params = pk.models.functional(model)
-    return pk.models.lm_loss(apply), params
-
-
 @pytest.fixture(scope="module")
 def corpus() -> pk.data.Dataset:
     return pk.data.text(length=LENGTH, max_bytes=20_000)
@@ -35,7 +27,7 @@ def corpus() -> pk.data.Dataset:
 
 def _train(strategy, dropout: float, corpus) -> tuple:
     """10 steps from one key (dropout's masks drawn from it when ``dropout``): the parameters, the last step."""
-    loss_fn, params = _loss_and_params(dropout)
+    loss_fn, params = small_gpt(LENGTH, dropout=dropout)
     state = strategy.init(params, OPTIMIZER, rng=0 if dropout else None)
     step = strategy.step(loss_fn)
     for batch in pk.data.batches(corpus, BATCH, steps=STEPS):
@@ -82,7 +74,7 @@ def test_batch_arrays_split_over_data_then_seq_unless_named():
 
 
 def test_parameters_replicated_or_by_rules():
-    _, params = _loss_and_params(0.0)
+    _, params = small_gpt(LENGTH)
     replicated = pk.ContextParallel(seq=4, devices=jax.devices()[:4])
     assert all(spec == P() for spec in jax.tree.leaves(replicated.partition_specs(params)))
     by_rules = pk.ContextParallel(seq=4, rules=[(r"mlp_in/kernel", P(None, "seq")), (".*", P())],
@@ -115,7 +107,7 @@ def test_bad_input_is_a_clear_error():
 
 
 def test_ulysses_with_heads_that_do_not_divide_is_a_clear_error(corpus):
-    loss_fn, params = _loss_and_params(0.0)  # 4 heads
+    loss_fn, params = small_gpt(LENGTH)  # 4 heads
     strategy = pk.ContextParallel(seq=8, method="ulysses")
     state, batch = strategy.init(params, optax.sgd(0.1)), next(pk.data.batches(corpus, 2, steps=1))
     with pytest.raises(ValueError, match=r"4 head\(s\) do not divide by its 8 devices"):
@@ -123,7 +115,7 @@ def test_ulysses_with_heads_that_do_not_divide_is_a_clear_error(corpus):
 
 
 def test_traffic_reads_the_batch_slice_and_the_rings_permutes(corpus):
-    loss_fn, params = _loss_and_params(0.0)
+    loss_fn, params = small_gpt(LENGTH)
     strategy = pk.ContextParallel(seq=4, data=2)
     batch = next(pk.data.batches(corpus, 4, steps=1))
     traffic = strategy.traffic(loss_fn, strategy.init(params, OPTIMIZER), batch)
@@ -138,7 +130,7 @@ def test_accumulation_splits_each_replicas_sequences_too(corpus):
     """accumulate=2 (each replica's rows as two microbatches, one sync): one device's step on the whole batch."""
 
     def run(strategy, accumulate):
-        loss_fn, params = _loss_and_params(0.0)
+        loss_fn, params = small_gpt(LENGTH)
         state, step = strategy.init(params, OPTIMIZER), strategy.step(loss_fn, accumulate=accumulate)
         for batch in pk.data.batches(corpus, 8, steps=3):
             state, _ = step(state, batch)

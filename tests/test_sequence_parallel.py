@@ -10,7 +10,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
-from helpers import tree_allclose
+from helpers import small_gpt, tree_allclose
 from jax.sharding import PartitionSpec as P
 
 import parallelkit as pk
@@ -21,20 +21,13 @@ LENGTH, BATCH, STEPS, DEPTH, DIM = 32, 4, 10, 2, 32
 OPTIMIZER = optax.sgd(0.1, momentum=0.9)  # not Adam: see tests/test_context_parallel.py
 
 
-def _gpt(dropout: float = 0.0) -> tuple:
-    model = pk.models.GPT(256, max_length=LENGTH, dim=DIM, heads=4, depth=DEPTH, mlp_dim=64, dropout=dropout,
-                          rngs=nnx.Rngs(0))  # fmt: skip
-    apply, params = pk.models.functional(model)
-    return pk.models.lm_loss(apply), params
-
-
 @pytest.fixture(scope="module")
 def corpus() -> pk.data.Dataset:
     return pk.data.text(length=LENGTH, max_bytes=20_000)
 
 
 def _train(strategy, dropout: float, corpus, accumulate: int = 1) -> dict:
-    loss_fn, params = _gpt(dropout)
+    loss_fn, params = small_gpt(LENGTH, dim=DIM, depth=DEPTH, dropout=dropout)
     state = strategy.init(params, OPTIMIZER, rng=0 if dropout else None)
     step = strategy.step(loss_fn, accumulate=accumulate)
     for batch in pk.data.batches(corpus, BATCH, steps=STEPS):
@@ -57,7 +50,7 @@ def test_tensor_parallel_with_sequence_parallelism_trains_the_gpt_as_one_device(
 
 def _activation_collectives(strategy, corpus) -> collections.Counter:
     """How many collectives of each kind the compiled step makes on (pieces of) the residual stream."""
-    loss_fn, params = _gpt()
+    loss_fn, params = small_gpt(LENGTH, dim=DIM, depth=DEPTH)
     batch = next(pk.data.batches(corpus, BATCH, steps=1))
     found = pk.inspect.collectives(strategy.step(loss_fn), strategy.init(params, OPTIMIZER), batch)
     residual = {f"f32[{BATCH},{LENGTH},{DIM}]", f"f32[{BATCH},{LENGTH // 2},{DIM}]"}  # whole, or half the tokens
