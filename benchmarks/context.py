@@ -26,12 +26,10 @@ from __future__ import annotations
 
 import argparse
 import collections
-import json
 import os
 import time
-from pathlib import Path
 
-from interleaved import header
+from interleaved import header, save
 
 import parallelkit as pk
 
@@ -183,9 +181,7 @@ def main() -> None:
         "model": {"dim": DIM, "heads": HEADS, "depth": DEPTH, "batch": 1},
         "rows": rows,
     }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(record, indent=2) + "\n")
-    print(f"saved {args.out}")
+    save(record, args.out)
 
 
 if __name__ == "__main__":

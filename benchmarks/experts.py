@@ -28,11 +28,9 @@ speed-up.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-from pathlib import Path
 
-from interleaved import header, summarize, take_turns
+from interleaved import header, save, summarize, take_turns
 
 import parallelkit as pk
 
@@ -143,9 +141,7 @@ def main() -> None:
         "model": MODEL,
         "rows": {str(n): row for n, row in rows.items()},
     }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(record, indent=2) + "\n")
-    print(f"saved {args.out}")
+    save(record, args.out)
 
 
 if __name__ == "__main__":

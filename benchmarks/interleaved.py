@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import datetime
 import gc
+import json
 import os
 import platform
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -69,3 +71,10 @@ def header(benchmark: str, args: Any) -> dict:
         "host": {"machine": platform.machine(), "cpus": os.cpu_count()},
         "args": vars(args),
     }
+
+
+def save(record: dict, out: str) -> None:
+    """Write ``record`` as JSON to ``out`` (its folder made if missing) and say where."""
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    Path(out).write_text(json.dumps(record, indent=2) + "\n")
+    print(f"saved {out}")

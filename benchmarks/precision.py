@@ -22,10 +22,8 @@ units that XLA uses: the times say what each option costs here, not on a GPU.
 from __future__ import annotations
 
 import argparse
-import json
-from pathlib import Path
 
-from interleaved import header, summarize, take_turns
+from interleaved import header, save, summarize, take_turns
 
 import parallelkit as pk
 
@@ -135,9 +133,7 @@ def main() -> None:
         "default_over_hand": default_ratio,
         "target_ratio": TARGET_RATIO,
     }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(record, indent=2) + "\n")
-    print(f"saved {args.out}")
+    save(record, args.out)
 
 
 if __name__ == "__main__":
