@@ -12,8 +12,8 @@ it happens, inside the backward pass and in the compute dtype; there the SPMD st
 compute each replica's gradients as a row of their own (as accumulation does,
 :mod:`parallelkit.core.accumulate`), cast back, and the mean over the rows is the one float32
 all-reduce (a test reads it from the compiled HLO for float16 and bfloat16). Where the gradients are
-sharded over the batch's own axes (``FullySharded`` stages 2 and 3) rows still left part of the
-reduction to the partitioner (ZeRO-3 kept a float16 all-reduce); there each replica differentiates
+sharded over the batch's own axes (``FullySharded`` stages 2 and 3) rows, tried on ZeRO-3, still
+left a float16 all-reduce to the partitioner; there each replica differentiates
 a copy of the parameters of its own, whose transpose casts the replica's gradient back before the
 sum over the replicas (:class:`~parallelkit.core.accumulate.ReplicaCopies`), so its reductions are
 float32 too, at the price of a whole float32 gradient on each device while it is reduced. A

@@ -593,7 +593,7 @@ def communication_seconds(
     - expert (groups of ``model`` devices, all of them by default): each of the workload's
       ``all_to_alls`` within every group at once, for each device's own ``batch_per_device``
       samples (:func:`expert_rounds`), plus an all-reduce of the ``param_bytes - expert_bytes``
-      over every device and of each device's ``expert_bytes / model`` over its data group.
+      over every device and of each device's ``expert_bytes / model`` over its data group;
     - ``context_allgather``, ``context_ring``, ``context_ring_zigzag``, ``context_ulysses``
       (``model`` devices split each sequence) and ``sequence_parallel`` (groups of ``model``):
       the activations they move, as :mod:`parallelkit.measure.sequence_costs` lists them.

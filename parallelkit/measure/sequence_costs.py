@@ -98,9 +98,8 @@ def _rounds_seconds(cluster: Cluster, groups: list[list[int]], planned: Planned)
     ring = [(g[i], g[(i + 1) % n]) for g in groups for i in range(n)]
     if planned.op == "collective-permute":  # one round: every device sends its array to the next
         return planned.count * cluster.round_seconds([(s, t, planned.payload) for s, t in ring])
-    if planned.op == "all-to-all":  # n - 1 rounds: in round r, device i sends b/n to device i + r
-        rounds = [[(g[i], g[(i + r) % n], planned.payload / n) for g in groups for i in range(n)] for r in range(1, n)]
-        return planned.count * sum(cluster.round_seconds(r) for r in rounds)
+    if planned.op == "all-to-all":  # the pairwise exchange: n - 1 rounds of b/n to one peer each
+        return planned.count * sum(cluster.round_seconds(r) for r in costmodel.alltoall_rounds(groups, planned.payload))
     share = planned.payload / n if planned.op == "all-gather" else planned.payload  # a ring's piece per round
     return planned.count * (n - 1) * cluster.round_seconds([(s, t, share) for s, t in ring])
 

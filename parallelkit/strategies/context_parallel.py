@@ -21,7 +21,6 @@ import dataclasses
 from collections.abc import Iterator, Mapping, Sequence
 
 import jax
-from jax.sharding import NamedSharding
 
 from .. import attention
 from ..core import partition
@@ -108,19 +107,7 @@ class ContextParallel(SPMD):
         super().__init__(mesh, rules=split, param_rules=rules, batch_axes=batch_axes)
         self.method = method
 
-    def batch_shardings(self, batch: Batch) -> NamedSharding | dict[str, NamedSharding]:
-        """Each array by its ``batch_axes``, ``("batch", "length")`` unless named (one sharding for every
-        array of a batch that is not a dict)."""
-        if not isinstance(batch, Mapping):
-            if self.batch_axes:
-                return super().batch_shardings(batch)  # its clear error: named arrays need a dict
-            return NamedSharding(self.mesh, self.axis_rules.spec(TOKENS))
-        keys = tuple(batch)
-        if keys not in self._batch_layouts:
-            self._batch_layouts[keys] = {
-                key: NamedSharding(self.mesh, self.axis_rules.spec(self.batch_axes.get(key, TOKENS))) for key in keys
-            }
-        return self._batch_layouts[keys]
+    unnamed_batch_axes = TOKENS  # every batch array not named in batch_axes: split on axis 0 and on its tokens
 
     def place_batch(self, batch: Batch) -> Batch:
         """Send each block of every sequence to its device; clear errors for arrays that do not split."""
@@ -135,7 +122,8 @@ class ContextParallel(SPMD):
         seq = self.mesh.shape[SEQ]
         named = batch.items() if isinstance(batch, Mapping) else enumerate(jax.tree.leaves(batch))
         for key, leaf in named:
-            names = self.batch_axes.get(key, TOKENS) if isinstance(batch, Mapping) else TOKENS
+            unnamed = self.unnamed_batch_axes
+            names = self.batch_axes.get(key, unnamed) if isinstance(batch, Mapping) else unnamed
             if LENGTH not in names:
                 continue
             axis = names.index(LENGTH)

@@ -91,15 +91,11 @@ class ExpertParallel(SPMD):
         if self.param_rules is not None:
             return super().partition_specs(params)
         axes = declared_axes(params)
-        named = axes is not None and any(
-            names is not None and EXPERT in names for names in jax.tree.leaves(axes, is_leaf=_is_names)
+        names = [] if axes is None else jax.tree.leaves(axes, is_leaf=lambda x: isinstance(x, tuple))  # None: no leaf
+        declares_experts = any(EXPERT in each for each in names)
+        return self.specs_by(
+            params, partition.logical_specs(axes, self.axis_rules.spec) if declares_experts else EXPERT_RULES
         )
-        if named:
-            specs = partition.logical_specs(axes, self.axis_rules.spec)
-        else:
-            specs = partition.param_specs(params, partition.logical_rules(EXPERT_RULES, self.axis_rules.spec))
-        partition.check_specs(params, specs, self.mesh)
-        return specs
 
     # The layer's shard_map splits the batch's own axes, so the step cannot map the loss over the replicas
     # (jax.vmap with spmd_axis_name): SPMD.step refuses accumulate > 1, and under 16-bit precision the
@@ -113,7 +109,3 @@ class ExpertParallel(SPMD):
 
     def __repr__(self) -> str:
         return f"ExpertParallel(expert={self.mesh.shape[EXPERT]}, data={self.mesh.shape[DATA]})"
-
-
-def _is_names(x: object) -> bool:
-    return x is None or isinstance(x, tuple)

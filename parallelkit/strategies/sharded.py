@@ -105,8 +105,8 @@ class _CompiledOnFirstCall:
         reduces the partial sums of the batch's contraction where that contraction happens, inside
         the backward pass, in the compute dtype where the backend multiplies in it (float16 here).
         Replicas that keep whole gradients get rows; where the gradients are sharded over the batch's
-        own axes (ZeRO-2 and 3) rows still left part of the reduction to the partitioner (ZeRO-3 kept a
-        float16 all-reduce), so there each replica differentiates its own copy of the parameters
+        own axes (ZeRO-2 and 3) rows, tried on ZeRO-3, still left a float16 all-reduce to the
+        partitioner, so there each replica differentiates its own copy of the parameters
         (:class:`ReplicaCopies`), whose gradient is cast back before the reduction, leaf by leaf. A
         strategy that cannot map its replicas (:attr:`SPMD.maps_replicas`) gets neither: its reduction
         stays where XLA puts it.

@@ -113,15 +113,24 @@ class SPMD(Strategy):
         """Every batch leaf's leading axis split over the mesh axes the rules give ``batch``."""
         return NamedSharding(self.mesh, self.axis_rules.spec((BATCH,)))
 
+    # The logical axes of a batch array that batch_axes does not name (a preset may name more, as
+    # ContextParallel does the tokens' axis).
+    unnamed_batch_axes: tuple[str, ...] = (BATCH,)
+
+    @cached_property
+    def unnamed_batch_sharding(self) -> NamedSharding:
+        """How a batch array that ``batch_axes`` does not name is laid out, by :attr:`unnamed_batch_axes`."""
+        return NamedSharding(self.mesh, self.axis_rules.spec(self.unnamed_batch_axes))
+
     def batch_shardings(self, batch: Batch) -> NamedSharding | dict[str, NamedSharding]:
-        """How ``batch`` is laid out: :attr:`batch_sharding` for every array, or one sharding per key
+        """How ``batch`` is laid out: :attr:`unnamed_batch_sharding` for every array, or one sharding per key
         by ``batch_axes`` (made once for each set of keys: a sharding made every step costs time).
 
         Raises:
           ValueError: ``batch_axes`` given, but ``batch`` is not a mapping of named arrays.
         """
         if not self.batch_axes:
-            return self.batch_sharding
+            return self.unnamed_batch_sharding
         if not isinstance(batch, Mapping):
             raise ValueError(
                 f"{self!r} lays out batch arrays by name (batch_axes), but the batch is a {type(batch).__name__}: "
@@ -130,7 +139,8 @@ class SPMD(Strategy):
         keys = tuple(batch)
         if keys not in self._batch_layouts:
             self._batch_layouts[keys] = {
-                key: NamedSharding(self.mesh, self.axis_rules.spec(self.batch_axes.get(key, (BATCH,)))) for key in keys
+                key: NamedSharding(self.mesh, self.axis_rules.spec(self.batch_axes.get(key, self.unnamed_batch_axes)))
+                for key in keys
             }
         return self._batch_layouts[keys]
 
@@ -142,7 +152,11 @@ class SPMD(Strategy):
         """The ``PartitionSpec`` of every parameter, checked against the mesh and the shapes."""
         if self.param_rules is None:
             return jax.tree.map(lambda _: P(), params)
-        specs = partition.param_specs(params, partition.logical_rules(self.param_rules, self.axis_rules.spec))
+        return self.specs_by(params, self.param_rules)
+
+    def specs_by(self, params: PyTree, rules: partition.Rules | PyTree) -> PyTree:
+        """The ``PartitionSpec`` ``rules`` give every parameter (logical names resolved), checked against the mesh."""
+        specs = partition.param_specs(params, partition.logical_rules(rules, self.axis_rules.spec))
         partition.check_specs(params, specs, self.mesh)
         return specs
 
