@@ -6,10 +6,13 @@ standard library's bytes, in one process with 8 simulated CPU devices: one devic
 2, 4 and 8 devices, at several lengths. For each compiled training step the script reads
 from its HLO (``pk.inspect.collectives``) the count and payload of each collective on
 the attention's activations (arrays of 4 axes: q, k, v and the output, forward and
-backward), sets them beside the cost model's (:mod:`parallelkit.measure.sequence_costs`)
-and the book's forward wire bytes per layer (all-gather: ``(n-1)/n`` of the K,V bytes;
-ring: ``n - 1`` permutes of a K,V block; Ulysses: 4 all-to-alls of ``(n-1)/n`` of a
-block), reads the attention's temporaries per device from the compiler
+backward) and the bytes each device sends for them, one way
+(``pk.inspect.Collective.sent_bytes``: ``(n-1)/n`` of an all-gather's output, ``n - 1``
+times a reduce-scatter's shard, a permute's array, ``(n-1)/n`` of an all-to-all's; the
+payload alone does not compare methods), sets them beside the cost model's
+(:mod:`parallelkit.measure.sequence_costs`) and the book's forward wire bytes per layer
+(all-gather: ``(n-1)/n`` of the K,V bytes; ring: ``n - 1`` permutes of a K,V block;
+Ulysses: 4 all-to-alls of ``(n-1)/n`` of a block), reads the attention's temporaries per device from the compiler
 (``pk.inspect.memory_per_device`` of attention alone, forward and backward, beside the
 ``T^2`` scores divided by ``n``), and times the step (median of ``--steps`` steps after
 the 3 it trains). It checks first that every split step ends with SingleDevice's
@@ -62,23 +65,25 @@ def _model(length: int):
     return pk.models.lm_loss(apply), params
 
 
-def _activation_collectives(found, rank: int) -> dict[str, dict[str, int]]:
-    """Count and payload bytes of each kind of collective whose arrays all have ``rank`` axes."""
-    totals: dict[str, dict[str, int]] = collections.defaultdict(lambda: {"count": 0, "bytes": 0})
+def _activation_collectives(found, rank: int) -> dict[str, dict[str, float]]:
+    """Count, payload bytes and bytes sent per device of each kind of collective whose arrays all have ``rank`` axes."""
+    totals: dict[str, dict[str, float]] = collections.defaultdict(lambda: {"count": 0, "bytes": 0, "sent_bytes": 0.0})
     for c in found:
         if all(s.count(",") == rank - 1 for s in c.shapes):
             totals[c.op]["count"] += 1
             totals[c.op]["bytes"] += c.bytes
+            totals[c.op]["sent_bytes"] += c.sent_bytes()
     return dict(totals)
 
 
 def _predicted(strategy: str, n: int, length: int, batch: int) -> dict[str, dict[str, float]]:
     work = costmodel.Workload(0, 1e-3, batch_per_device=1, sequence_bytes=batch / n * length * DIM * ITEM,
                               layers=DEPTH)  # fmt: skip
-    totals: dict[str, dict[str, float]] = collections.defaultdict(lambda: {"count": 0, "bytes": 0.0})
+    totals: dict[str, dict[str, float]] = collections.defaultdict(lambda: {"count": 0, "bytes": 0.0, "sent_bytes": 0.0})
     for planned in collectives(work, strategy, n):
         totals[planned.op]["count"] += planned.count
         totals[planned.op]["bytes"] += planned.bytes
+        totals[planned.op]["sent_bytes"] += planned.sent_bytes
     return dict(totals)
 
 
@@ -131,7 +136,8 @@ def main() -> None:
     print(f"GPT width {DIM}, {HEADS} heads, {DEPTH} layers, one sequence per step; {jax.devices()[0].platform}, "
           f"{len(jax.devices())} simulated devices on {os.cpu_count()} cores")  # fmt: skip
     head = (f"{'strategy':<48}{'T':>6}{'n':>3}  {'collectives (count x op: payload MB, HLO | cost model)':<58}"
-            f"{'book fwd MB/layer':>18}{'attn temp MB':>13}{'scores/n MB':>12}{'ms/step':>9}")  # fmt: skip
+            f"{'sent MB':>8}{'book fwd MB/layer':>18}{'attn temp MB':>13}{'scores/n MB':>12}"
+            f"{'ms/step':>9}")  # fmt: skip
     print(head)
     for length in args.lengths:
         corpus = pk.data.text(length=length, max_bytes=max(64 * length, 100_000))
@@ -142,8 +148,8 @@ def main() -> None:
         one = _attention_temp(None, 1, length)
         rows.append({"strategy": "SingleDevice", "length": length, "devices": 1, "collectives": {}, "predicted": {},
                      "attention_temp_bytes": one, "scores_bytes_per_device": scores, "median_ms": ms})  # fmt: skip
-        print(f"{'SingleDevice':<48}{length:>6}{1:>3}  {'-':<58}{'-':>18}{one / 1e6:>13.2f}{scores / 1e6:>12.2f}"
-              f"{ms:>9.1f}")  # fmt: skip
+        print(f"{'SingleDevice':<48}{length:>6}{1:>3}  {'-':<58}{'-':>8}{'-':>18}{one / 1e6:>13.2f}"
+              f"{scores / 1e6:>12.2f}{ms:>9.1f}")  # fmt: skip
         for n in args.devices:
             for method in CONTEXT_METHODS:
                 strategy = pk.ContextParallel(seq=n, method=method, data=1, devices=jax.devices()[:n])
@@ -158,8 +164,9 @@ def main() -> None:
                              "median_ms": ms})  # fmt: skip
                 cells = "; ".join(f"{v['count']} x {op}: {v['bytes'] / 1e6:.2f} | {predicted[op]['bytes'] / 1e6:.2f}"
                                   for op, v in measured.items())  # fmt: skip
-                print(f"{method:<48}{length:>6}{n:>3}  {cells:<58}{book / 1e6:>18.3f}{temp / 1e6:>13.2f}"
-                      f"{scores / n / 1e6:>12.2f}{ms:>9.1f}")  # fmt: skip
+                sent = sum(v["sent_bytes"] for v in measured.values())
+                print(f"{method:<48}{length:>6}{n:>3}  {cells:<58}{sent / 1e6:>8.2f}{book / 1e6:>18.3f}"
+                      f"{temp / 1e6:>13.2f}{scores / n / 1e6:>12.2f}{ms:>9.1f}")  # fmt: skip
         for n in (2, 4):  # Megatron's sequence parallelism beside plain tensor parallelism (8 heads: up to 8)
             for sp in (False, True):
                 strategy = pk.TensorParallel(n, sequence_parallel=sp, devices=jax.devices()[:n])
@@ -175,7 +182,9 @@ def main() -> None:
                     + (f" | {predicted[op]['bytes'] / 1e6:.2f}" if op in predicted else "")
                     for op, v in measured.items()
                 )
-                print(f"{repr(strategy):<48}{length:>6}{n:>3}  {cells:<58}{'-':>18}{'-':>13}{'-':>12}{ms:>9.1f}")
+                sent = sum(v["sent_bytes"] for v in measured.values())
+                print(f"{repr(strategy):<48}{length:>6}{n:>3}  {cells:<58}{sent / 1e6:>8.2f}{'-':>18}{'-':>13}"
+                      f"{'-':>12}{ms:>9.1f}")  # fmt: skip
     record = {
         **header("context", args),
         "model": {"dim": DIM, "heads": HEADS, "depth": DEPTH, "batch": 1},

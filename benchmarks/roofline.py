@@ -17,8 +17,10 @@ device, no communication, so the cost model's prediction is its compute alone):
 
 The ratio measured / predicted is the point: the FLOPs give a floor that a step of
 this size is far above (a small step spends its time calling the program and starting
-each operation, not on arithmetic), so ``1 / ratio`` is the efficiency (MFU) a
-``Workload`` would need to predict this step.
+each operation, not on arithmetic), so ``1 / ratio`` is the ``efficiency`` a
+``Workload`` would need to predict this step: its FLOPs utilisation by XLA's count (the
+optimizer's update included) over the measured float32 matmul rate. That is not PaLM's
+MFU (``roofline.mfu``: ``6 N`` FLOPs over a datasheet peak).
 
     .venv/bin/python benchmarks/roofline.py       # about ten seconds on 2 cores
 
@@ -95,7 +97,10 @@ def main() -> None:
     print(f"the default (quick) pk.measure_ceilings() on {len(jax.devices())} device(s) took {quick_seconds:.1f} s")
     for label, seconds in rows:
         print(f"  {label:<50}{seconds * 1e6:>10.1f} us   measured / this = {measured / seconds:>8.1f}")
-    print(f"implied efficiency (MFU) for the cost model to match: {predicted / measured:.2%}")
+    print(
+        f"implied efficiency for the cost model to match: {predicted / measured:.2%} "
+        "(FLOPs utilisation: XLA's count over the measured peak)"
+    )
 
     record = {
         "what": "the tour's SingleDevice step: measured median step time against the cost model's FLOPs prediction",

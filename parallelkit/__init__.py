@@ -25,6 +25,9 @@ from .core.devices import DeviceSubsetWarning as DeviceSubsetWarning
 from .core.devices import device_summary as device_summary
 from .core.devices import simulate_devices as simulate_devices
 from .core.precision import Precision as Precision
+from .core.precision import PrecisionWarning as PrecisionWarning
+from .core.skipped import NonFiniteGradientsError as NonFiniteGradientsError
+from .core.skipped import SkippedStepsWarning as SkippedStepsWarning
 from .course import lesson as lesson
 from .measure import collectives as collectives
 from .measure import costmodel as costmodel

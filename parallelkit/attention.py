@@ -39,11 +39,18 @@ def dense(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = True) -> j
     """``softmax(q k^T / sqrt(head_dim)) v`` per batch row and head, each query seeing only earlier keys if ``causal``.
 
     The reference every other method equals. Scores are float32 and the softmax
-    subtracts each row's maximum before ``exp``, so it neither overflows nor underflows.
+    subtracts each row's maximum before ``exp``, so nothing overflows: every term is at
+    most ``exp(0) = 1``, and each row's sum is at least 1. A term far below its row's
+    maximum underflows to 0 (``exp(-200)`` does in float32). That is harmless: its true
+    weight is far below float32's rounding of a sum of at least 1.
 
     >>> q = jnp.zeros((1, 3, 1, 1)); v = jnp.arange(3.0).reshape(1, 3, 1, 1)
     >>> dense(q, q, v)[0, :, 0, 0].tolist()  # equal scores: the mean of the visible values
     [0.0, 0.5, 1.0]
+    >>> k = jnp.array([0.0, 200.0]).reshape(1, 2, 1, 1); v = jnp.array([5.0, 7.0]).reshape(1, 2, 1, 1)
+    >>> # the second query's scores, 0 and 200: exp(200) would overflow; shifted, the terms are exp(-200) = 0 and 1
+    >>> dense(jnp.ones((1, 2, 1, 1)), k, v)[0, :, 0, 0].tolist()
+    [5.0, 7.0]
     """
     _check_arrays(q, k, v)
     return _normalise(*_block(q, k, v, _diagonal(q.shape[1]) if causal else None)).astype(q.dtype)

@@ -25,6 +25,7 @@ from fractions import Fraction
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
@@ -251,21 +252,40 @@ def _active_expert_axis() -> MeshAxes:
 
 
 def check_routing(experts: int, top_k: int, capacity_factor: float) -> None:
-    """Raise a ValueError unless ``top_k`` is a whole number in ``1..experts`` and ``capacity_factor > 0``.
+    """Raise unless ``top_k`` is a whole number in ``1..experts`` and ``capacity_factor`` a finite number > 0.
+
+    ``capacity_factor`` sets the size of every expert's buffer, a shape, so it is a Python (or
+    NumPy) number, never an array traced by ``jax.jit``.
 
     >>> check_routing(8, top_k=2, capacity_factor=1.25)
     >>> check_routing(4, top_k=5, capacity_factor=1.25)
     Traceback (most recent call last):
     ValueError: top_k=5 but there are 4 experts: choose a whole number 1 <= top_k <= 4.
+
+    Raises:
+      TypeError: a ``capacity_factor`` that is not a number (a string, or a traced array).
+      ValueError: ``top_k`` out of range, or a ``capacity_factor`` that is not finite and > 0.
     """
     if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= experts:
         raise ValueError(
             f"top_k={top_k!r} but there are {experts} experts: choose a whole number 1 <= top_k <= {experts}."
         )
-    if not capacity_factor > 0:
+    if isinstance(capacity_factor, jax.core.Tracer):
+        raise TypeError(
+            "capacity_factor is traced by jax.jit, but it sets the size of each expert's buffer, a shape fixed "
+            "when the step compiles: pass it as a Python number (close over it, or mark it static with "
+            "jax.jit(..., static_argnames='capacity_factor'))."
+        )
+    number = isinstance(capacity_factor, int | float | np.integer | np.floating) and not isinstance(
+        capacity_factor, bool
+    )
+    if not number:
+        raise TypeError(f"capacity_factor={capacity_factor!r} is not a number: pass one such as 1.25.")
+    if not (math.isfinite(capacity_factor) and capacity_factor > 0):
         raise ValueError(
-            f"capacity_factor must be > 0, got {capacity_factor!r}: each expert keeps "
-            "ceil(capacity_factor * top_k * tokens_per_group / experts) tokens of a group (1.25 is usual)."
+            f"capacity_factor must be > 0 and finite, got {capacity_factor!r}: each expert keeps "
+            "ceil(capacity_factor * top_k * tokens_per_group / experts) tokens of a group (1.25 is usual; "
+            "experts / top_k keeps every token)."
         )
 
 

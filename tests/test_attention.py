@@ -59,6 +59,18 @@ def test_dense_is_stable_for_large_scores():
     assert bool(jnp.isfinite(attention.dense(q, k, v)).all())
 
 
+def test_dense_underflows_a_far_term_to_zero_and_that_is_harmless():
+    """Scores 0 and 200 in a row: shifted by the row's maximum, the far term is exp(-200), 0 in float32; the row's
+    sum is exactly 1 and the output is the float32 rounding of the exact (float64) softmax."""
+    q = jnp.ones((1, 2, 1, 1))
+    k, v = (jnp.array(pair).reshape(1, 2, 1, 1) for pair in ([0.0, 200.0], [5.0, 7.0]))
+    _, total, _ = attention._block(q, k, v)  # no mask: both rows see both keys
+    assert np.asarray(total).tolist() == [[[1.0, 1.0]]]  # exp(0) plus an underflowed exp(-200)
+    far = np.exp(-200.0)  # about 1e-87 in float64
+    exact = np.float32((5 * far + 7) / (far + 1))
+    assert np.asarray(attention.dense(q, k, v, causal=False))[0, :, 0, 0].tolist() == [exact, exact] == [7.0, 7.0]
+
+
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
 @pytest.mark.parametrize("method", attention.METHODS)
 @pytest.mark.parametrize("n", [2, 4, 8])

@@ -291,8 +291,26 @@ def _experts() -> list[str]:
                  f"{r['single_device_ms']['median_ms']:.1f}"]  # fmt: skip
         return "| " + " | ".join(map(str, cells)) + " |"
 
-    last = [int(v) for v in d["rows"]["8"]["tokens_per_expert_per_step"][-1][0]]
-    return [*(row(r) for r in d["rows"].values()), f"eight experts received {last} token-choices on 8 devices"]
+    last = [[int(v) for v in block] for block in d["rows"]["8"]["tokens_per_expert_per_step"][-1]]
+    block_0, block_1 = (_two_busiest(d, block) for block in (0, 1))
+    tenth = sorted(r["dropped_fraction_per_step"][-1] for r in d["rows"].values())
+    return [
+        *(row(r) for r in d["rows"].values()),
+        f"block 0's eight experts received {last[0]} token-choices and block 1's {last[1]} (an even share would be "
+        f"{d['args']['batch_size'] * d['model']['max_length'] * d['model']['top_k'] // 8} each)",
+        f"from the third step its two busiest experts took at least {block_1[:, 2:].min():.0%} of its choices on "
+        f"every device count".replace("%", " %"),
+        f"Block 0's two busiest took at most {block_0.max():.0%} at any step".replace("%", " %"),
+        f"and {tenth[0] * 100:.0f} to {tenth[-1] * 100:.0f} % at the tenth",
+    ]
+
+
+def _two_busiest(d: dict, block: int):
+    """(devices, steps): the share of ``block``'s token-choices that its two busiest experts took, at each step."""
+    import numpy as np
+
+    counts = np.array([r["tokens_per_expert_per_step"] for r in d["rows"].values()])[:, :, block]
+    return np.sort(counts, axis=-1)[..., -2:].sum(axis=-1) / counts.sum(axis=-1)
 
 
 def test_what_the_experts_prose_says_holds():
@@ -307,6 +325,11 @@ def test_what_the_experts_prose_says_holds():
     ep, one = ({n: r[key]["median_ms"] for n, r in rows.items()} for key in ("expert_parallel_ms", "single_device_ms"))
     assert ep["2"] < one["2"] and ep["4"] < one["4"] and ep["8"] > one["8"]
     assert one["2"] > one["4"] > one["8"]
+    # "at the tenth all but at most 4 of its 2,048", "does not keep the experts in use"
+    for r in rows.values():
+        tenth = sorted(r["tokens_per_expert_per_step"][-1][1])
+        assert sum(tenth) == 2048 and sum(tenth[-2:]) >= 2048 - 4 and tenth[:5] == [0] * 5
+    assert load("experts.json")["model"]["depth"] == 2  # "every block": blocks 0 and 1
 
 
 def _context_row(strategy: str, length: int, devices: int, method: str | None = None) -> dict:
@@ -322,7 +345,22 @@ def _context() -> list[str]:
     one = _context_row("SingleDevice", 1024, 1)
     eight = [_context_row("ContextParallel", 1024, 8, m) for m in ("allgather", "ring", "ring_zigzag", "ulysses")]
     figures = ", ".join(f"{r['attention_temp_bytes'] / 1e6:.1f} ({r['method']})" for r in eight)
+    two = [_context_row("ContextParallel", 1024, 2, m) for m in ("allgather", "ring", "ring_zigzag", "ulysses")]
+
+    def sent(r: dict) -> float:
+        return sum(v["sent_bytes"] for v in r["collectives"].values()) / 1e6
+
+    def payload(r: dict) -> float:
+        return sum(v["bytes"] for v in r["collectives"].values()) / 1e6
+
     return [
+        "At 1024 tokens a step sends per device "
+        + ", ".join(f"{sent(r):.2f}{' MB' * (i == 0)} ({r['method']})" for i, r in enumerate(two[:3]))
+        + f" and {sent(two[3]):.2f} (ulysses) on 2 devices, and "
+        + ", ".join(f"{sent(r):.2f}" for r in eight[:3])
+        + f" and {sent(eight[3]):.2f} on 8",
+        f"By payload the all-gather would rank wrongly: {payload(two[0]):.2f} MB on 2 devices and "
+        f"{payload(eight[0]):.2f} MB on 8, against the ring's {sent(two[1]):.2f} and {sent(eight[1]):.2f}",
         f"attention alone plans {one['attention_temp_bytes'] / 1e6:.0f} MB of temporaries on one device, and on each "
         f"of 8 devices {figures}: each under `1/n` of one device's figure",
         f"share of one layer's scores ({eight[0]['scores_bytes_per_device'] / 1e6:.1f} MB)",
@@ -333,6 +371,22 @@ def test_what_the_context_prose_says_holds():
     """ "Every count and payload the compiler wrote equals the cost model's", "each under 1/n of one device's"."""
     rows = [r for r in load("context.json")["rows"] if r["predicted"]]
     assert rows and all(r["collectives"] == r["predicted"] for r in rows)
+    assert all("sent_bytes" in v for r in rows for v in r["collectives"].values())  # "and byte sent"
+    # "The all-gather and the ring send the same bytes, at every length and device count. Ulysses sends as much as
+    # they do on 2 devices, and less on 4 and 8." The payloads rank the all-gather otherwise.
+    args = load("context.json")["args"]
+    for length in args["lengths"]:
+        for n in args["devices"]:
+            rows = {
+                m: _context_row("ContextParallel", length, n, m)["collectives"]
+                for m in ("allgather", "ring", "ulysses")
+            }
+            sent, payload = (
+                {m: sum(v[key] for v in r.values()) for m, r in rows.items()} for key in ("sent_bytes", "bytes")
+            )
+            assert sent["allgather"] == sent["ring"] and payload["allgather"] != payload["ring"]
+            assert (sent["ulysses"] == sent["ring"]) if n == 2 else (sent["ulysses"] < sent["ring"])
+            assert payload["ring"] == sent["ring"]  # a permute sends its payload
     one = _context_row("SingleDevice", 1024, 1)["attention_temp_bytes"]
     for method in ("allgather", "ring", "ring_zigzag", "ulysses"):
         assert _context_row("ContextParallel", 1024, 8, method)["attention_temp_bytes"] < one / 8

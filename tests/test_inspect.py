@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from parallelkit.measure.inspect import parse_collectives, summarize
+import pytest
+
+from parallelkit.measure.inspect import parse_collectives, sent_bytes, summarize
 
 HLO = """
 ENTRY %main {
@@ -38,3 +40,27 @@ def test_summary_counts_and_adds():
 
 def test_no_collectives_in_plain_code():
     assert parse_collectives("%add = f32[8]{0} add(%a, %b)\n%r = f32[] reduce(%x, %c)") == []
+
+
+def test_sent_bytes_per_device_are_the_ring_formulas_for_each_kind():
+    """One device's bytes sent, one way, for each collective of HLO, from the payloads and group sizes the HLO
+    states: an all-reduce of S over n sends 2(n-1)/n S, an all-gather of output S (n-1)/n S, a reduce-scatter of
+    input S (n-1)/n S, a permute its operand, an all-to-all (n-1)/n of its operand."""
+    all_reduce, all_gather, reduce_scatter, permute, all_to_all = parse_collectives(HLO)
+    assert all_reduce.sent_bytes() == 2 * 7 / 8 * (10 + 640 + 1) * 4  # f32[10], f32[10,64], f32[] over 8
+    assert all_gather.sent_bytes() == 3 / 4 * 16 * 8 * 2  # bf16[16,8] gathered over 4
+    assert reduce_scatter.sent_bytes() == 3 / 4 * 8 * 8 * 4  # its input f32[8,8], over 4
+    assert permute.sent_bytes() == 5 * 4  # s32[5], whatever the group
+    assert all_to_all.sent_bytes() == 1 / 2 * 4 * 4 * 4  # f32[4,4] over 2
+    assert all_gather.sent_bytes(n=2) == sent_bytes("all-gather", 256, 2) == 128  # a group size given overrides
+    assert sent_bytes("all-reduce", 100, 1) == 0 and sent_bytes("reduce-scatter", 100, 1) == 0  # alone: nothing
+
+
+def test_sent_bytes_needs_a_group_size_and_a_collective():
+    unknown = parse_collectives("%ag = f32[8]{0} all-gather(f32[2]{0} %x), dimensions={0}")[0]
+    assert unknown.group_size is None
+    with pytest.raises(ValueError, match="names no replica groups for this all-gather: pass n"):
+        unknown.sent_bytes()
+    assert unknown.sent_bytes(n=4) == 24
+    with pytest.raises(ValueError, match="'add' is not a collective"):
+        sent_bytes("add", 100, 2)

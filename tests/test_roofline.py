@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from parallelkit.measure import hardware, roofline
+from parallelkit.measure import ceilings, hardware, roofline
 
 PEAK, BANDWIDTH = 100e12, 2e12  # a made-up device: 100 TFLOP/s, 2 TB/s, ridge at 50 FLOPs/byte
 
@@ -32,7 +32,11 @@ def test_intensity_of_a_square_matmul():
 def test_achieved_and_mfu():
     # 3 TFLOPs in 50 ms: 60 TFLOP/s, 60% of a 100 TFLOP/s peak
     assert roofline.achieved_flops(3e12, 0.05) == pytest.approx(60e12)
+    assert roofline.flops_utilisation(3e12, 0.05, PEAK) == pytest.approx(0.6)
     assert roofline.mfu(3e12, 0.05, PEAK) == pytest.approx(0.6)
+    # PaLM's MFU counts 6N: 1,000 parameters and 64 tokens are 384,000 model FLOPs; in 4 ns of a 200 TFLOP/s
+    # peak, 96 TFLOP/s, 48% of it
+    assert roofline.mfu(384_000, 4e-9, 200e12) == pytest.approx(0.48)
 
 
 def test_place_a_measured_step():
@@ -52,6 +56,34 @@ def test_data_parallel_min_batch_hand_worked():
     # H100s across nodes: 989.5 TFLOP/s over 50 GB/s each way is 19,790 tokens per GPU
     h100 = hardware.PUBLISHED["H100 SXM"]
     assert roofline.data_parallel_min_batch(h100.bf16_flops, h100.network_bytes_per_s) == pytest.approx(19790.0)
+    # TPU v5p, one torus axis of three: 459 TFLOP/s over 600 / 3 = 200 GB/s each way is 2,295 tokens
+    v5p = hardware.PUBLISHED["TPU v5p"]
+    assert roofline.data_parallel_min_batch(v5p.bf16_flops, v5p.axis_link_bytes_per_s) == pytest.approx(2295.0)
+
+
+def test_threshold_from_a_fitted_allreduce_by_hand():
+    # psum times exactly t = 20 us + bytes / (2 GB/s), fitted as measure_ceilings fits them
+    sizes = [4 * 2**k for k in range(10, 21, 2)]
+    alpha, beta = ceilings.fit_alpha_beta(sizes, [20e-6 + n / 2e9 for n in sizes])
+    assert (alpha, 1 / beta) == (pytest.approx(20e-6, rel=1e-6), pytest.approx(2e9, rel=1e-6))
+    peak, params = 1e11, 1e6  # 100 GFLOP/s; a million float32 gradient values
+    # by hand: the backward pass, 4 P B FLOPs, takes 4 P B / C seconds; the all-reduce of the 4 P bytes
+    # alpha + beta 4 P seconds by the fit; they are equal at B = (alpha + 4 beta P) C / (4 P):
+    # (20e-6 + 2e-3) x 1e11 / 4e6 = 50.5
+    by_hand = (alpha + beta * 4 * params) * peak / (4 * params)
+    assert by_hand == pytest.approx(50.5, rel=1e-6)
+    got = roofline.data_parallel_min_batch_from_allreduce(
+        peak, 1 / beta, latency=alpha, parameters=params, bytes_per_value=4
+    )
+    assert got == pytest.approx(by_hand, rel=1e-12)
+    # without the latency, the large-model limit: C beta x 4 / 4 = 50 (P cancels)
+    assert roofline.data_parallel_min_batch_from_allreduce(peak, 1 / beta, bytes_per_value=4) == pytest.approx(50.0)
+    # a link's bandwidth each way is about twice the algorithm bandwidth of a ring over it: the two functions
+    # agree at W_link = 2 W_algorithm; given the fitted bandwidth, the link formula would double the threshold
+    assert roofline.data_parallel_min_batch(peak, 2 / beta, bytes_per_value=4) == pytest.approx(50.0)
+    assert roofline.data_parallel_min_batch(peak, 1 / beta, bytes_per_value=4) == pytest.approx(100.0)
+    with pytest.raises(ValueError, match="needs parameters=P"):
+        roofline.data_parallel_min_batch_from_allreduce(peak, 1 / beta, latency=alpha)
 
 
 @pytest.mark.parametrize(
@@ -60,7 +92,9 @@ def test_data_parallel_min_batch_hand_worked():
         (lambda: roofline.intensity(1.0, 0.0), "bytes_moved=0.0"),
         (lambda: roofline.mfu(1.0, 0.0, PEAK), "step_seconds=0.0"),
         (lambda: roofline.ridge(PEAK, -1.0), "bandwidth=-1.0"),
-        (lambda: roofline.data_parallel_min_batch(PEAK, math.nan), "network_bandwidth=nan"),
+        (lambda: roofline.data_parallel_min_batch(PEAK, math.nan), "link_bytes_per_s_each_way=nan"),
+        (lambda: roofline.data_parallel_min_batch_from_allreduce(PEAK, 0.0), "allreduce_bandwidth=0.0"),
+        (lambda: roofline.data_parallel_min_batch_from_allreduce(PEAK, 1.0, latency=1.0, parameters=0), "parameters=0"),
     ],
 )
 def test_bad_numbers_are_named(call, name):
@@ -72,6 +106,10 @@ def test_published_table_is_dense_per_direction_and_sourced():
     h100 = hardware.PUBLISHED["H100 SXM"]
     assert h100.bf16_flops == 1979e12 / 2  # NVIDIA prints 1,979 TFLOPS "with sparsity"
     assert h100.link_bytes_per_s == 900e9 / 2  # NVLink 4 printed as 900 GB/s, both directions
+    assert h100.tf32_flops == 989e12 / 2  # TF32 printed as 989 TFLOPS "with sparsity"
+    assert hardware.PUBLISHED["A100 SXM 80GB"].tf32_flops == 312e12 / 2  # printed 156 dense, 312 with sparsity
+    assert h100.bf16_flops / h100.tf32_flops == pytest.approx(2.0, rel=1e-3)  # JAX's float32 default there: TF32
+    assert hardware.PUBLISHED["TPU v5e"].axis_link_bytes_per_s == 400e9 / 2 / 2  # 400 GB/s both ways, 2 axes
     assert roofline.ridge(h100.bf16_flops, h100.hbm_bytes_per_s) == pytest.approx(295.37, rel=1e-4)
     for chip in hardware.PUBLISHED.values():
         assert chip.sources and all(url.startswith("https://") for url in chip.sources)
@@ -80,4 +118,5 @@ def test_published_table_is_dense_per_direction_and_sourced():
         assert chip.network_bytes_per_s < chip.link_bytes_per_s < chip.hbm_bytes_per_s
     lines = hardware.table().splitlines()
     assert len(lines) == 1 + len(hardware.PUBLISHED)
-    assert "989.5" in lines[1] and lines[3].split()[-5:] == ["197", "-", "819", "200", "3.125"]
+    assert "989.5" in lines[1] and lines[1].split()[-6:] == ["989.5", "494.5", "67", "3350", "450", "50"]
+    assert lines[3].split()[-6:] == ["197", "-", "-", "819", "200", "3.125"]

@@ -32,6 +32,7 @@ import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
 from .contract import Batch, PyTree, batch_size
+from .mesh import is_count
 
 SUPPORTED = (
     "SingleDevice, Mirrored (both backends), MultiWorkerMirrored, TensorParallel, FullySharded, Hybrid, SPMD, "
@@ -45,12 +46,12 @@ def check_accumulate(accumulate: Any) -> int:
     >>> check_accumulate(4)
     4
     """
-    if isinstance(accumulate, bool) or not isinstance(accumulate, int) or accumulate < 1:
+    if not is_count(accumulate):
         raise ValueError(
             f"accumulate={accumulate!r}: the number of microbatches a step cuts each replica's slice of the "
             "batch into must be a whole number >= 1 (1: no accumulation)."
         )
-    return accumulate
+    return int(accumulate)  # a NumPy integer is a whole number too
 
 
 def refuse_accumulation(who: str, accumulate: Any, hint: str = "") -> None:

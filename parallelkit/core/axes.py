@@ -30,6 +30,9 @@ SEQ = "seq"  # sequence parallelism: each holds a slice of the tokens
 EXPERT = "expert"  # expert parallelism: each holds some of the experts
 MODEL = "model"  # tensor parallelism: each holds a slice of the weights
 
+# The logical axes the kit's models name (pk.models, attention, experts); rules may name others.
+LOGICAL = ("batch", "length", "norm_length", "embed", "heads", "mlp", "vocab", "expert", "hidden_channels")
+
 MeshAxes = str | tuple[str, ...] | None  # what one logical axis maps to: a mesh axis, several, or none
 
 
@@ -136,14 +139,29 @@ def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
     (2, 3)
 
     Raises:
-      ValueError: ``names`` with a different count from ``x``'s dimensions.
+      TypeError: ``names`` given as one string (``"batch"``) rather than a tuple of names.
+      ValueError: ``names`` with a different count from ``x``'s dimensions; or, while rules
+        are active, a name that neither the rules, the kit's models (:data:`LOGICAL`) nor the
+        mesh know, which would leave its dimension to the compiler without a word.
     """
+    if isinstance(names, str):
+        raise TypeError(
+            f"constrain(x, {names!r}): pass one name per dimension as a tuple, such as ({names!r},) or "
+            f"('batch', 'embed'), not a string."
+        )
     if len(names) != x.ndim:
         raise ValueError(f"constrain got {len(names)} axis names {tuple(names)} for an array of shape {x.shape}.")
     active = _ACTIVE.get()
     if active is None:
         return x
     mesh, rules = active
+    known = {logical for logical, _ in rules.rules} | set(LOGICAL) | set(mesh.shape)
+    if unknown := [name for name in names if name is not None and name not in known]:
+        raise ValueError(
+            f"constrain(x, {tuple(names)}): no axis rule, kit model or mesh axis knows {unknown[0]!r} (the rules "
+            f"name {sorted({logical for logical, _ in rules.rules})}; the kit's models use {LOGICAL}). Check the "
+            f"spelling, or give the strategy a rule for it: ({unknown[0]!r}, None) to keep it whole, or a mesh axis."
+        )
     return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, rules.spec(names, unknown=P.UNCONSTRAINED)))
 
 

@@ -30,14 +30,32 @@ Metrics = dict[str, jax.Array]
 
 
 def batch_size(batch: Batch) -> int:
-    """The leading dimension shared by every array in ``batch``; raises if they disagree."""
-    sizes = [x.shape[0] for x in jax.tree.leaves(batch)]  # on every step: keep it cheap
+    """The leading dimension shared by every array in ``batch``; raises if they disagree or one is a scalar."""
+    try:
+        sizes = [x.shape[0] for x in jax.tree.leaves(batch)]  # on every step: keep it cheap
+    except (IndexError, AttributeError):
+        raise ValueError(_SCALARS.format(_scalars(batch))) from None
     if not sizes:
         raise ValueError("The batch holds no arrays.")
     if min(sizes) != max(sizes):
         named = {jax.tree_util.keystr(p): x.shape[0] for p, x in jax.tree_util.tree_flatten_with_path(batch)[0]}
         raise ValueError(f"Every array in a batch needs the same leading (batch) dimension, got {named}.")
     return sizes[0]
+
+
+_SCALARS = (
+    "The batch holds {}, which has no leading (batch) axis: every array of a batch holds one row per example, "
+    "so the strategy can split it. Give it one value per example (np.full((batch_size,), value)), or keep a "
+    "constant out of the batch and close over it in the loss."
+)
+
+
+def _scalars(batch: Batch) -> str:
+    """The first batch leaf with no leading axis, by its path."""
+    for path, x in jax.tree_util.tree_flatten_with_path(batch)[0]:
+        if np.ndim(x) == 0:
+            return f"batch{jax.tree_util.keystr(path)} = {x!r}"
+    return "an array"
 
 
 class LossInputError(ValueError):
@@ -78,6 +96,12 @@ def guard_inputs(fn: Callable) -> Callable:
             key = err.args[0] if len(err.args) == 1 else None
             if not _lacks(batch, key):
                 raise
+            if not _read_from_batch(fn, key, params, batch, *args, **kwargs):
+                err.add_note(
+                    f"The loss raised this KeyError itself: it did not come from reading the batch (whose keys are "
+                    f"{_keys(batch)}). Check the dictionary the loss reads {key!r} from."
+                )
+                raise
             raise LossInputError(
                 f"The loss reads batch[{key!r}], but the batch has no key {key!r} (its keys: {_keys(batch)}).",
                 missing_key=True,
@@ -88,6 +112,30 @@ def guard_inputs(fn: Callable) -> Callable:
             raise LossInputError(f"The loss failed on this batch: {type(err).__name__}: {str(err).strip()}") from err
 
     return guarded
+
+
+class _Reads(dict):
+    """A copy of a batch that remembers the keys read from it and missing."""
+
+    def __init__(self, batch: Mapping):
+        super().__init__(batch)
+        self.missed: list = []
+
+    def __getitem__(self, key):
+        if key not in self:
+            self.missed.append(key)
+        return super().__getitem__(key)
+
+
+def _read_from_batch(fn: Callable, key: Any, params: Any, batch: Mapping, *args, **kwargs) -> bool:
+    """Whether ``fn``'s ``KeyError`` for ``key`` came from reading the batch: run it again on a batch that
+    remembers the missing keys read from it (only on this error's path, while the step is traced)."""
+    reads = _Reads(batch)
+    try:
+        fn(params, reads, *args, **kwargs)
+    except Exception:  # the same KeyError, or an error a dict subclass causes: judged by what was read
+        pass
+    return key in reads.missed
 
 
 def _lacks(batch: Any, key: Any) -> bool:
@@ -120,11 +168,27 @@ def _loss_with_aux(loss_fn: LossFn) -> Callable[..., tuple[jax.Array, tuple[dict
                     "(loss, aux, new_model_state); pk.models.classifier_loss does."
                 )
             loss, aux, new_state = out
-            return loss, (aux, new_state)
+            return check_loss_value(loss), (aux, new_state)
         loss, aux = out if isinstance(out, tuple) else (out, {})
-        return loss, (aux, None)
+        return check_loss_value(loss), (aux, None)
 
     return wrapped
+
+
+def check_loss_value(loss: Any) -> Any:
+    """``loss`` if it is one floating number; a clear error for a vector of losses or an integer (while tracing)."""
+    shape, dtype = jnp.shape(loss), jnp.result_type(loss)
+    if shape != ():
+        raise ValueError(
+            f"The loss returned an array of shape {shape}, but a step differentiates one number: return the mean "
+            "over the batch (for example per_example.mean()), with any other values as metrics in (loss, aux)."
+        )
+    if not jnp.issubdtype(dtype, jnp.floating):
+        raise TypeError(
+            f"The loss returned an integer ({dtype}), which has no gradient: compute it in floating point "
+            "(for example loss.astype(jnp.float32), from float predictions)."
+        )
+    return loss
 
 
 def check_divisible(batch: Batch, replicas: int) -> int:

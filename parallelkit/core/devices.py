@@ -26,10 +26,11 @@ from __future__ import annotations
 import os
 import re
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import jax
+import numpy as np
 
 _FORCE_COUNT_FLAG = "--xla_force_host_platform_device_count"
 _POOL_SIZE_VAR = "PJRT_NPROC"  # threads of XLA's CPU client pool; the core count by default
@@ -165,12 +166,14 @@ def resolve_devices(devices: int | Sequence[jax.Device] | None = None) -> list[j
 
     Raises:
       DeviceCountError: more devices asked for than JAX has.
-      ValueError: an empty list or a count below 1.
+      ValueError: an empty list, a count below 1, or a device listed twice.
+      TypeError: a list holding something other than devices.
     """
     available = jax.devices()
     if devices is None:
         return list(available)
-    if isinstance(devices, int):
+    if isinstance(devices, int | np.integer) and not isinstance(devices, bool):
+        devices = int(devices)
         if devices < 1:
             raise ValueError(f"A strategy needs at least one device, got devices={devices}.")
         if devices > len(available):
@@ -183,6 +186,18 @@ def resolve_devices(devices: int | Sequence[jax.Device] | None = None) -> list[j
     chosen = list(devices)
     if not chosen:
         raise ValueError("A strategy needs at least one device, got an empty list.")
+    if not all(isinstance(d, jax.Device) for d in chosen):
+        wrong = next(d for d in chosen if not isinstance(d, jax.Device))
+        raise TypeError(
+            f"devices holds {wrong!r}, which is not a JAX device: pass devices such as jax.devices()[:2], "
+            "or a count such as 2."
+        )
+    if len(set(chosen)) < len(chosen):
+        twice = sorted({d.id for d in chosen if chosen.count(d) > 1})
+        raise ValueError(
+            f"devices lists device {', '.join(map(str, twice))} more than once; each device can hold one part of "
+            "the work. Pass distinct devices, such as jax.devices()[:2]."
+        )
     return chosen
 
 
@@ -211,6 +226,19 @@ def first_devices(count: int, who: str, instead: str) -> list[jax.Device]:
             stacklevel=3,  # the strategy's constructor called this; point at its caller
         )
     return chosen
+
+
+def every_device_hint(group: int, spell: Callable[[int], str], sizes: str) -> str:
+    """What would use every device with ``group`` devices to a replica, for a warning.
+
+    ``spell(replicas)`` where the devices divide into such groups; otherwise the sizes whose
+    product must be the device count (``sizes`` names them).
+
+    >>> every_device_hint(1, lambda d: f"Hybrid(data={d}, model=1)", "data x model")
+    'Hybrid(data=8, model=1)'
+    """
+    total = len(jax.devices())
+    return spell(total // group) if total % group == 0 else f"{sizes} = {total}"
 
 
 def warn_if_shared(parts: int, devices: Sequence[jax.Device], who: str, what: str) -> None:

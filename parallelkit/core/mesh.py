@@ -20,7 +20,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from .axes import DATA, EXPERT, FSDP, MODEL, SEQ, STAGE
-from .devices import DeviceCountError
+from .devices import DeviceCountError, resolve_devices
 
 # Outer to inner: model-parallel groups get neighbouring devices. Other names follow these, in the order given.
 AXES = (DATA, FSDP, STAGE, SEQ, EXPERT, MODEL)
@@ -29,10 +29,12 @@ AXES = (DATA, FSDP, STAGE, SEQ, EXPERT, MODEL)
 def is_count(size: object) -> bool:
     """Whether ``size`` is a whole number >= 1 (an axis size, a device or element count); a bool is not.
 
-    >>> is_count(2), is_count(0), is_count(2.0), is_count(True)
-    (True, False, False, False)
+    NumPy integers count as whole numbers.
+
+    >>> is_count(2), is_count(np.int64(2)), is_count(0), is_count(2.0), is_count(True)
+    (True, True, False, False, False)
     """
-    return isinstance(size, int) and not isinstance(size, bool) and size >= 1
+    return isinstance(size, int | np.integer) and not isinstance(size, bool) and bool(size >= 1)
 
 
 def make_mesh(
@@ -55,7 +57,7 @@ def make_mesh(
     {'data': 1, 'seq': 1}
 
     Args:
-      devices: the devices, in order; ``jax.devices()`` by default.
+      devices: the devices, in order, or a count (the first ones); ``jax.devices()`` by default.
       data: the ``data`` axis size; ``None`` takes the devices the other axes leave.
       **axes: other axis sizes by name (``stage``, ``model``, ``seq``, ...; whole numbers >= 1).
 
@@ -64,10 +66,14 @@ def make_mesh(
       (shardings propagate through the program, as with ``Mesh(...)``).
 
     Raises:
-      ValueError: an axis size that is not a whole number >= 1, or sizes whose product
-        is not the device count (the message names the numbers).
+      ValueError: an axis size that is not a whole number >= 1, sizes whose product
+        is not the device count (the message names the numbers), an empty axis name, one
+        that differs from a kit axis only by case or spaces (``Model``, ``"data "``), or a
+        device listed twice.
     """
-    devices = list(jax.devices() if devices is None else devices)
+    devices = resolve_devices(devices)
+    for name in axes:
+        _check_axis_name(name)
     sizes = {DATA: data, **{name: axes[name] for name in AXES if name in axes}, **axes}
     for name, size in sizes.items():
         if size is not None and not is_count(size):
@@ -89,6 +95,18 @@ def make_mesh(
     names = tuple(shape)
     grid = np.array(devices, dtype=object).reshape([shape[name] for name in names])
     return Mesh(grid, names, axis_types=(jax.sharding.AxisType.Auto,) * len(names))
+
+
+def _check_axis_name(name: str) -> None:
+    """Refuse an empty axis name, and one that differs from the kit's own only by case or spaces."""
+    if not name.strip():
+        raise ValueError(f"Mesh axis name {name!r} is empty: name it, for example {MODEL}=... or {SEQ}=....")
+    near = [axis for axis in AXES if axis == name.strip().lower()]
+    if near and name != near[0]:
+        raise ValueError(
+            f"Mesh axis {name!r} is not the kit's {near[0]!r}: axis names are exact, and rules for {near[0]!r} "
+            f"would never split it. Write {near[0]}=...."
+        )
 
 
 def _spell(sizes: dict[str, int | None]) -> str:

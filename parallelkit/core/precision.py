@@ -44,6 +44,7 @@ than a new, unmaintained dependency would cost.
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -61,22 +62,34 @@ FACTOR = 2.0  # a dynamic scale doubles or halves
 MIN_SCALE = 1.0  # a dynamic scale never halves below this (jmp's min_loss_scale)
 
 FLOATING = ("float16", "bfloat16", "float32", "float64")
+FLOAT32_MAX = float(np.finfo(np.float32).max)  # a scale is float32: larger is infinite
+
+
+class PrecisionWarning(UserWarning):
+    """A precision policy that runs, but is unlikely to train as meant (float16 without a loss scale)."""
 
 
 def floating_dtype(name: Any, what: str) -> jnp.dtype:
-    """``name`` as a floating dtype; a clear error for a name JAX does not know or a non-floating dtype.
+    """``name`` as one of the floating dtypes a policy can train in; a clear error for any other.
+
+    ``None`` is refused (``jnp.dtype(None)`` is float64), and so are the float8 formats (no
+    update can be kept in them) and float64 while JAX's 64-bit mode is off (JAX would compute
+    in float32 without a word).
 
     >>> floating_dtype("bfloat16", "compute")
     dtype(bfloat16)
     """
     try:
-        dtype = jnp.dtype(name)
+        dtype = None if name is None else jnp.dtype(name)
     except TypeError as err:
         raise ValueError(f"Precision({what}={name!r}): unknown dtype; use one of {FLOATING}.") from err
-    if not jnp.issubdtype(dtype, jnp.floating):
+    if dtype is None or dtype.name not in FLOATING:
+        kind = "not a dtype" if dtype is None else f"{dtype} is not a floating dtype a step can train in"
+        raise ValueError(f"Precision({what}={name!r}): {kind}; use one of {FLOATING}.")
+    if dtype.name == "float64" and not jax.config.read("jax_enable_x64"):
         raise ValueError(
-            f"Precision({what}={name!r}): {dtype} is not a floating dtype, so it cannot hold parameters or "
-            f"gradients; use one of {FLOATING}."
+            f"Precision({what}='float64'): JAX's 64-bit mode is off, so it would compute in float32. Turn it on "
+            "first (jax.config.update('jax_enable_x64', True)) or use 'float32'."
         )
     return dtype
 
@@ -107,8 +120,12 @@ class Precision:
     True
 
     Raises:
-      ValueError: an unknown or non-floating dtype, a loss scale that is neither ``"dynamic"`` nor a
-        finite number > 0, or a ``period`` or ``initial_scale`` out of range.
+      ValueError: a dtype other than float16, bfloat16, float32 (and float64 in JAX's 64-bit mode), a
+        loss scale that is neither ``"dynamic"`` nor a number > 0 that float32 holds, a ``period`` or
+        ``initial_scale`` out of range, or float16 parameters with a loss scale (keep them in float32).
+
+    Warns:
+      PrecisionWarning: float16 compute without a loss scale (gradients underflow to zero).
     """
 
     params: str = "float32"
@@ -118,17 +135,41 @@ class Precision:
     initial_scale: float = INITIAL_SCALE
 
     def __post_init__(self) -> None:
-        floating_dtype(self.params, "params")
-        floating_dtype(self.compute, "compute")
+        params, compute = floating_dtype(self.params, "params"), floating_dtype(self.compute, "compute")
+        object.__setattr__(self, "params", params.name)
+        object.__setattr__(self, "compute", compute.name)
         scale = self.loss_scale
-        if scale is not None and scale != "dynamic" and not _positive(scale):
+        if not (scale is None or (isinstance(scale, str) and scale == "dynamic") or _positive(scale)):
             raise ValueError(
-                f"Precision(loss_scale={scale!r}): use 'dynamic', a fixed number > 0 (such as 1024.0), or None."
+                f"Precision(loss_scale={scale!r}): use 'dynamic', a fixed number > 0 that float32 holds (such as "
+                "1024.0), or None."
             )
-        if isinstance(self.period, bool) or not isinstance(self.period, int) or self.period < 1:
+        if _positive(scale):
+            object.__setattr__(self, "loss_scale", float(scale))  # a NumPy scalar is a number too
+        if isinstance(self.period, bool) or not isinstance(self.period, int | np.integer) or self.period < 1:
             raise ValueError(f"Precision(period={self.period!r}): the finite steps before doubling, an integer >= 1.")
+        object.__setattr__(self, "period", int(self.period))
         if not _positive(self.initial_scale):
-            raise ValueError(f"Precision(initial_scale={self.initial_scale!r}): use a finite number > 0.")
+            raise ValueError(
+                f"Precision(initial_scale={self.initial_scale!r}): use a finite number > 0 that float32 holds "
+                f"(at most {FLOAT32_MAX:.4g}; the default is {INITIAL_SCALE:g})."
+            )
+        object.__setattr__(self, "initial_scale", float(self.initial_scale))
+        if params.name == "float16" and scale is not None:
+            raise ValueError(
+                "Precision(params='float16', loss_scale=...): a loss scale protects float16 gradients, but float16 "
+                "master weights and optimizer state still overflow or underflow in the update (Adam's second "
+                "moment, eps=1e-8, is 0 in float16), and a step whose update is not finite would be applied. "
+                "Keep the parameters in float32 with pk.Precision.fp16(), as PyTorch's GradScaler asks too."
+            )
+        if compute.name == "float16" and scale is None:
+            warnings.warn(
+                "Precision(compute='float16') without a loss scale: small gradients underflow to 0 in float16 "
+                "(below about 6e-8), and the step trains on zeros without a word. Use pk.Precision.fp16() "
+                "(a dynamic loss scale), or bfloat16, which needs none.",
+                PrecisionWarning,
+                stacklevel=3,
+            )
 
     @classmethod
     def bf16(cls) -> Precision:
@@ -168,7 +209,9 @@ class Precision:
 
 
 def _positive(x: Any) -> bool:
-    return isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x) and x > 0
+    """A number (NumPy scalars too) > 0 that float32 holds."""
+    number = isinstance(x, int | float | np.integer | np.floating) and not isinstance(x, bool | np.bool_)
+    return number and math.isfinite(x) and 0 < x <= FLOAT32_MAX
 
 
 def cast_floating(tree: PyTree, dtype: jnp.dtype) -> PyTree:

@@ -12,6 +12,7 @@ import jax
 from .accumulate import Accumulation, ReplicaCopies
 from .contract import Batch, LossFn, LossInputError, Metrics, PyTree, _loss_with_aux, batch_size, explain_input_error
 from .precision import Precision, all_finite, check_param_dtypes, guarded, mixed_loss, unscale, with_loss_scale
+from .skipped import StepWatch
 from .state import TrainState
 
 if TYPE_CHECKING:
@@ -121,7 +122,8 @@ class Step:
     Passing a state that an earlier call already consumed (its buffers are donated
     to the step) raises a ``ValueError`` that says so. With a dynamic loss scale
     (``precision``), a state without one gets a fresh one on the way in
-    (:func:`~parallelkit.core.precision.with_loss_scale`).
+    (:func:`~parallelkit.core.precision.with_loss_scale`), and a run whose steps are skipped one
+    after another (gradients never finite) warns once (:mod:`parallelkit.core.skipped`).
     """
 
     def __init__(
@@ -138,6 +140,9 @@ class Step:
         devices = strategy.devices
         paced = len(devices) > 1 and all(d.platform == "cpu" for d in devices)
         self._in_flight: deque | None = deque() if paced else None
+        scaled = precision is not None and precision.loss_scale is not None
+        # Warns of a run whose steps are all skipped; None turns it off (pk.fit stops such a run itself).
+        self.watch: StepWatch | None = StepWatch(precision) if scaled else None
 
     def __call__(self, state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:
         # A donated state must never reach the program: pmap crashes the process on one.
@@ -154,6 +159,8 @@ class Step:
             if "deleted" in str(err) and any(is_deleted(x) for x in jax.tree.leaves(state)):
                 raise ValueError(DONATED_STATE) from err
             raise
+        if self.watch is not None:
+            self.watch.observe(out[1])
         if self._in_flight is not None:
             self._in_flight.append(out[1])
             if len(self._in_flight) > MAX_STEPS_IN_FLIGHT:
@@ -190,6 +197,30 @@ class Step:
 
     def __repr__(self) -> str:
         return f"Step({self.strategy!r})"
+
+
+def check_step_call(who: str, step: Any, state: Any) -> None:
+    """Raise a ``TypeError`` naming what was given when ``step`` and ``state`` are not a step and its state.
+
+    For the tools that compile or run ``step(state, batch)`` (``who``: ``"pk.inspect.flops"``, ...):
+    a strategy or a loss passed where its step belongs, or parameters where the state belongs.
+    """
+    if hasattr(step, "init") and hasattr(step, "step"):
+        raise TypeError(
+            f"{who} got the strategy {step!r}, not a step: pass step = strategy.step(loss_fn) and its state, "
+            f"{who}(step, state, batch)."
+        )
+    if not hasattr(step, "lower"):
+        name = getattr(step, "__name__", type(step).__name__)
+        raise TypeError(
+            f"{who} got {name!r}, which is not a compiled step (it has no .lower): pass strategy.step(loss_fn) "
+            "(or a jax.jit function) with the state it takes."
+        )
+    if isinstance(step, Step) and not isinstance(state, TrainState):
+        raise TypeError(
+            f"{who} got a {type(state).__name__} as the state: pass the state the strategy made, "
+            f"state = strategy.init(params, optimizer), not the parameters."
+        )
 
 
 DONATED_STATE = (

@@ -6,7 +6,8 @@ print peaks (``hardware``); this module measures what this machine delivers to J
 
 - **matmul FLOP/s**: an ``n x n`` matrix product, ``2 n^3`` FLOPs, in float32 and in
   bfloat16 (reported as measured, also where the device has no bfloat16 arithmetic
-  and converts, as many CPUs do);
+  and converts, as many CPUs do). The float32 product runs at JAX's default precision,
+  which on recent NVIDIA GPUs is TensorFloat-32, not float32 arithmetic (see ``hardware``);
 - **memory bandwidth**: ``x + 1`` in place on an array (64 MiB quick, 256 MiB in
   full) larger than most CPUs' last-level cache: it reads and writes each element once, so
   ``2 x bytes`` move per call;
@@ -14,7 +15,8 @@ print peaks (``hardware``); this module measures what this machine delivers to J
   device quick, to 64 MiB in full), fitted by least squares to the alpha-beta model
   ``t = alpha + beta x bytes``: ``alpha`` the latency, ``1 / beta`` the bandwidth,
   where ``bytes`` is the buffer each device contributes (the "algorithm bandwidth";
-  a ring sends ``2 (n - 1) / n`` times that per device).
+  a ring sends ``2 (n - 1) / n`` times that per device). It is not a link bandwidth:
+  ``roofline.data_parallel_min_batch_from_allreduce`` takes it, with ``alpha``.
 
 Every time is the median of several calls, after a first call that compiles (and is not
 timed), each read after ``jax.block_until_ready``. Simulated CPU devices share the
@@ -67,7 +69,8 @@ class Ceilings:
     matmul_bf16: Measured  # FLOP/s
     memory: Measured  # bytes/s, read + written
     allreduce_latency: Measured | None  # seconds (alpha); None with one device
-    allreduce_bandwidth: Measured | None  # bytes/s (1 / beta); None with one device
+    # bytes/s (1 / beta): the algorithm bandwidth, buffer bytes per device over seconds; None with one device
+    allreduce_bandwidth: Measured | None
 
     def figures(self) -> dict[str, Measured]:
         """The figures that were measured, by name."""

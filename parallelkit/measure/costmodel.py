@@ -209,8 +209,11 @@ class Workload:
     device, e.g. a single-device step's ``pk.inspect.flops(...).flops`` over its batch) at
     ``efficiency x peak_flops`` FLOP/s, with ``peak_flops`` measured (``pk.measure_ceilings()``'s
     ``matmul_f32.value``) or published (``hardware.PUBLISHED[...].bf16_flops``) and
-    ``efficiency`` the share of it a step reaches (its MFU; 1.0, the default, assumes the
-    peak). A compiled step's count includes its optimizer update, which divided by the
+    ``efficiency`` the share of it a step reaches: its FLOPs utilisation
+    (``roofline.flops_utilisation``) by the count given as ``flops_per_sample`` and the
+    peak given as ``peak_flops``; 1.0, the default, assumes the peak. It is PaLM's MFU
+    (``roofline.mfu``) only for the model's FLOPs (``flops.dense_training_flops``) over a
+    published peak. A compiled step's count includes its optimizer update, which divided by the
     batch becomes part of each sample's FLOPs. ``seconds_per_sample``, when given,
     overrides the FLOPs: a measured or assumed time.
 
@@ -235,7 +238,7 @@ class Workload:
     expert_bytes: float = 0.0  # the part of param_bytes that is expert weights (split over the expert axis)
     flops_per_sample: float | None = None  # one sample's forward and backward, the whole model on one device
     peak_flops: float | None = None  # one device's FLOP/s: measured (ceilings) or published (hardware)
-    efficiency: float = 1.0  # the fraction of peak_flops a step reaches (its MFU), in (0, 1]
+    efficiency: float = 1.0  # FLOPs utilisation: flops_per_sample's FLOP/s reached over peak_flops, in (0, 1]
     # splitting the sequence (parallelkit.measure.sequence_costs): one sample's (length, dim) activation in
     # bytes (the size of its keys, or values, in one layer), and the attention layers
     sequence_bytes: float = 0.0

@@ -36,6 +36,8 @@ from typing import Any
 import jax
 import numpy as np
 
+from ..core.step import check_step_call
+
 
 @dataclass(frozen=True)
 class StepCost:
@@ -112,6 +114,7 @@ def flops(step: Any, state: Any, batch: Any) -> StepCost:
     Returns:
         The :class:`StepCost` of one device's program.
     """
+    check_step_call("pk.inspect.flops", step, state)
     return cost_of(step.lower(state, batch).compile())
 
 
@@ -138,7 +141,8 @@ def dense_training_flops(params: Any, tokens: int, *, layers: int = 0, seq_len: 
     (heads x head size) = ``d_model``; the JAX scaling book's "All the Transformer Math
     You Need to Know" (https://jax-ml.github.io/scaling-book/transformers/) derives the
     same terms. Causal attention does only about half the attention work; the formula
-    counts it whole, as PaLM's does.
+    counts it whole, as PaLM's does. It is the "model FLOPs" of PaLM's MFU
+    (``roofline.mfu``); other counts give other utilisations (``roofline.flops_utilisation``).
 
     Args:
         params: the parameter count, or the parameters themselves (a pytree).

@@ -2,7 +2,7 @@
 
 One table, :data:`PUBLISHED`, one row per chip, each figure with its source. These are
 datasheet peaks: real programs reach a fraction of them (``ceilings`` measures the
-machine you are on; ``roofline.mfu`` says what fraction a step reached).
+machine you are on; ``roofline.flops_utilisation`` says what fraction a step reached).
 
 How to read them:
 
@@ -11,11 +11,20 @@ How to read them:
   Training dense models gets the dense figure, the one in this table.
 - **fp32** is the plain float32 (non-tensor-core) rate; the TPU pages publish none
   (``None``): the matrix units take bfloat16 inputs.
+- **tf32** is the tensor-core rate for float32 inputs rounded to TensorFloat-32 (10
+  mantissa bits). JAX computes float32 matrix products that way on these GPUs by
+  default (``jax.default_matmul_precision``, unset; its "Matmul precision" page:
+  https://docs.jax.dev/en/latest/201/precision.html), so a JAX user's float32 matmuls
+  there meet this rate, not fp32's: bfloat16's is 2 times TF32's, 15 to 16 times fp32's.
+  Set ``jax.default_matmul_precision("float32")`` (or ``precision="highest"`` on a
+  product) for true float32 products. The TPU pages publish no TF32 rate (``None``).
 - **Links per direction.** Vendors print NVLink and ICI bandwidth summed over both
   directions; a collective's bytes flow both ways at once, each way at half that. The
   table stores the per-direction figure, the printed one in the note. It is the chip's
   total over all its links: through an NVLink switch one GPU can use all of it, while
-  on a TPU torus a collective along one mesh axis uses only that axis's links.
+  on a TPU torus a collective along one mesh axis uses only that axis's links, the
+  total over ``link_axes`` (2 axes on v5e's 2D torus, 3 on v5p's 3D torus):
+  :attr:`Chip.axis_link_bytes_per_s`.
 - **Network per chip.** The inter-node figure is the network bandwidth one chip gets
   when every chip talks at once: a DGX H100 has one 400 Gb/s adapter per GPU, a TPU
   v5e host two 100 Gb/s NICs for its 8 chips.
@@ -32,13 +41,24 @@ class Chip:
 
     name: str
     bf16_flops: float  # dense bfloat16 FLOP/s
-    fp32_flops: float | None  # float32 FLOP/s, None where unpublished
+    fp32_flops: float | None  # float32 FLOP/s without tensor cores, None where unpublished
+    tf32_flops: float | None  # dense TensorFloat-32 tensor-core FLOP/s, None where unpublished
     hbm_bytes_per_s: float  # memory bandwidth
-    link_bytes_per_s: float  # inside a node / slice (NVLink, ICI), per direction
+    link_bytes_per_s: float  # inside a node / slice (NVLink, ICI), per direction, all links together
+    link_axes: int  # mesh axes the links are split over: 1 through a switch, a torus's dimensions
     network_bytes_per_s: float  # between nodes, per chip, per direction
     link_name: str
     sources: tuple[str, ...]
     note: str
+
+    @property
+    def axis_link_bytes_per_s(self) -> float:
+        """Bytes/s each way that a collective along one mesh axis gets: ``link_bytes_per_s / link_axes``.
+
+        >>> PUBLISHED["TPU v5p"].axis_link_bytes_per_s / 1e9  # 600 GB/s each way over 3 torus axes
+        200.0
+        """
+        return self.link_bytes_per_s / self.link_axes
 
 
 PUBLISHED: dict[str, Chip] = {
@@ -46,8 +66,10 @@ PUBLISHED: dict[str, Chip] = {
         name="NVIDIA H100 SXM (80 GB)",
         bf16_flops=989.5e12,  # half the printed 1,979 TFLOPS "with sparsity"
         fp32_flops=67e12,
+        tf32_flops=494.5e12,  # half the printed 989 TFLOPS "with sparsity"
         hbm_bytes_per_s=3.35e12,
         link_bytes_per_s=450e9,
+        link_axes=1,  # every NVLink goes to the NVSwitches: any collective can use all of them
         network_bytes_per_s=50e9,  # one 400 Gb/s ConnectX-7 per GPU in a DGX H100
         link_name="NVLink 4",
         sources=(
@@ -60,8 +82,10 @@ PUBLISHED: dict[str, Chip] = {
         name="NVIDIA A100 SXM (80 GB)",
         bf16_flops=312e12,  # half the printed 624 TFLOPS "with sparsity"
         fp32_flops=19.5e12,
+        tf32_flops=156e12,  # half the printed 312 TFLOPS "with sparsity"
         hbm_bytes_per_s=2.039e12,
         link_bytes_per_s=300e9,
+        link_axes=1,  # every NVLink goes to the NVSwitches
         network_bytes_per_s=25e9,  # one 200 Gb/s HDR InfiniBand adapter per GPU in a DGX A100
         link_name="NVLink 3",
         sources=(
@@ -74,8 +98,10 @@ PUBLISHED: dict[str, Chip] = {
         name="Google Cloud TPU v5e",
         bf16_flops=197e12,
         fp32_flops=None,
+        tf32_flops=None,
         hbm_bytes_per_s=819e9,
         link_bytes_per_s=200e9,
+        link_axes=2,  # 2D torus, 4 ICI ports: 2 per axis
         network_bytes_per_s=3.125e9,  # 2 x 100 Gb/s per host, 8 chips per host
         link_name="ICI",
         sources=("https://cloud.google.com/tpu/docs/v5e",),
@@ -85,8 +111,10 @@ PUBLISHED: dict[str, Chip] = {
         name="Google Cloud TPU v5p",
         bf16_flops=459e12,
         fp32_flops=None,
+        tf32_flops=None,
         hbm_bytes_per_s=2765e9,
         link_bytes_per_s=600e9,
+        link_axes=3,  # 3D torus: 6 neighbours, 2 per axis
         network_bytes_per_s=6.25e9,  # 50 Gb/s data-center network per chip
         link_name="ICI",
         sources=("https://cloud.google.com/tpu/docs/v5p",),
@@ -98,15 +126,17 @@ PUBLISHED: dict[str, Chip] = {
 def table() -> str:
     """The published figures as aligned text, one chip a line (TFLOP/s and GB/s).
 
-    >>> print(table().splitlines()[0])
-    chip                     bf16 TFLOP/s  fp32 TFLOP/s  HBM GB/s  link GB/s (each way)  network GB/s (per chip)
+    >>> print(table().splitlines()[0])  # doctest: +NORMALIZE_WHITESPACE
+    chip bf16 TFLOP/s  tf32 TFLOP/s  fp32 TFLOP/s  HBM GB/s  link GB/s (each way)
+    network GB/s (per chip)
     """
-    head = f"{'chip':<24} {'bf16 TFLOP/s':>12}  {'fp32 TFLOP/s':>12}  {'HBM GB/s':>8}  {'link GB/s (each way)':>20}"
+    flops = "  ".join(f"{name + ' TFLOP/s':>12}" for name in ("bf16", "tf32", "fp32"))
+    head = f"{'chip':<24} {flops}  {'HBM GB/s':>8}  {'link GB/s (each way)':>20}"
     lines = [head + f"  {'network GB/s (per chip)':>23}"]
     for chip in PUBLISHED.values():
-        fp32 = "-" if chip.fp32_flops is None else f"{chip.fp32_flops / 1e12:g}"
+        tf32, fp32 = ("-" if x is None else f"{x / 1e12:g}" for x in (chip.tf32_flops, chip.fp32_flops))
         lines.append(
-            f"{chip.name:<24} {chip.bf16_flops / 1e12:>12g}  {fp32:>12}  {chip.hbm_bytes_per_s / 1e9:>8g}  "
+            f"{chip.name:<24} {chip.bf16_flops / 1e12:>12g}  {tf32:>12}  {fp32:>12}  {chip.hbm_bytes_per_s / 1e9:>8g}  "
             f"{chip.link_bytes_per_s / 1e9:>20g}  {chip.network_bytes_per_s / 1e9:>23g}"
         )
     return "\n".join(lines)

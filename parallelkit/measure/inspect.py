@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import jax
 
+from ..core.step import check_step_call
 from .flops import StepCost as StepCost
 from .flops import flops as flops
 
@@ -49,6 +50,46 @@ class Collective:
     bytes: int  # of its result on one device
     group_size: int | None  # devices taking part in each group, where the HLO says
     pairs: tuple[tuple[int, int], ...] | None = None  # a permute's (source, target) mesh positions
+
+    def sent_bytes(self, n: int | None = None) -> float:
+        """The bytes one device sends for this collective, one way, in a group of ``n`` (by default its group's size).
+
+        :func:`sent_bytes` of its kind and :attr:`bytes`. A permute's needs no group size.
+
+        Raises:
+          ValueError: neither ``n`` nor the HLO gave the group's size, for a kind that needs it.
+        """
+        n = self.group_size if n is None else n
+        if n is None and self.op != "collective-permute":
+            raise ValueError(f"The HLO names no replica groups for this {self.op}: pass n, the devices in its group.")
+        return sent_bytes(self.op, self.bytes, n or 1)
+
+
+def sent_bytes(op: str, payload: float, n: int) -> float:
+    """The bytes one device sends, one way, for one collective of kind ``op`` over ``n`` devices.
+
+    ``payload`` is the collective's size as :func:`parse_collectives` reads it: its result
+    on one device. The figures are those of the ring algorithms, the same for every device:
+
+    - ``all-reduce`` of ``S``: ``2 (n-1)/n S`` (a reduce-scatter, then an all-gather);
+    - ``all-gather`` whose gathered result is ``S``: ``(n-1)/n S``, the other devices' pieces;
+    - ``reduce-scatter`` of an input ``S`` to a shard ``S/n`` (the payload): ``(n-1)/n S``;
+    - ``collective-permute``: its operand, whatever ``n``;
+    - ``all-to-all`` of ``S``: ``(n-1)/n S``, all but the piece a device keeps.
+
+    The payload counts an all-gather's whole output and a reduce-scatter's shard, so it
+    does not compare one kind of collective with another; these bytes do.
+
+    >>> [sent_bytes(op, 1200, 4) for op in COLLECTIVES]
+    [1800.0, 900.0, 3600.0, 1200.0, 900.0]
+    """
+    if op not in COLLECTIVES:
+        raise ValueError(f"{op!r} is not a collective: choose one of {list(COLLECTIVES)}.")
+    if op == "collective-permute":
+        return float(payload)
+    if op == "reduce-scatter":  # the input is n shards
+        return float((n - 1) * payload)
+    return (2 if op == "all-reduce" else 1) * (n - 1) / n * payload
 
 
 def _arrays(shape: str) -> list[tuple[str, int, int]]:
@@ -121,6 +162,7 @@ def parse_collectives(hlo_text: str) -> list[Collective]:
 
 def compiled_text(step, *args) -> str:
     """The optimized HLO of ``step`` (a jitted/pmapped function or a :class:`~parallelkit.Step`)."""
+    check_step_call("pk.inspect.compiled_text", step, args[0] if args else None)
     return step.lower(*args).compile().as_text()
 
 
@@ -131,6 +173,7 @@ def collectives(step, *args) -> list[Collective]:
     listed once, though it runs once per iteration: multiply by the trip count for the
     bytes a step moves.
     """
+    check_step_call("pk.inspect.collectives", step, args[0] if args else None)
     return parse_collectives(compiled_text(step, *args))
 
 
@@ -193,6 +236,7 @@ def memory_per_device(step, *args) -> MemoryUse:
     backend XLA's ``peak_memory_in_bytes`` is argument + output - alias and leaves out the
     temporaries, so :attr:`MemoryUse.total` adds them back.
     """
+    check_step_call("pk.inspect.memory_per_device", step, args[0] if args else None)
     stats = step.lower(*args).compile().memory_analysis()
     return MemoryUse(
         argument=int(stats.argument_size_in_bytes),

@@ -36,6 +36,8 @@ from typing import Any
 
 import jax
 
+from ..core.step import check_step_call
+
 COMPUTE, COLLECTIVE, TRANSFER = "compute", "collective", "transfer"
 KINDS = (COMPUTE, COLLECTIVE, TRANSFER)
 _COLLECTIVE_OP = re.compile(
@@ -222,6 +224,7 @@ def profile(
     """
     if not (isinstance(steps, int) and steps >= 1):
         raise ValueError(f"profile(steps={steps!r}): trace at least one step (an int >= 1).")
+    check_step_call("pk.profile", step, state)
     logdir = Path(logdir) if logdir is not None else Path(tempfile.mkdtemp(prefix="parallelkit-trace-"))
     if warmup:
         state, metrics = step(state, batch)

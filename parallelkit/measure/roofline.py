@@ -9,7 +9,9 @@ it, compute-bound. Williams, Waterman and Patterson, "Roofline: An Insightful Vi
 Performance Model for Multicore Architectures" (CACM, 2009).
 
 The same reasoning with the network in place of memory tells when data parallelism
-keeps its devices busy: :func:`data_parallel_min_batch`.
+keeps its devices busy: :func:`data_parallel_min_batch` from a link's bandwidth (bytes/s
+each way, as ``hardware`` stores it), :func:`data_parallel_min_batch_from_allreduce` from
+an all-reduce's fitted latency and algorithm bandwidth (as ``ceilings`` measures them).
 
 Every function here is pure arithmetic on numbers you pass: measured ceilings
 (``ceilings``), published ones (``hardware``) or the compiler's counts (``flops``).
@@ -69,19 +71,36 @@ def achieved_flops(step_flops: float, step_seconds: float) -> float:
     return step_flops / step_seconds
 
 
-def mfu(step_flops: float, step_seconds: float, peak_flops: float) -> float:
-    """Model FLOPs utilisation: achieved FLOP/s over the peak, between 0 and (about) 1.
+def flops_utilisation(step_flops: float, step_seconds: float, peak_flops: float) -> float:
+    """FLOPs utilisation: a step's FLOPs per second over a peak, between 0 and (about) 1.
 
-    Pass FLOPs and peak for the same scope: one device's program and one device's peak,
-    or the whole step and the peak times the devices. PaLM's MFU counts the model's
-    FLOPs (``dense_training_flops``), not the compiler's, so rematerialised work does not
-    raise it.
+    The figure means what its two inputs mean: say which FLOP count (the compiler's,
+    the matrix products by hand, ``6 N``) and which peak (measured, published). Pass
+    FLOPs and peak for the same scope: one device's program and one device's peak, or
+    the whole step and the peak times the devices. :func:`mfu` is this with PaLM's count
+    and a published peak.
 
-    >>> mfu(3e12, 0.05, 100e12)  # 60 TFLOP/s achieved of 100
+    >>> flops_utilisation(3e12, 0.05, 100e12)  # 60 TFLOP/s achieved of 100
     0.6
     """
     _positive(peak_flops=peak_flops)
     return achieved_flops(step_flops, step_seconds) / peak_flops
+
+
+def mfu(model_flops: float, step_seconds: float, published_peak_flops: float) -> float:
+    """Model FLOPs utilisation, as Chowdhery et al. define it ("PaLM", 2022, Appendix B).
+
+    The model's FLOPs per second over the hardware's peak: ``model_flops`` is
+    ``flops.dense_training_flops`` (``6 N`` per token, plus attention), not the
+    compiler's count, so rematerialised work and the optimizer's update do not raise it;
+    ``published_peak_flops`` is the datasheet peak (``hardware.PUBLISHED``), not a measured
+    one. With any other count or peak the arithmetic is :func:`flops_utilisation`'s, and
+    the figure is not PaLM's MFU.
+
+    >>> mfu(3e12, 0.05, 100e12)  # 60 TFLOP/s of model FLOPs, of a 100 TFLOP/s datasheet peak
+    0.6
+    """
+    return flops_utilisation(model_flops, step_seconds, published_peak_flops)
 
 
 @dataclass(frozen=True)
@@ -118,9 +137,19 @@ def place(
 
 
 def data_parallel_min_batch(
-    peak_flops: float, network_bandwidth: float, *, bytes_per_value: float = 2.0, flops_per_param_token: float = 4.0
+    peak_flops: float,
+    link_bytes_per_s_each_way: float,
+    *,
+    bytes_per_value: float = 2.0,
+    flops_per_param_token: float = 4.0,
 ) -> float:
     """The per-device batch (tokens) above which data parallelism's compute hides its all-reduce.
+
+    ``W`` here is a **link** bandwidth: the bytes one device sends per second (each
+    way), as ``hardware.PUBLISHED`` stores it. For a fitted all-reduce bandwidth (an
+    algorithm bandwidth, ``ceilings``'s ``allreduce_bandwidth``) use
+    :func:`data_parallel_min_batch_from_allreduce`: passed here, it would count the
+    all-reduce's bytes twice.
 
     Each device holds the ``P`` parameters and runs ``B`` tokens a step. Its backward
     pass does ``4 P B`` FLOPs (two matmuls per weight, 2 FLOPs per multiply-add), taking
@@ -133,18 +162,27 @@ def data_parallel_min_batch(
         4 P B / C  >  2 bytes_per_value P / W   <=>   B > (2 bytes_per_value / 4) x C / W
 
     (with ``flops_per_param_token`` in place of the 4), which for bfloat16 gradients
-    (``bytes_per_value=2``) is ``B > C / W``: the JAX scaling
-    book's condition for pure data parallelism ("How to Parallelize a Transformer for
-    Training", section "Data Parallelism",
-    https://jax-ml.github.io/scaling-book/training/). ``P`` cancels: the threshold
-    depends on the hardware alone. Set ``flops_per_param_token=6`` when the all-reduce
-    can overlap the whole step, ``bytes_per_value=4`` for float32 gradients. A ring over
-    ``n`` devices sends ``2 (n - 1) / n`` rather than 2 times the bytes; the condition
-    keeps the large-``n`` limit.
+    (``bytes_per_value=2``) is ``B > C / W``. ``P`` cancels: the threshold depends on
+    the hardware alone. A ring over ``n`` devices sends ``2 (n - 1) / n`` rather than 2
+    times the bytes; the condition keeps the large-``n`` limit. ``bytes_per_value=4``
+    is for float32 gradients.
+
+    This is the JAX scaling book's condition for data parallelism ("How to Parallelize a
+    Transformer for Training", https://jax-ml.github.io/scaling-book/training/). The book's
+    ``W_ici`` is the "bidirectional" bandwidth of one link: both directions of one link,
+    which is what a chip sends per second along one torus axis (one direction on each of
+    its two links on that axis). That is this ``W`` for a collective along one mesh axis
+    (``hardware.Chip.axis_link_bytes_per_s``), with no factor of 2 between them. Fully
+    sharded data parallelism (ZeRO-3) has the same threshold when each pass's gathers
+    overlap that pass's compute, as the book assumes: the forward pass gathers
+    ``bytes_per_value x P`` bytes during ``2 P B`` FLOPs, the backward gathers them again and
+    reduce-scatters the gradients, ``2 x bytes_per_value x P`` bytes during ``4 P B`` FLOPs:
+    the ratio of this all-reduce to the backward pass in both.
 
     Args:
         peak_flops: ``C``, one device's FLOP/s.
-        network_bandwidth: ``W``, one device's bandwidth for the all-reduce, bytes/s each way.
+        link_bytes_per_s_each_way: ``W``, the link bandwidth one device sends at, bytes/s
+            each way (e.g. ``hardware.PUBLISHED[...].link_bytes_per_s``).
         bytes_per_value: bytes per gradient value (2: bfloat16, 4: float32).
         flops_per_param_token: FLOPs per parameter per token that the all-reduce overlaps.
 
@@ -155,8 +193,64 @@ def data_parallel_min_batch(
     """
     _positive(
         peak_flops=peak_flops,
-        network_bandwidth=network_bandwidth,
+        link_bytes_per_s_each_way=link_bytes_per_s_each_way,
         bytes_per_value=bytes_per_value,
         flops_per_param_token=flops_per_param_token,
     )
-    return (2 * bytes_per_value / flops_per_param_token) * peak_flops / network_bandwidth
+    return (2 * bytes_per_value / flops_per_param_token) * peak_flops / link_bytes_per_s_each_way
+
+
+def data_parallel_min_batch_from_allreduce(
+    peak_flops: float,
+    allreduce_bandwidth: float,
+    *,
+    latency: float = 0.0,
+    parameters: float | None = None,
+    bytes_per_value: float = 2.0,
+    flops_per_param_token: float = 4.0,
+) -> float:
+    """The per-device batch above which compute hides an all-reduce of measured cost.
+
+    ``allreduce_bandwidth`` is an **algorithm** bandwidth: the bytes each device
+    contributes to the all-reduce over the seconds it takes, ``1 / beta`` of the fit
+    ``t = alpha + beta x bytes`` that ``ceilings.measure_ceilings`` makes
+    (``allreduce_bandwidth`` and ``allreduce_latency``). An all-reduce of the ``P x
+    bytes_per_value`` bytes of gradients then takes ``alpha + bytes_per_value P / W``
+    seconds, and ``flops_per_param_token x P x B / C`` seconds of compute hide it when
+
+        B > (C / flops_per_param_token) x (bytes_per_value / W + alpha / P).
+
+    ``alpha = latency``; left at 0, the threshold is the large-model limit, where ``P`` cancels.
+    A ring sends about twice the buffer each way, so a link of ``W_link`` bytes/s each
+    way gives about ``W_link / 2`` of algorithm bandwidth: this function at ``W_link / 2``
+    is :func:`data_parallel_min_batch` at ``W_link``. The fit is of one all-reduce; a step
+    that reduces its gradient arrays one by one pays ``alpha`` for each.
+
+    Args:
+        peak_flops: ``C``, one device's FLOP/s.
+        allreduce_bandwidth: ``W``, bytes per device over seconds (``1 / beta``).
+        latency: ``alpha``, seconds; needs ``parameters`` when above 0.
+        parameters: ``P``, the gradient's values.
+        bytes_per_value: bytes per gradient value (2: bfloat16, 4: float32).
+        flops_per_param_token: FLOPs per parameter per token that the all-reduce overlaps.
+
+    >>> data_parallel_min_batch_from_allreduce(1e11, 2e9, bytes_per_value=4)  # (C / 4) x 4 / W
+    50.0
+    >>> data_parallel_min_batch_from_allreduce(1e11, 2e9, latency=20e-6, parameters=1e6, bytes_per_value=4)
+    50.5
+    """
+    _positive(
+        peak_flops=peak_flops,
+        allreduce_bandwidth=allreduce_bandwidth,
+        bytes_per_value=bytes_per_value,
+        flops_per_param_token=flops_per_param_token,
+    )
+    if not latency >= 0:
+        raise ValueError(f"latency={latency!r}: the all-reduce's fitted alpha, in seconds, >= 0.")
+    per_parameter = bytes_per_value / allreduce_bandwidth
+    if latency > 0:
+        if parameters is None:
+            raise ValueError(f"latency={latency!r} needs parameters=P: the latency is paid once for all P values.")
+        _positive(parameters=parameters)
+        per_parameter += latency / parameters
+    return peak_flops / flops_per_param_token * per_parameter

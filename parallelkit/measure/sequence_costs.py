@@ -6,7 +6,12 @@ keys, or of its values, in one layer), and ``layers``. :func:`collectives` lists
 device's step sends, each collective with its count and its payload as
 :func:`parallelkit.measure.inspect.collectives` reads a compiled program (an all-gather's
 gathered result, a reduce-scatter's shard, an all-to-all's or a permute's array), so a
-prediction can be set beside the compiler's own figures. With ``n`` devices splitting
+prediction can be set beside the compiler's own figures. The payload does not compare one
+method with another: an all-gather's counts its whole output. :attr:`Planned.sent_bytes`
+does: the bytes one device sends, one way, by
+:func:`parallelkit.measure.inspect.sent_bytes`, the same rule that
+:meth:`parallelkit.measure.inspect.Collective.sent_bytes` applies to the compiled
+program's collectives. With ``n`` devices splitting
 each sequence, a group of ``n`` takes ``n x batch_per_device`` samples (the cost model's
 convention), so each device holds a block of ``b = batch_per_device x sequence_bytes``
 of every ``(length, dim)`` activation (``1/n`` of the group's sequences' tokens). Per layer,
@@ -14,11 +19,13 @@ forward and backward:
 
 - ``context_allgather``: keys and values all-gathered (``2 x``, each ``n b``), their
   gradients reduce-scattered (``2 x``, each ``b``): ``(n-1)/n`` of the K,V bytes arrive;
+  each device sends ``4 (n-1) b``;
 - ``context_ring``: keys and values passed on ``n - 1`` times forward, their gradients
-  ``n - 1`` times backward (``4 (n-1)`` permutes of ``b``);
+  ``n - 1`` times backward (``4 (n-1)`` permutes of ``b``): it sends the same ``4 (n-1) b``;
 - ``context_ring_zigzag``: the ring, and q, k, v into the zig-zag layout and the output back
-  (``8`` permutes of ``b/2`` each way: ``16``);
-- ``context_ulysses``: q, k, v and the output by all-to-all, forward and backward (``8`` of ``b``);
+  (``8`` permutes of ``b/2`` each way: ``16``): ``4 (n-1) b + 8 b``;
+- ``context_ulysses``: q, k, v and the output by all-to-all, forward and backward (``8`` of ``b``):
+  ``8 (n-1)/n b``, as much as the ring on 2 devices and less on more;
 - ``sequence_parallel``: the 2 all-reduces of each block forward and 2 backward, each
   a reduce-scatter (shard ``b``) and an all-gather (``n b``); their time is the ring
   all-reduce's, whose two halves they are.
@@ -27,19 +34,22 @@ The gradients of the replicated parameters are all-reduced over every device, as
 mirrored training (``context_*``: hidden behind compute by ``overlap``, like data parallelism's),
 or over the data groups (``sequence_parallel``, as for hybrid). Times follow the cost model's
 rounds: an all-gather or reduce-scatter is ``n - 1`` ring rounds of ``1/n`` of the gathered
-array, a permute one round, an all-to-all ``n - 1`` rounds of ``b/n`` to one peer each.
+array, a permute one round, an all-to-all ``n - 1`` rounds of ``b/n`` to one peer each: in
+those rounds each device sends :attr:`Planned.sent_bytes`.
 
 >>> from parallelkit.measure.costmodel import Workload
 >>> work = Workload(0, 1e-3, batch_per_device=2, sequence_bytes=1024, layers=3)
 >>> [(c.op, c.count, c.payload) for c in collectives(work, "context_ring", 4)]
 [('collective-permute', 36, 2048)]
+>>> [(c.op, c.payload, c.sent_bytes) for c in collectives(work, "context_allgather", 4)]
+[('all-gather', 8192, 36864.0), ('reduce-scatter', 2048, 36864.0)]
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from . import costmodel
+from . import costmodel, inspect
 from .costmodel import Cluster, Options, Pattern, Workload
 
 CONTEXT_METHODS = ("allgather", "ring", "ring_zigzag", "ulysses")
@@ -47,15 +57,23 @@ CONTEXT_METHODS = ("allgather", "ring", "ring_zigzag", "ulysses")
 
 @dataclass(frozen=True)
 class Planned:
-    """``count`` collectives ``op`` in one device's step, each of ``payload`` bytes (pk.inspect's convention)."""
+    """``count`` collectives ``op`` over ``devices`` in one device's step, each of ``payload`` bytes (pk.inspect's
+    convention)."""
 
     op: str
     count: int
     payload: float
+    devices: int
 
     @property
     def bytes(self) -> float:
+        """All their payloads: what the compiled program's collectives state, to set beside them."""
         return self.count * self.payload
+
+    @property
+    def sent_bytes(self) -> float:
+        """The bytes one device sends for all of them, one way (:func:`parallelkit.measure.inspect.sent_bytes`)."""
+        return self.count * inspect.sent_bytes(self.op, self.payload, self.devices)
 
 
 def collectives(workload: Workload, strategy: str, n: int) -> list[Planned]:
@@ -80,7 +98,7 @@ def collectives(workload: Workload, strategy: str, n: int) -> list[Planned]:
     if n == 1:
         return []
     b, layers = workload.batch_per_device * workload.sequence_bytes, workload.layers
-    return [Planned(op, count * layers, payload) for op, count, payload in PLANS[name](n, b) if count]
+    return [Planned(op, count * layers, payload, n) for op, count, payload in PLANS[name](n, b) if count]
 
 
 PLANS = {  # per layer: (op, count, payload) for n devices and a block of b bytes

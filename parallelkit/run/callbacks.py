@@ -8,7 +8,8 @@ A callback sees the run through four hooks, in this order::
     on_train_end(history, interrupted)     # once, unless the run stopped with an exception
 
 ``fit`` puts its own callbacks first, then the user's: :class:`NonFiniteCheck` (stop on
-a NaN or infinite loss), then :class:`Checkpointing` (save every K steps, at the end and
+a NaN or infinite loss), :class:`SkippedStepsCheck` (with a loss scale: stop a run whose every
+step is skipped), then :class:`Checkpointing` (save every K steps, at the end and
 on an error). Live views (``pk.widgets.TimingDashboard``,
 ``pk.distributed.ReportProgress``) are callbacks of the same kind.
 
@@ -30,7 +31,10 @@ import numpy as np
 import optax
 
 from ..core.contract import PyTree
+from ..core.precision import LossScaleState, Precision
+from ..core.skipped import ADVICE, NonFiniteGradientsError, SkippedSteps
 from ..core.state import TrainState
+from ..core.step import loss_and_grads
 from ..measure.timing import StepTimes
 from ..strategies.base import Strategy
 from .checkpoint import Checkpoints
@@ -120,6 +124,57 @@ class NonFiniteCheck(Callback):
                 f"The loss became {record.loss} at step {self.first + record.step} of the run. Lower the learning "
                 "rate, check the data for NaN or infinite values, or pass check_finite=False to keep going."
             )
+
+
+class SkippedStepsCheck(Callback):
+    """Stops a run with a loss scale whose steps are all skipped, naming the gradients that are not finite.
+
+    A stuck run (:class:`~parallelkit.core.skipped.SkippedSteps`: ``SKIPPED_STEPS_LIMIT`` skipped
+    steps in a row under a fixed scale, or one at a dynamic scale's floor) ends with
+    :class:`~parallelkit.core.skipped.NonFiniteGradientsError`. ``nonfinite`` names the parameters
+    whose gradients are not finite, from the last step's batch and scale.
+
+    Args:
+      precision: the run's policy, with a loss scale.
+      first: the step the run started from (a resumed run's), so the message names the run's step.
+      nonfinite: ``scale -> parameter paths`` (see :func:`nonfinite_gradients`).
+    """
+
+    def __init__(self, precision: Precision, first: int, nonfinite: Callable[[float], list[str]]):
+        self.count, self.first, self.nonfinite = SkippedSteps(precision), first, nonfinite
+
+    def on_step_end(self, record: StepRecord) -> None:
+        scale = record.metrics["loss_scale"]
+        message = self.count.update(record.metrics["grads_finite"], scale)
+        if message is None:
+            return
+        try:
+            found = self.nonfinite(float(scale))
+            which = (
+                f"Recomputed on one device with the last batch, these gradients are not finite: {', '.join(found)}."
+                if found
+                else "Recomputed on one device with the last batch, every gradient was finite."
+            )
+        except Exception as err:  # a strategy whose loss does not run whole on one device (a pipeline's head)
+            which = f"(Recomputing the gradients on one device to name them failed: {type(err).__name__}: {err})"
+        raise NonFiniteGradientsError(f"At step {self.first + record.step} of the run: {message} {which} {ADVICE}")
+
+
+def nonfinite_gradients(
+    loss_fn: Callable, params: PyTree, batch: PyTree, precision: Precision, scale: float
+) -> list[str]:
+    """The paths of the parameters whose gradients on ``batch`` are not finite, computed on one device.
+
+    The same pass as a step's (:func:`~parallelkit.core.step.loss_and_grads`) under ``precision``
+    at loss scale ``scale``, without a key or model state.
+    """
+    state = LossScaleState(np.float32(scale), np.int32(0)) if precision.dynamic else None
+
+    def grads(p, b):
+        return loss_and_grads(loss_fn, p, b, {}, precision=precision, loss_scale=state)[3]
+
+    flat = jax.tree_util.tree_flatten_with_path(jax.device_get(jax.jit(grads)(params, batch)))[0]
+    return [jax.tree_util.keystr(path) for path, g in flat if not np.all(np.isfinite(g))]
 
 
 class Checkpointing(Callback):

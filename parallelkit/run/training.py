@@ -32,6 +32,7 @@ import logging
 import signal
 import threading
 import time
+import warnings
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from itertools import islice
@@ -43,7 +44,8 @@ import optax
 
 from ..core.contract import Batch, LossFn, PyTree, batch_size
 from ..core.devices import device_summary
-from ..core.precision import Precision
+from ..core.precision import Precision, PrecisionWarning
+from ..core.skipped import NonFiniteGradientsError
 from ..core.state import TrainState
 from ..core.step import DONATED_STATE, Placed, is_deleted
 from ..strategies.base import Strategy
@@ -54,13 +56,24 @@ from .callbacks import (
     NonFiniteCheck,
     NonFiniteLossError,
     RunInfo,
+    SkippedStepsCheck,
     StepRecord,
+    nonfinite_gradients,
     restore_or_check,
 )
 from .checkpoint import Checkpoints, host_step
 from .prefetch import prefetch as prefetch_batches
 
-__all__ = ["Callback", "FitResult", "History", "NonFiniteLossError", "RunInfo", "StepRecord", "fit"]
+__all__ = [
+    "Callback",
+    "FitResult",
+    "History",
+    "NonFiniteGradientsError",
+    "NonFiniteLossError",
+    "RunInfo",
+    "StepRecord",
+    "fit",
+]
 
 log = logging.getLogger(__name__)
 
@@ -122,7 +135,11 @@ def fit(
       checkpoint_keep: how many checkpoints to keep (``None``: all).
       resume: restore the newest checkpoint in ``checkpoint_dir`` onto ``strategy``
         and continue from it, skipping the batches it had consumed.
-      check_finite: stop with :class:`NonFiniteLossError` when the loss becomes NaN or infinite.
+      check_finite: stop with :class:`NonFiniteLossError` when the loss becomes NaN or infinite and, with
+        a loss scale, with :class:`~parallelkit.core.skipped.NonFiniteGradientsError` when steps are
+        skipped ``SKIPPED_STEPS_LIMIT`` (20) times in a row under a fixed scale, or at a dynamic
+        scale's floor of 1 (:mod:`parallelkit.core.skipped`), naming the parameters whose gradients
+        are not finite.
       model_state, rng: mutable model state (BatchNorm statistics) and a PRNG seed or key
         (dropout) for the state, as for ``strategy.init``; ``loss_fn`` then receives them
         (see :class:`parallelkit.TrainState`).
@@ -137,7 +154,10 @@ def fit(
         project has not measured it.
       accumulate, precision: as for ``strategy.step`` (microbatches a step, and a
         :class:`~parallelkit.Precision` policy). A checkpoint holds a dynamic loss scale
-        too, so a resumed run continues with the scale it had.
+        too, so a resumed run continues with the scale it had: the checkpoint's scale wins
+        over ``initial_scale`` (logged when they differ). A checkpoint with a scale resumed
+        without a dynamic policy, or one without a scale resumed with one, warns
+        (``pk.PrecisionWarning``).
 
     Returns:
       A :class:`FitResult`. Interrupting the kernel (KeyboardInterrupt) ends the run
@@ -159,12 +179,15 @@ def fit(
         ``resume``, a ``checkpoint_dir`` that already holds another run's checkpoints.
       FileNotFoundError: ``resume=True`` but ``checkpoint_dir`` holds no checkpoint.
       NonFiniteLossError: the loss became NaN or infinite (the message names the step).
+      NonFiniteGradientsError: with a loss scale, step after step was skipped (see ``check_finite``).
     """
     _check_resume(resume, checkpoint_dir, state)
     ckpt = Checkpoints(checkpoint_dir, every=checkpoint_every, keep=checkpoint_keep) if checkpoint_dir else None
     with ckpt or contextlib.nullcontext():  # closed also on a crash: what was saved stays saved
         restored = restore_or_check(ckpt, resume, strategy, params, tx, model_state, rng) if ckpt else None
         state, consumed, resumed_from = (state, 0, None) if restored is None else restored
+        if restored is not None:
+            _tell_resumed_scale(strategy, state, precision)
         batches, total = _remaining(batches, steps, consumed)
         if state is not None and any(is_deleted(x) for x in jax.tree.leaves(state)):
             raise ValueError(f"fit(state=...): {DONATED_STATE}")
@@ -175,6 +198,14 @@ def fit(
         step, history = strategy.step(loss_fn, **options), History()
         first = host_step(strategy, state) if ckpt else 0
         hooks = [NonFiniteCheck(first)] if check_finite else []
+        if check_finite and precision is not None and precision.loss_scale is not None:
+
+            def nonfinite(scale: float) -> list[str]:  # reads `state` and `batch` as the loop rebinds them
+                host = batch.batch if isinstance(batch, Placed) else batch
+                return nonfinite_gradients(loss_fn, strategy.unreplicate(state.params), host, precision, scale)
+
+            hooks.append(SkippedStepsCheck(precision, first, nonfinite))
+            step.watch = None  # the check above stops the run: the step need not warn as well
         if ckpt:  # reads `state` as the loop rebinds it
             hooks.append(
                 Checkpointing(ckpt, strategy, lambda: state, first=first, consumed=consumed, saved=resumed_from)
@@ -217,6 +248,35 @@ def fit(
         for cb in hooks:
             cb.on_train_end(history, interrupted)
     return FitResult(state, history, strategy, interrupted, resumed_from)
+
+
+def _tell_resumed_scale(strategy: Strategy, state: TrainState, precision: Precision | None) -> None:
+    """Say which loss scale a resumed run goes on with: the checkpoint's, if it has one and the policy is dynamic."""
+    dynamic = precision is not None and precision.dynamic
+    if state.loss_scale is None:
+        if dynamic:
+            warnings.warn(
+                f"The checkpoint holds no loss scale (its run had no dynamic one), so this run starts one at "
+                f"initial_scale={precision.initial_scale:g}.",
+                PrecisionWarning,
+                stacklevel=3,
+            )
+        return
+    saved = float(np.asarray(strategy.unreplicate(state.loss_scale.scale)).reshape(-1)[0])
+    if not dynamic:
+        warnings.warn(
+            f"The checkpoint holds a dynamic loss scale ({saved:g}), but this run's precision={precision!r} has "
+            "none, so it goes unused. Resume with the run's own policy (for example pk.Precision.fp16()) to keep it.",
+            PrecisionWarning,
+            stacklevel=3,
+        )
+    elif saved != precision.initial_scale:
+        log.warning(
+            "Resumed with the checkpoint's loss scale %g: the scale is part of the run's state, and "
+            "initial_scale=%g applies to a new run only.",
+            saved,
+            precision.initial_scale,
+        )
 
 
 def _check_resume(resume: bool, checkpoint_dir: str | Path | None, state: TrainState | None) -> None:

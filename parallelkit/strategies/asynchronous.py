@@ -154,7 +154,8 @@ class AsyncStep:
     """One round of asynchronous PS training: the next ``n`` pushes, each applied on its own.
 
     ``state, metrics = step(state, batch)``; ``metrics`` are the mean of the round's
-    pushes' metrics, each measured by its worker on the parameters it pulled.
+    pushes' metrics, each measured by its worker on the parameters it pulled, except a dynamic
+    ``loss_scale``, which is the scale after the round's last push.
     ``pushes`` lists every applied gradient so far (:class:`Push`), ``delays`` their delays.
 
     Args:
@@ -179,7 +180,8 @@ class AsyncStep:
         self.devices, self.update, self.workers = tuple(devices), update, workers
         self.places = [SingleDeviceSharding(d, memory_kind=d.default_memory().kind) for d in self.devices]
         self.gradient = jax.jit(functools.partial(gradient_rows, loss_fn, precision=precision))
-        self.programs: list = []  # each worker's compiled gradient program
+        self.programs: list = []  # each worker's compiled gradient program, for the slices' shapes in `shapes`
+        self.shapes: list | None = None
         self.copies: list = []  # each worker's pulled (params, model_state, loss_scale), on its device
         self.pushes: list[Push] = []
         self.start: int | None = None  # the state's step counter when this run began
@@ -208,11 +210,14 @@ class AsyncStep:
     def __call__(self, state: TrainState, batch: Batch):
         self._check_continues(state)
         slices = _slices(batch, self.devices)
-        if not self.programs:  # every worker pulls the starting parameters and compiles (again, if that failed)
+        if not self.copies:  # every worker pulls the starting parameters
             self.copies = [self.pull(state, w) for w in range(len(self.devices))]
+        shapes = [jax.tree.map(lambda x: (x.shape, x.dtype), data) for data in slices]
+        if shapes != self.shapes:  # each worker compiles for its slice's shapes (again for a batch of new shapes)
             self.programs = [
                 self._lower(state, w, self.copies[w], slices[w]).compile() for w in range(len(self.devices))
             ]
+            self.shapes = shapes
         metrics = []
         for data in slices:  # push k of the round computes on slice k
             push, repulled = self.workers.next_push()
@@ -227,7 +232,10 @@ class AsyncStep:
             self.pushes.append(push)
             self.copies[w] = self.pull(state, w)
             metrics.append(pushed)
-        return state, jax.tree.map(lambda *m: sum(m) / len(m), *metrics)
+        mean = jax.tree.map(lambda *m: sum(m) / len(m), *metrics)
+        if "loss_scale" in mean and state.loss_scale is not None:  # a mean of scales is a scale no push used
+            mean["loss_scale"] = state.loss_scale.scale
+        return state, mean
 
     def _key(self, state: TrainState, worker: int):
         return None if state.rng is None else jax.device_put(state.rng, self.places[worker])

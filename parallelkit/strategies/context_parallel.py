@@ -26,7 +26,7 @@ from .. import attention
 from ..core import partition
 from ..core.axes import DATA, SEQ, context_method
 from ..core.contract import Batch, LossFn, PyTree
-from ..core.devices import DeviceCountError, first_devices, resolve_devices
+from ..core.devices import DeviceCountError, every_device_hint, first_devices, resolve_devices
 from ..core.mesh import is_count, make_mesh
 from ..core.state import TrainState
 from ..measure.traffic import StepTraffic, compiled_traffic
@@ -100,8 +100,8 @@ class ContextParallel(SPMD):
                 "(pk.simulate_devices(n) before JAX starts gives more simulated devices)."
             )
         if devices is None and data is not None:
-            devices = first_devices(data * seq, f"ContextParallel(seq={seq}, data={data})",
-                                    f"ContextParallel(seq={seq}, data={total // seq})")  # fmt: skip
+            every = every_device_hint(seq, lambda d: f"ContextParallel(seq={seq}, data={d})", "seq x data")
+            devices = first_devices(data * seq, f"ContextParallel(seq={seq}, data={data})", every)
         mesh = make_mesh(resolve_devices(devices) if devices is not None else None, data=data, seq=seq)
         split = ((BATCH, DATA), (LENGTH, SEQ), (NORM_LENGTH, SEQ))
         super().__init__(mesh, rules=split, param_rules=rules, batch_axes=batch_axes)
@@ -130,9 +130,10 @@ class ContextParallel(SPMD):
             shape = getattr(leaf, "shape", ())
             if len(shape) <= axis:
                 raise ValueError(
-                    f"{self!r} splits axis {axis} of every batch array over seq, but batch array {key!r} has shape "
-                    f"{tuple(shape)}. Name an array without a token axis in batch_axes, for example "
-                    f"batch_axes={{{key!r}: ('batch',)}}."
+                    f"{self!r} splits axis 0 of every batch array over data and axis {axis} over seq, but batch "
+                    f"array {key!r} has shape {tuple(shape)}. If it is one sequence without a batch axis, give it "
+                    f"one (batch[{key!r}][None], shape (1, {', '.join(map(str, shape))})); if it holds one value "
+                    f"per example and no tokens, name it in batch_axes={{{key!r}: ('batch',)}}."
                 )
             if shape[axis] % seq:
                 raise ValueError(

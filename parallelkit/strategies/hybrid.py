@@ -25,7 +25,7 @@ from ..core.contract import PyTree
 from ..core.devices import first_devices, resolve_devices
 from ..core.mesh import is_count, make_mesh
 from .spmd import SPMD
-from .tensor import activation_rules, every_device_hint, model_specs
+from .tensor import activation_rules, hybrid_hint, model_specs
 
 
 class Hybrid(SPMD):
@@ -75,7 +75,7 @@ class Hybrid(SPMD):
             if not is_count(size):
                 raise ValueError(f"Hybrid({name}={size!r}): an axis size must be a whole number >= 1.")
         if devices is None:  # the first data x model devices, with a warning if that leaves some idle
-            devices = first_devices(data * model, f"Hybrid(data={data}, model={model})", every_device_hint(model))
+            devices = first_devices(data * model, f"Hybrid(data={data}, model={model})", hybrid_hint(model))
         mesh = make_mesh(resolve_devices(devices), data=data, model=model)
         super().__init__(mesh, rules=activation_rules(sequence_parallel))
         self.rules, self.shard_data, self.min_size = rules, shard_data, min_size

@@ -85,8 +85,9 @@ class MultiWorkerMirrored(SPMD):
         return self.num_replicas if self.feed == "global" else len(self.mesh.local_devices)
 
     def unreplicate(self, tree: PyTree) -> PyTree:
-        """One host copy, read from this process's own replica (the state is replicated everywhere)."""
-        return jax.tree.map(lambda x: np.asarray(x.addressable_data(0)), tree)
+        """One host copy, read from this process's own replica (the state is replicated everywhere);
+        host arrays (NumPy) come back as they are."""
+        return jax.tree.map(lambda x: np.asarray(x.addressable_data(0) if isinstance(x, jax.Array) else x), tree)
 
     @property
     def traffic_pattern(self) -> str:

@@ -389,7 +389,7 @@ class ParameterServer(OffDeviceStrategy):
         all the workers' gradients were finite (each worker pushes that flag to every shard); the
         dynamic scale lives with shard 0. In async mode each push is an update of its own, skipped
         or not and the scale adjusted push by push; a round's ``grads_finite`` metric is then the
-        fraction of its pushes that were finite, and its ``loss_scale`` their mean.
+        fraction of its pushes that were finite, and its ``loss_scale`` the scale after its last push.
         """
         if self.mode == "async":
             refuse_accumulation(repr(self), accumulate, ASYNC_ACCUMULATION)

@@ -27,7 +27,7 @@ from jax.sharding import Mesh
 from ..core import partition
 from ..core.axes import MODEL, AxisRules
 from ..core.contract import PyTree
-from ..core.devices import first_devices, resolve_devices
+from ..core.devices import every_device_hint, first_devices, resolve_devices
 from ..core.mesh import is_count, make_mesh
 from ..measure.traffic import ExpectedCollective, Sizes
 from ..models import declared_axes
@@ -97,7 +97,7 @@ class TensorParallel(SPMD):
         if not is_count(model):
             raise ValueError(f"TensorParallel(model={model!r}) needs a whole number of devices >= 1.")
         if devices is None:  # the first `model` devices, with a warning if that leaves some idle
-            devices = first_devices(model, f"TensorParallel(model={model})", every_device_hint(model))
+            devices = first_devices(model, f"TensorParallel(model={model})", hybrid_hint(model))
         mesh = make_mesh(resolve_devices(devices), data=1, model=model)
         super().__init__(mesh, rules=activation_rules(sequence_parallel))
         self.model = model
@@ -130,12 +130,10 @@ def activation_rules(sequence_parallel: bool) -> AxisRules:
     return AxisRules(BATCH_ON_DATA + (SEQUENCE_PARALLEL.rules if sequence_parallel else ()))
 
 
-def every_device_hint(model: int) -> str:
+def hybrid_hint(model: int) -> str:
     """What would use every device with ``model`` devices per model replica, for a warning."""
-    total = len(jax.devices())
-    if total % model:
-        return f"a Hybrid(data, model) with data x model = {total}"
-    return f"Hybrid(data={total // model}, model={model})"
+    spell, sizes = (lambda d: f"Hybrid(data={d}, model={model})"), "a Hybrid(data, model) with data x model"
+    return every_device_hint(model, spell, sizes)
 
 
 def _mlp_widths(params: PyTree) -> list[int] | None:

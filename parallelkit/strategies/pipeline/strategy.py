@@ -15,8 +15,8 @@ from jax.sharding import PartitionSpec as P
 
 from ...core.accumulate import refuse_accumulation
 from ...core.axes import DATA
-from ...core.contract import Batch, PyTree, batch_size, guard_inputs
-from ...core.devices import DeviceCountError, first_devices
+from ...core.contract import Batch, LossInputError, PyTree, batch_size, guard_inputs
+from ...core.devices import DeviceCountError, every_device_hint, first_devices
 from ...core.mesh import is_count, make_mesh
 from ...core.precision import Precision, check_precision, next_scale
 from ...core.state import TrainState, check_same_tree
@@ -118,8 +118,7 @@ class Pipeline(Strategy):
                 "or change stages or data so that they multiply to the device count."
             )
         if devices is None:  # the first stages x data devices, with a warning if that leaves some idle
-            total = len(jax.devices())
-            every = f"data={total // stages}" if total % stages == 0 else f"stages x data = {total}"
+            every = every_device_hint(stages, lambda d: f"data={d}", "stages x data")
             devices = first_devices(wanted, f"Pipeline(stages={stages}, data={data})", every)
         super().__init__(devices)
         self.mesh = make_mesh(self.devices, data=data, stage=stages)
@@ -518,6 +517,16 @@ class PipelineStep(Step):
             for kind, program in lowered.items():
                 found += [(s, kind, c) for c in parse_collectives(program.compile().as_text())]
         return found
+
+    def _explained(self, err: LossInputError, state: TrainState, batch: Batch) -> LossInputError:
+        """The step's explanation, and what a pipeline's loss is: a whole-model loss is the usual mistake."""
+        explained = super()._explained(err, state, batch)
+        return LossInputError(
+            f"{explained} A pipeline's loss is a head loss, head_loss(output, batch) -> loss, called on the last "
+            "stage's output (pk.models.cross_entropy is one): the pipeline runs the layers itself, so a whole-model "
+            "loss_fn(params, batch), such as pk.models.classifier_loss(apply), does not fit.",
+            missing_key=err.missing_key,
+        )
 
     def lower(self, state: TrainState, batch: Batch):
         raise NotImplementedError(

@@ -1,0 +1,113 @@
+"""Runs that skip every step: a loss scale that never finds finite gradients is told, not left to run.
+
+With a loss scale (:class:`~parallelkit.core.precision.Precision`) a step whose gradients are
+not all finite changes nothing. A few such steps are normal: a dynamic scale starts high and
+halves until the gradients fit. A run that skips step after step is not training, and says
+nothing: a NaN in the data, a fixed scale too large for float16, or gradients that overflow even
+unscaled. :class:`SkippedSteps` counts the skipped steps in a row and calls a run stuck:
+
+- with a fixed scale, after ``SKIPPED_STEPS_LIMIT`` (20) of them;
+- with a dynamic scale, when a step is skipped at its floor of 1, where halving can no longer
+  help. Each skipped step halves the scale, so that is at most ``log2(initial_scale) + 1``
+  skipped steps in a row: 16 from the default ``2 ** 15``.
+
+A hand-written loop hears of it by a :class:`SkippedStepsWarning`, once, from the step itself
+(:class:`~parallelkit.core.step.Step` reads each step's flag once the device has it, never
+waiting for it). ``pk.fit`` stops with :class:`NonFiniteGradientsError`, naming the parameters
+whose gradients are not finite (:class:`parallelkit.run.callbacks.SkippedStepsCheck`).
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections import deque
+from typing import Any
+
+import jax
+import numpy as np
+
+from .precision import MIN_SCALE, Precision
+
+# Skipped steps in a row after which a run with a fixed scale is stuck (a dynamic scale is stuck when it
+# skips at its floor: it halves on every skip, so it gets there in log2(initial_scale) + 1 steps).
+SKIPPED_STEPS_LIMIT = 20
+
+ADVICE = (
+    "Check the batches for NaN or infinite values, lower the learning rate, keep the parameters in float32 "
+    "with a dynamic scale (pk.Precision.fp16()), or train in bfloat16 (pk.Precision.bf16()), whose range is "
+    "float32's and needs no loss scale."
+)
+
+
+class SkippedStepsWarning(UserWarning):
+    """Step after step was skipped because its gradients were not finite: the run is not training."""
+
+
+class NonFiniteGradientsError(FloatingPointError):
+    """``pk.fit`` stopped a run whose steps were all skipped: their gradients were not finite."""
+
+
+class SkippedSteps:
+    """Counts the skipped steps in a row of a run with a loss scale, and says when the run is stuck.
+
+    >>> watch = SkippedSteps(Precision.fp16())
+    >>> [watch.update(finite, scale) is None for finite, scale in [(0, 8.0), (1, 4.0), (0, 4.0), (0, 2.0)]]
+    [True, True, True, True]
+    >>> print(watch.update(False, 1.0))  # doctest: +NORMALIZE_WHITESPACE
+    3 steps in a row were skipped because their gradients were not finite (the last at the dynamic
+    scale's floor of 1, where halving cannot help), so the run is not training.
+    """
+
+    def __init__(self, precision: Precision, limit: int = SKIPPED_STEPS_LIMIT):
+        self.precision, self.limit, self.in_a_row = precision, limit, 0
+
+    def update(self, finite: Any, scale: Any) -> str | None:
+        """Take one step's ``grads_finite`` and ``loss_scale`` metrics; a message when the run is stuck.
+
+        ``finite`` may be a fraction (an asynchronous round's finite pushes): 0 is a skipped step.
+        """
+        if np.any(np.asarray(finite)):
+            self.in_a_row = 0
+            return None
+        self.in_a_row += 1
+        if self.precision.dynamic:  # it halves on every skip: stuck once it skips at its floor
+            if float(np.min(np.asarray(scale))) > MIN_SCALE:
+                return None
+            where = "the last at the dynamic scale's floor of 1, where halving cannot help"
+        else:
+            if self.in_a_row < self.limit:
+                return None
+            where = f"loss scale {float(np.max(np.asarray(scale))):g}"
+        return (
+            f"{self.in_a_row} steps in a row were skipped because their gradients were not finite ({where}), "
+            "so the run is not training."
+        )
+
+
+class StepWatch:
+    """A :class:`SkippedSteps` fed by a step's metrics as the device finishes them, without waiting.
+
+    ``observe(metrics)`` after each call; a step whose flag is not ready yet is read at a later
+    call. Warns once per run (a :class:`SkippedStepsWarning`).
+    """
+
+    def __init__(self, precision: Precision):
+        self.count = SkippedSteps(precision)
+        self.pending: deque = deque()
+        self.warned = False
+
+    def observe(self, metrics: dict) -> None:
+        if self.warned or "grads_finite" not in metrics:
+            return
+        self.pending.append((metrics["grads_finite"], metrics["loss_scale"]))
+        while self.pending and all(_ready(x) for x in self.pending[0]):
+            message = self.count.update(*jax.device_get(self.pending.popleft()))
+            if message is not None:
+                warnings.warn(f"{message} {ADVICE}", SkippedStepsWarning, stacklevel=3)
+                self.warned = True
+                self.pending.clear()
+                return
+
+
+def _ready(x: Any) -> bool:
+    return not isinstance(x, jax.Array) or x.is_ready()
