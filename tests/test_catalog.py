@@ -28,10 +28,10 @@ import parallelkit as pk
 from parallelkit import costmodel
 from parallelkit.core.contract import put_batch
 from parallelkit.core.protocol import StrategyProtocol
+from parallelkit.core.reports import ExpectedCollective, Sizes
 from parallelkit.core.state import create_state
 from parallelkit.core.step import Step, train_step
 from parallelkit.course import bench, tour
-from parallelkit.measure.traffic import ExpectedCollective, Sizes
 from parallelkit.strategies import catalog
 from parallelkit.strategies.base import Strategy
 

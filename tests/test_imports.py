@@ -122,6 +122,29 @@ def test_each_layer_imports_only_itself_and_the_layers_below():
     assert not _upward(graph), "imports that go up the layers:\n" + "\n".join(_upward(graph))
 
 
+def _private_imports(path: Path) -> list[str]:
+    """The ``_``-prefixed names ``path`` imports from other modules (``from m import _name``), dunders aside."""
+    return [
+        f"{node.module or '.'}.{alias.name}"
+        for node in _runtime_nodes(ast.parse(path.read_text()))
+        if isinstance(node, ast.ImportFrom)
+        for alias in node.names
+        if alias.name.startswith("_") and not alias.name.startswith("__")
+    ]
+
+
+def test_no_module_imports_another_modules_private_name():
+    """A name with a leading underscore belongs to its module: a second user makes it public."""
+    found = {name: names for name, (path, _) in _modules().items() if (names := _private_imports(path))}
+    assert not found, f"modules importing another module's private names: {found}"
+
+
+def test_the_private_import_check_sees_one(tmp_path):
+    module = tmp_path / "m.py"
+    module.write_text("from .contract import _hidden, public\nfrom os import __name__\n")
+    assert _private_imports(module) == ["contract._hidden"]
+
+
 def test_the_layer_check_sees_an_upward_import():
     graph = {"parallelkit.core.step": {"parallelkit.strategies.base"}, "parallelkit.run.training": {"parallelkit.core"}}
     assert _upward(graph) == ["parallelkit.core.step -> parallelkit.strategies.base"]

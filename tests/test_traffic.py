@@ -13,7 +13,8 @@ import pytest
 from helpers import tree_allclose
 
 import parallelkit as pk
-from parallelkit.measure.traffic import D2D, D2H, H2D, TopologyModel, bus_bytes, ring_factor
+from parallelkit.core.reports import D2D, D2H, H2D
+from parallelkit.measure.traffic import TopologyModel, bus_bytes, ring_factor
 
 STRATEGIES = {
     "SingleDevice": lambda n: pk.SingleDevice(),

@@ -150,7 +150,7 @@ def _keys(batch: Mapping) -> str:
     return ", ".join(map(repr, batch)) or "none"
 
 
-def _loss_with_aux(loss_fn: LossFn) -> Callable[..., tuple[jax.Array, tuple[dict, PyTree]]]:
+def loss_with_aux(loss_fn: LossFn) -> Callable[..., tuple[jax.Array, tuple[dict, PyTree]]]:
     """``loss_fn`` as ``(params, batch, **extras) -> (loss, (aux, new_model_state))``, whatever it returns.
 
     Without ``model_state`` among the extras, ``loss_fn`` returns ``loss`` or

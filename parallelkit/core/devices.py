@@ -53,7 +53,8 @@ class DeviceSubsetWarning(UserWarning):
     """
 
 
-def _backends_started() -> bool:
+def backends_started() -> bool:
+    """Whether JAX has started its backends in this process (after which the device count is fixed)."""
     from jax._src import xla_bridge  # no public way to ask without starting them
 
     return xla_bridge.backends_are_initialized()
@@ -110,7 +111,7 @@ def simulate_devices(n: int, *, cores_as_devices: bool = False, force_cpu: bool 
             f"simulate_devices({n}, cores_as_devices=True) needs a core per device, and this process may use "
             f"{_cores()}: ask for at most {_cores()} devices, or leave cores_as_devices off."
         )
-    if _backends_started():
+    if backends_started():
         if force_cpu and jax.default_backend() != "cpu":
             raise DeviceCountError(
                 f"JAX already started on {jax.default_backend()}, so simulate_devices({n}, force_cpu=True) comes "

@@ -17,10 +17,10 @@ import optax
 
 from .contract import Batch, LossFn, PyTree
 from .placement import LeafPlacement
+from .reports import ExpectedCollective, Sizes, StepTraffic
 from .state import TrainState
 
 if TYPE_CHECKING:
-    from ..measure.traffic import ExpectedCollective, Sizes, StepTraffic
     from .precision import Precision
     from .step import Step
 

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 import jax
 
 from .accumulate import Accumulation, ReplicaCopies
-from .contract import Batch, LossFn, LossInputError, Metrics, PyTree, _loss_with_aux, batch_size, explain_input_error
+from .contract import Batch, LossFn, LossInputError, Metrics, PyTree, batch_size, explain_input_error, loss_with_aux
 from .precision import Precision, all_finite, check_param_dtypes, guarded, mixed_loss, unscale, with_loss_scale
 from .skipped import StepWatch
 from .state import TrainState
@@ -76,7 +76,7 @@ def loss_and_grads(
     ``params`` dtype, unscaled (:func:`~parallelkit.core.precision.mixed_loss`); ``loss_scale``
     is the state's dynamic scale, if any.
     """
-    loss = _loss_with_aux(loss_fn)
+    loss = loss_with_aux(loss_fn)
     scale = None
     if precision is not None:
         check_param_dtypes(params, precision)

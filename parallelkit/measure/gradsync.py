@@ -33,7 +33,7 @@ import optax
 from jax.sharding import PartitionSpec as P
 
 from ..core.axes import DATA
-from ..core.contract import Batch, LossFn, PyTree, _loss_with_aux, check_divisible
+from ..core.contract import Batch, LossFn, PyTree, check_divisible, loss_with_aux
 from ..core.mesh import make_mesh
 from ..core.partition import path_label
 from ..core.state import TrainState
@@ -94,7 +94,7 @@ class GradientProbe:
         self.strategy = strategy
         devices = list(strategy.devices)[: strategy.num_replicas]
         self.mesh = make_mesh(devices, data=len(devices))
-        grad_fn = jax.value_and_grad(_loss_with_aux(loss_fn), has_aux=True)
+        grad_fn = jax.value_and_grad(loss_with_aux(loss_fn), has_aux=True)
 
         def per_replica(params, local_batch):
             # Mark the replicated parameters as per-replica ("varying") first: otherwise

@@ -43,9 +43,9 @@ class MLP(nnx.Module):
         sizes = [in_features, *hidden]
         names = ["features", *("mlp" if i % 2 == 0 else "embed" for i in range(len(hidden)))]
         self.hidden = nnx.List(
-            [_dense(sizes[i], sizes[i + 1], names[i], names[i + 1], rngs) for i in range(len(hidden))]
+            [dense(sizes[i], sizes[i + 1], names[i], names[i + 1], rngs) for i in range(len(hidden))]
         )
-        self.head = _dense(sizes[-1], num_classes, names[-1], "classes", rngs)
+        self.head = dense(sizes[-1], num_classes, names[-1], "classes", rngs)
         self.remat = remat_policy(remat)
 
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -59,7 +59,7 @@ def _dense_relu(layer: nnx.Linear, x: jax.Array) -> jax.Array:
     return jax.nn.relu(layer(x))
 
 
-def _dense(
+def dense(
     width_in: int,
     width_out: int,
     axis_in: str,
@@ -81,7 +81,7 @@ def _dense(
     )
 
 
-def _layer_norm(dim: int, axis: str, rngs: nnx.Rngs) -> nnx.LayerNorm:
+def layer_norm(dim: int, axis: str, rngs: nnx.Rngs) -> nnx.LayerNorm:
     """``nnx.LayerNorm`` whose scale and bias declare the logical axis ``axis``."""
     return nnx.LayerNorm(
         dim,
@@ -128,7 +128,7 @@ class CNN(nnx.Module):
             else None
         )
         pooled = math.ceil(height / 2 ** len(channels)) * math.ceil(width / 2 ** len(channels))
-        self.head = _dense(pooled * chans[-1], num_classes, "features", "classes", rngs)
+        self.head = dense(pooled * chans[-1], num_classes, "features", "classes", rngs)
 
     def __call__(self, x: jax.Array, *, train: bool = True) -> jax.Array:
         for i, conv in enumerate(self.convs):
@@ -198,13 +198,13 @@ class Transformer(nnx.Module):
         rows = input_shape[0]
         token = math.prod(input_shape[1:])
         self.heads, self.dropout_rate, self.remat = heads, dropout, remat_policy(remat)
-        self.embed = _dense(token, dim, "features", "embed", rngs)
+        self.embed = dense(token, dim, "features", "embed", rngs)
         self.position = nnx.Param(
             with_axes(nnx.initializers.normal(0.02), ("length", "embed"))(rngs.params(), (rows, dim))
         )
         self.blocks = nnx.List([_Block(dim, heads, mlp_dim, rngs=rngs) for _ in range(depth)])
-        self.norm = _layer_norm(dim, "embed", rngs)
-        self.head = _dense(dim, num_classes, "embed", "classes", rngs)
+        self.norm = layer_norm(dim, "embed", rngs)
+        self.head = dense(dim, num_classes, "embed", "classes", rngs)
 
     def __call__(self, x: jax.Array, *, rngs: jax.Array | None = None) -> jax.Array:
         x = x.reshape(x.shape[0], x.shape[1], -1)  # (batch, tokens, features of a token)
@@ -218,15 +218,15 @@ class Transformer(nnx.Module):
 
 class _Block(nnx.Module):
     def __init__(self, dim: int, heads: int, mlp_dim: int, *, rngs: nnx.Rngs):
-        self.attn_norm = _layer_norm(dim, "embed", rngs)
+        self.attn_norm = layer_norm(dim, "embed", rngs)
         # No bias for keys: q . (k + b) adds the same q . b to every logit of a row, which softmax
         # removes, so such a bias would get a zero gradient and never learn.
-        self.query, self.value = _dense(dim, dim, "embed", "heads", rngs), _dense(dim, dim, "embed", "heads", rngs)
-        self.key = _dense(dim, dim, "embed", "heads", rngs, use_bias=False)
-        self.out = _dense(dim, dim, "heads", "embed", rngs)
-        self.mlp_norm = _layer_norm(dim, "embed", rngs)
-        self.mlp_in = _dense(dim, mlp_dim, "embed", "mlp", rngs)
-        self.mlp_out = _dense(mlp_dim, dim, "mlp", "embed", rngs)
+        self.query, self.value = dense(dim, dim, "embed", "heads", rngs), dense(dim, dim, "embed", "heads", rngs)
+        self.key = dense(dim, dim, "embed", "heads", rngs, use_bias=False)
+        self.out = dense(dim, dim, "heads", "embed", rngs)
+        self.mlp_norm = layer_norm(dim, "embed", rngs)
+        self.mlp_in = dense(dim, mlp_dim, "embed", "mlp", rngs)
+        self.mlp_out = dense(mlp_dim, dim, "mlp", "embed", rngs)
 
     def __call__(self, x: jax.Array, heads: int, rate: float, key: jax.Array | None) -> jax.Array:
         batch, tokens, dim = x.shape
@@ -237,12 +237,12 @@ class _Block(nnx.Module):
             for y in projected
         )
         weights = jax.nn.softmax(jnp.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(dim // heads), axis=-1)
-        weights = _dropout(weights, rate, keys[0])
+        weights = apply_dropout(weights, rate, keys[0])
         attended = jnp.einsum("bhqk,bkhd->bqhd", weights, v).reshape(batch, tokens, dim)
-        x = constrain(x + _dropout(scatter_rows(attended, self.out, "heads"), rate, keys[1]), RESIDUAL)
+        x = constrain(x + apply_dropout(scatter_rows(attended, self.out, "heads"), rate, keys[1]), RESIDUAL)
         (hidden,) = gather_columns(self.mlp_norm(x), (self.mlp_in,), "mlp")
         hidden = constrain(jax.nn.gelu(hidden), ("batch", "length", "mlp"))
-        return constrain(x + _dropout(scatter_rows(hidden, self.mlp_out, "mlp"), rate, keys[2]), RESIDUAL)
+        return constrain(x + apply_dropout(scatter_rows(hidden, self.mlp_out, "mlp"), rate, keys[2]), RESIDUAL)
 
 
 class Tower(nnx.Module):
@@ -289,7 +289,7 @@ class Tower(nnx.Module):
         return self.head(x)
 
 
-def _dropout(x: jax.Array, rate: float, key: jax.Array | None) -> jax.Array:
+def apply_dropout(x: jax.Array, rate: float, key: jax.Array | None) -> jax.Array:
     """Inverted dropout drawn from ``key`` for the whole array; the identity without a key."""
     if key is None or rate == 0:
         return x
@@ -360,12 +360,12 @@ def as_layers(module: MLP | Transformer) -> Layers:
       TypeError: any other module (write its layers as functions instead).
     """
     if isinstance(module, MLP):
-        dense = [*module.hidden, module.head]
-        parts = [graph_and_params(layer) for layer in dense]
+        linears = [*module.hidden, module.head]
+        parts = [graph_and_params(layer) for layer in linears]
 
         def dense_layer(i: int):
             graphdef = parts[i][0]
-            hidden = i < len(dense) - 1
+            hidden = i < len(linears) - 1
 
             def apply(params: dict, x):
                 if i == 0:
@@ -375,7 +375,7 @@ def as_layers(module: MLP | Transformer) -> Layers:
 
             return apply
 
-        return Layers([dense_layer(i) for i in range(len(dense))], [params for _, params in parts])
+        return Layers([dense_layer(i) for i in range(len(linears))], [params for _, params in parts])
     if isinstance(module, Transformer):
         (embed, embed_params), (norm, norm_params), (head, head_params) = map(
             graph_and_params, (module.embed, module.norm, module.head)

@@ -20,7 +20,7 @@ from .. import attention
 from ..core.axes import constrain
 from ..core.mesh import is_count
 from ..experts import check_routing, moe_layer
-from .classifiers import _dense, _dropout, _layer_norm, cross_entropy
+from .classifiers import apply_dropout, cross_entropy, dense, layer_norm
 from .functional import with_axes
 from .sequence import RESIDUAL, gather_columns, scatter_rows
 
@@ -107,8 +107,8 @@ class GPT(nnx.Module):
         # would move rows between devices if the table were split over the length and longer than the tokens.
         self.position = nnx.Param(with_axes(_INIT, (None, "embed"))(rngs.params(), (max_length, dim)))
         self.blocks = nnx.List([_CausalBlock(dim, heads, mlp_dim, experts, rngs=rngs) for _ in range(depth)])
-        self.norm = _layer_norm(dim, "embed", rngs)
-        self.head = _dense(dim, vocab, "embed", "vocab", rngs, kernel_init=_INIT)
+        self.norm = layer_norm(dim, "embed", rngs)
+        self.head = dense(dim, vocab, "embed", "vocab", rngs, kernel_init=_INIT)
 
     def __call__(self, tokens: jax.Array, *, rngs: jax.Array | None = None) -> jax.Array | tuple[jax.Array, dict]:
         """Logits ``(batch, length, vocab)`` for integer ``tokens`` ``(batch, length)``; position ``t`` sees ``<= t``.
@@ -128,7 +128,7 @@ class GPT(nnx.Module):
             )
         keys = [None] * (len(self.blocks) + 1) if rngs is None else list(jax.random.split(rngs, len(self.blocks) + 1))
         x = self.embed(tokens) + self.position[:length][None]
-        x = constrain(_dropout(x, self.dropout_rate, keys[0]), RESIDUAL)
+        x = constrain(apply_dropout(x, self.dropout_rate, keys[0]), RESIDUAL)
         layers = []
         for block, key in zip(self.blocks, keys[1:], strict=True):
             x, aux = block(x, self.heads, self.dropout_rate, key, self.routing)
@@ -157,18 +157,18 @@ def _check_experts(experts: int, top_k: int, capacity_factor: float, groups: int
 
 class _CausalBlock(nnx.Module):
     def __init__(self, dim: int, heads: int, mlp_dim: int, experts: int = 0, *, rngs: nnx.Rngs):
-        self.attn_norm = _layer_norm(dim, "embed", rngs)
-        self.query = _dense(dim, dim, "embed", "heads", rngs, kernel_init=_INIT)
+        self.attn_norm = layer_norm(dim, "embed", rngs)
+        self.query = dense(dim, dim, "embed", "heads", rngs, kernel_init=_INIT)
         # No bias for keys: q . (k + b) adds the same q . b to every logit of a row, which softmax removes.
-        self.key = _dense(dim, dim, "embed", "heads", rngs, use_bias=False, kernel_init=_INIT)
-        self.value = _dense(dim, dim, "embed", "heads", rngs, kernel_init=_INIT)
-        self.out = _dense(dim, dim, "heads", "embed", rngs, kernel_init=_INIT)
-        self.mlp_norm = _layer_norm(dim, "embed", rngs)
+        self.key = dense(dim, dim, "embed", "heads", rngs, use_bias=False, kernel_init=_INIT)
+        self.value = dense(dim, dim, "embed", "heads", rngs, kernel_init=_INIT)
+        self.out = dense(dim, dim, "heads", "embed", rngs, kernel_init=_INIT)
+        self.mlp_norm = layer_norm(dim, "embed", rngs)
         if experts:
             self.moe = _Experts(dim, mlp_dim, experts, rngs=rngs)
         else:
-            self.mlp_in = _dense(dim, mlp_dim, "embed", "mlp", rngs, kernel_init=_INIT)
-            self.mlp_out = _dense(mlp_dim, dim, "mlp", "embed", rngs, kernel_init=_INIT)
+            self.mlp_in = dense(dim, mlp_dim, "embed", "mlp", rngs, kernel_init=_INIT)
+            self.mlp_out = dense(mlp_dim, dim, "mlp", "embed", rngs, kernel_init=_INIT)
 
     def __call__(
         self, x: jax.Array, heads: int, rate: float, key: jax.Array | None, routing: dict | None = None
@@ -184,7 +184,7 @@ class _CausalBlock(nnx.Module):
             for y in projected
         )
         attended = constrain(attention.attend(q, k, v, causal=True), ("batch", "length", "heads", None))
-        x = x + _dropout(scatter_rows(attended.reshape(batch, length, dim), self.out, "heads"), rate, keys[0])
+        x = x + apply_dropout(scatter_rows(attended.reshape(batch, length, dim), self.out, "heads"), rate, keys[0])
         x = constrain(x, RESIDUAL)
         if routing is None:
             (hidden,) = gather_columns(self.mlp_norm(x), (self.mlp_in,), "mlp")
@@ -192,7 +192,7 @@ class _CausalBlock(nnx.Module):
             out, aux = scatter_rows(hidden, self.mlp_out, "mlp"), None
         else:
             out, aux = moe_layer(self.mlp_norm(x), self.moe.params(), **routing)
-        return constrain(x + _dropout(out, rate, keys[1]), RESIDUAL), aux
+        return constrain(x + apply_dropout(out, rate, keys[1]), RESIDUAL), aux
 
 
 class _Experts(nnx.Module):

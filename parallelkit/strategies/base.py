@@ -31,9 +31,10 @@ from ..core.contract import Batch, LossFn, PyTree
 from ..core.devices import resolve_devices
 from ..core.placement import LeafPlacement
 from ..core.precision import Precision
+from ..core.reports import ExpectedCollective, Sizes, StepTraffic
 from ..core.state import TrainState
 from ..core.step import Step
-from ..measure.traffic import ExpectedCollective, Sizes, StepTraffic, compiled_traffic
+from ..measure.traffic import compiled_traffic
 
 
 class Strategy(abc.ABC):

@@ -40,10 +40,11 @@ from ..core.axes import DATA
 from ..core.contract import Batch, LossFn, PyTree, put_batch
 from ..core.mesh import make_mesh
 from ..core.precision import Precision, all_finite, check_precision, guarded
+from ..core.reports import D2D, D2H, H2D, Flow, StepTraffic
 from ..core.state import TrainState, create_state
 from ..core.step import Step, loss_and_grads
 from ..measure.inspect import collectives, host_memory_bytes
-from ..measure.traffic import D2D, D2H, H2D, Flow, StepTraffic, batch_flow, bus_bytes, per_replica_bytes, sizes
+from ..measure.traffic import batch_flow, bus_bytes, per_replica_bytes, sizes
 from .base import Strategy
 
 HOST_MEMORY = "pinned_host"

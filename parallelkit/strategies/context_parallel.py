@@ -28,8 +28,9 @@ from ..core.axes import DATA, SEQ, context_method
 from ..core.contract import Batch, LossFn, PyTree
 from ..core.devices import DeviceCountError, every_device_hint, first_devices, resolve_devices
 from ..core.mesh import is_count, make_mesh
+from ..core.reports import StepTraffic
 from ..core.state import TrainState
-from ..measure.traffic import StepTraffic, compiled_traffic
+from ..measure.traffic import compiled_traffic
 from .spmd import BATCH, SPMD
 
 LENGTH = "length"  # the logical name of the tokens' axis, a batch array's second

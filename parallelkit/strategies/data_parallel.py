@@ -16,9 +16,9 @@ from ..core.accumulate import Accumulation, check_accumulate
 from ..core.axes import DATA
 from ..core.contract import LossFn
 from ..core.precision import Precision, check_precision
+from ..core.reports import ExpectedCollective, Sizes, gradient_all_reduce
 from ..core.step import train_step
 from ..measure.collectives import AllReduce, mean_tree
-from ..measure.traffic import ExpectedCollective, Sizes, gradient_all_reduce
 
 
 def parse_allreduce(allreduce: str | AllReduce | None, replicas: int, who: str) -> AllReduce | None:

@@ -12,7 +12,7 @@ the same ``data`` axis that splits the batch:
   before use and freed after; gradients reduce-scattered after the backward pass.
 
 Here each stage is the single-device step under ``jax.jit`` with per-leaf shardings
-(:mod:`parallelkit.strategies.sharded`); XLA's SPMD partitioner chooses the
+(:mod:`parallelkit.strategies.spmd`); XLA's SPMD partitioner chooses the
 communication those shardings imply. The shardings are a layout, not an algorithm:
 with a large batch the compiled step gathers the weights and reduces the gradients as
 ZeRO describes; with a small one it may keep weights in place and move activations
@@ -37,7 +37,7 @@ from ..core.axes import DATA
 from ..core.contract import PyTree
 from ..core.devices import resolve_devices
 from ..core.mesh import is_count, make_mesh
-from ..measure.traffic import ExpectedCollective, Sizes, gradient_all_reduce
+from ..core.reports import ExpectedCollective, Sizes, gradient_all_reduce
 from .spmd import BATCH_ON_DATA, SPMD
 
 STAGES = (1, 2, 3)

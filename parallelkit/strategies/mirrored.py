@@ -33,9 +33,9 @@ from ..core.contract import LossFn
 from ..core.devices import resolve_devices
 from ..core.mesh import make_mesh
 from ..core.precision import Precision
+from ..core.reports import ExpectedCollective, Sizes
 from ..core.step import Step
 from ..measure.collectives import AllReduce
-from ..measure.traffic import ExpectedCollective, Sizes
 from . import data_parallel
 from .pmap import MirroredPmap
 from .spmd import BATCH_ON_DATA, SPMD

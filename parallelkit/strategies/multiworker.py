@@ -25,7 +25,7 @@ import numpy as np
 from ..core.contract import Batch, PyTree, check_divisible
 from ..core.devices import resolve_devices
 from ..core.mesh import make_mesh
-from ..measure.traffic import ExpectedCollective, Sizes
+from ..core.reports import ExpectedCollective, Sizes
 from . import data_parallel
 from .spmd import BATCH_ON_DATA, SPMD
 

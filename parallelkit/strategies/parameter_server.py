@@ -57,7 +57,7 @@ from .central import (
 from .split_update import check_update_splits
 
 if TYPE_CHECKING:
-    from ..measure.traffic import StepTraffic
+    from ..core.reports import StepTraffic
 
 MODES = ("sync", "async")
 

@@ -25,10 +25,10 @@ from ..core.axes import DATA
 from ..core.contract import Batch, LossFn, PyTree, check_divisible
 from ..core.mesh import make_mesh
 from ..core.precision import Precision
+from ..core.reports import ExpectedCollective, Sizes
 from ..core.state import TrainState, create_state
 from ..core.step import Step
 from ..measure.collectives import AllReduce
-from ..measure.traffic import ExpectedCollective, Sizes
 from . import data_parallel
 from .base import Strategy
 

@@ -6,7 +6,7 @@ import jax
 
 from ..core.devices import resolve_devices
 from ..core.mesh import make_mesh
-from ..measure.traffic import ExpectedCollective, Sizes
+from ..core.reports import ExpectedCollective, Sizes
 from .spmd import BATCH_ON_DATA, SPMD
 
 

@@ -29,7 +29,7 @@ from ..core.axes import MODEL, AxisRules
 from ..core.contract import PyTree
 from ..core.devices import every_device_hint, first_devices, resolve_devices
 from ..core.mesh import is_count, make_mesh
-from ..measure.traffic import ExpectedCollective, Sizes
+from ..core.reports import ExpectedCollective, Sizes
 from ..models import declared_axes
 from .spmd import BATCH_ON_DATA, SPMD
 

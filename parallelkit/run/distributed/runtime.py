@@ -105,9 +105,9 @@ def initialize(
     heartbeat = heartbeat_timeout or _env_int(ENV_HEARTBEAT_TIMEOUT, DEFAULT_HEARTBEAT_TIMEOUT)
     shutdown = shutdown_timeout or _env_int(ENV_SHUTDOWN_TIMEOUT, DEFAULT_SHUTDOWN_TIMEOUT)
 
-    from ...core.devices import DeviceCountError, _backends_started, configure_cpu_devices, simulate_devices
+    from ...core.devices import DeviceCountError, backends_started, configure_cpu_devices, simulate_devices
 
-    if not spec.is_single_process and _backends_started():
+    if not spec.is_single_process and backends_started():
         raise ClusterError(
             "JAX has already started (something ran a computation or listed devices), so this process can no "
             "longer join a cluster. Call pk.distributed.initialize() first thing in the program, before any JAX work."

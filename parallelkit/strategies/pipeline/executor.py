@@ -24,7 +24,7 @@ from typing import Any
 
 import jax
 
-from .schedules import Slot, _depends_on, bubble_fraction, peak_in_flight, stage_orders
+from .schedules import Slot, bubble_fraction, depends_on, peak_in_flight, stage_orders
 
 # task(kind, stage, microbatch, received) -> what the next pass needs; returns once the device is done.
 Task = Callable[[str, int, int, Any], Any]
@@ -125,7 +125,7 @@ def execute(
     def run_stage(stage: int) -> None:
         try:
             for kind, microbatch in orders[stage]:
-                after = _depends_on(kind, stage, microbatch, stages)
+                after = depends_on(kind, stage, microbatch, stages)
                 received = None if after is None else handed[after].result().pop()
                 start = time.perf_counter() - start_of_step
                 out = task(kind, stage, microbatch, received)

@@ -38,7 +38,7 @@ def _check_counts(stages: int, microbatches: int, forward: float, backward: floa
         raise ValueError(f"Pass durations above 0, got forward={forward} and backward={backward}.")
 
 
-def _depends_on(kind: str, stage: int, microbatch: int, stages: int) -> tuple[str, int, int] | None:
+def depends_on(kind: str, stage: int, microbatch: int, stages: int) -> tuple[str, int, int] | None:
     """The ``(kind, stage, microbatch)`` pass that must end before this one starts (None: the first forward).
 
     Activations flow down (forward ``s`` after forward ``s - 1``), gradients flow up
@@ -119,7 +119,7 @@ def one_f_one_b_schedule(stages: int, microbatches: int, forward: float = 1, bac
             if position[s] == len(orders[s]):
                 continue
             kind, m = orders[s][position[s]]
-            after = _depends_on(kind, s, m, stages)
+            after = depends_on(kind, s, m, stages)
             if after is not None and after not in ends:
                 continue  # waits for another stage
             ready = 0.0 if after is None else ends[after]
@@ -213,7 +213,7 @@ def check_schedule(schedule: Sequence[Slot]) -> None:
             if b.start < a.end:
                 raise ValueError(f"Stage {s} runs {a} and {b} at once.")
     for (kind, s, m), slot in slots.items():
-        after = _depends_on(kind, s, m, stages)
+        after = depends_on(kind, s, m, stages)
         before = None if after is None else slots[after]
         if before is not None and slot.start < before.end:
             raise ValueError(f"{slot} starts before {before} ends, which it depends on.")

@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from ...core.contract import Batch, PyTree, _loss_with_aux
+from ...core.contract import Batch, PyTree, loss_with_aux
 from ...core.precision import Precision, all_finite, cast_floating, select, unscale
 
 Layer = Callable[[PyTree, Any], Any]
@@ -98,7 +98,7 @@ def _stage_output(layers, head_loss, first, last, params, x, batch, precision=No
     y = run_layers(layers, params, batch if first else x)
     if not last:
         return y
-    out = _loss_with_aux(head_loss)(y, batch)
+    out = loss_with_aux(head_loss)(y, batch)
     return out if precision is None else cast_floating(out, jnp.float32)
 
 

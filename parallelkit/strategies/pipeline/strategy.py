@@ -19,10 +19,11 @@ from ...core.contract import Batch, LossInputError, PyTree, batch_size, guard_in
 from ...core.devices import DeviceCountError, every_device_hint, first_devices
 from ...core.mesh import is_count, make_mesh
 from ...core.precision import Precision, check_precision, next_scale
+from ...core.reports import D2D, H2D, Flow, StepTraffic
 from ...core.state import TrainState, check_same_tree
 from ...core.step import Step
 from ...measure.inspect import Collective, parse_collectives
-from ...measure.traffic import D2D, H2D, Flow, StepTraffic, bus_bytes, per_replica_bytes
+from ...measure.traffic import bus_bytes, per_replica_bytes
 from ..base import Strategy
 from ..split_update import check_update_splits
 from . import schedules
