@@ -73,6 +73,10 @@ def _parser() -> argparse.ArgumentParser:
         help="fresh child processes per device count, taken in turns (2 4 8 2 4 8 ...): the run-to-run spread",
     )  # fmt: skip
     parser.add_argument("--out", default="benchmarks/results/overhead.json", help="where the JSON results go")
+    parser.add_argument(
+        "--raw", metavar="DIR",
+        help="also keep every step's seconds, one JSON file per child run, in DIR (the record keeps the summaries)",
+    )  # fmt: skip
     parser.add_argument("--child", type=int, metavar="N", help=argparse.SUPPRESS)  # internal: run one device count
     parser.add_argument("--child-out", help=argparse.SUPPRESS)  # internal: the child's JSON file
     return parser
@@ -293,7 +297,6 @@ def _summarise(raw: dict) -> dict:
             "overhead_us": float((np.median(secs[lib]) - np.median(secs[hand])) * 1e6),
             "within_target": bool(float(np.median(per_round)) <= TARGET_RATIO and ratio <= TARGET_RATIO),
         }
-    out["step_seconds"] = raw["step_seconds"]
     return out
 
 
@@ -397,7 +400,11 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     for repeat in range(args.repeats):
         for n in args.devices:
-            res = {"repeat": repeat, **_summarise(_run_child(n, args))}
+            raw = _run_child(n, args)
+            if args.raw:  # the per-step samples, on request: the record keeps medians, spreads and counts
+                Path(args.raw).mkdir(parents=True, exist_ok=True)
+                (Path(args.raw) / f"overhead-{n}-devices-run-{repeat}.json").write_text(json.dumps(raw))
+            res = {"repeat": repeat, **_summarise(raw)}
             results.append(res)
             print(_table(res, args), flush=True)
             print()
