@@ -10,7 +10,7 @@ backward) and the bytes each device sends for them, one way
 (``pk.inspect.Collective.sent_bytes``: ``(n-1)/n`` of an all-gather's output, ``n - 1``
 times a reduce-scatter's shard, a permute's array, ``(n-1)/n`` of an all-to-all's; the
 payload alone does not compare methods), sets them beside the cost model's
-(:mod:`parallelkit.measure.sequence_costs`) and the book's forward wire bytes per layer
+(:mod:`parallelkit.measure.costmodel.sequence`) and the book's forward wire bytes per layer
 (all-gather: ``(n-1)/n`` of the K,V bytes; ring: ``n - 1`` permutes of a K,V block;
 Ulysses: 4 all-to-alls of ``(n-1)/n`` of a block), reads the attention's temporaries per device from the compiler
 (``pk.inspect.memory_per_device`` of attention alone, forward and backward, beside the
@@ -44,7 +44,8 @@ import optax  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from parallelkit import attention, costmodel  # noqa: E402
-from parallelkit.measure.sequence_costs import CONTEXT_METHODS, collectives  # noqa: E402
+from parallelkit.measure.costmodel import CONTEXT_METHODS  # noqa: E402
+from parallelkit.measure.costmodel import sequence_collectives as collectives  # noqa: E402
 
 DIM, HEADS, DEPTH, ITEM = 64, 8, 2, 4
 

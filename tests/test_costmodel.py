@@ -6,8 +6,8 @@ import pytest
 
 from parallelkit import collectives as C
 from parallelkit.measure.costmodel import (
+    PATTERNS,
     PRESETS,
-    STRATEGIES,
     Cluster,
     Link,
     Workload,
@@ -163,7 +163,7 @@ def test_bad_input_gets_a_clear_error():
         allreduce_rounds("tree", 6, P)
     with pytest.raises(ValueError, match="fill machines"):
         local_vs_distributed(Workload(P, 1e-3, 8), FAST, SLOW, per_machine=3)
-    assert "mirrored" in STRATEGIES
+    assert "mirrored" in PATTERNS
 
 
 # Model-parallel entries: tensor, hybrid and pipeline, worked by hand.

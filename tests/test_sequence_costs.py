@@ -13,7 +13,8 @@ from flax import nnx
 
 import parallelkit as pk
 from parallelkit import costmodel
-from parallelkit.measure.sequence_costs import CONTEXT_METHODS, collectives
+from parallelkit.measure.costmodel import CONTEXT_METHODS
+from parallelkit.measure.costmodel import sequence_collectives as collectives
 
 BATCH, LENGTH, DIM, LAYERS = 4, 32, 32, 2
 PATTERNS = tuple(f"context_{m}" for m in CONTEXT_METHODS)

@@ -44,6 +44,8 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from .costmodel.links import fit_alpha_beta as fit_alpha_beta
+
 CACHE_ENV = "PARALLELKIT_CACHE_DIR"
 _AXIS = "d"
 
@@ -119,24 +121,6 @@ def memory_bandwidth(device: jax.Device, elements: int, repeats: int = 5) -> Mea
     seconds = _median(once, repeats)
     method = f"x + 1 in place on {4 * elements / 2**20:.0f} MiB float32, read + write, median of {repeats}"
     return Measured(2 * 4 * elements / seconds, "B/s", method)
-
-
-def fit_alpha_beta(nbytes: Sequence[float], seconds: Sequence[float]) -> tuple[float, float]:
-    """Least-squares ``(alpha, beta)`` of ``seconds = alpha + beta x bytes``, residuals relative to each time.
-
-    The sizes span several orders of magnitude; plain least squares would let the largest
-    times decide everything and leave ``alpha``, set by the smallest, to noise. Weighting
-    each residual by ``1 / seconds`` fits every size to the same relative precision.
-
-    >>> alpha, beta = fit_alpha_beta([1e3, 1e6, 2e6], [1e-5 + 1e3 / 1e9, 1e-5 + 1e6 / 1e9, 1e-5 + 2e6 / 1e9])
-    >>> round(alpha * 1e6, 6), round(1 / beta / 1e9, 6)  # 10 us and 1 GB/s
-    (10.0, 1.0)
-    """
-    if len(nbytes) != len(seconds) or len(set(nbytes)) < 2:
-        raise ValueError("fit_alpha_beta needs one time per size and at least two different sizes.")
-    times = np.asarray(seconds, float)
-    beta, alpha = np.polyfit(np.asarray(nbytes, float), times, 1, w=1 / times)
-    return float(alpha), float(beta)
 
 
 def allreduce_times(devices: Sequence[jax.Device], sizes: Sequence[int], repeats: int = 5) -> list[float]:

@@ -16,8 +16,9 @@ returning what ``lax.psum`` returns (up to the order of the additions):
   across groups on one ``1/g`` slice each, and a ring inside the group again.
 
 Each has a cost in the alpha-beta model (:class:`Cost`: a latency ``alpha`` per
-message in sequence, ``1/beta`` per byte in sequence), and the bytes each device
-sends, which the tests read back from the compiled program's
+message in sequence, ``1/beta`` per byte in sequence), summed from the cost model's
+rounds of the same exchanges (:func:`~parallelkit.measure.costmodel.allreduce_rounds`),
+and the bytes each device sends, which the tests read back from the compiled program's
 ``collective-permute`` instructions (:func:`sent_bytes`).
 
 >>> import jax, numpy as np
@@ -42,6 +43,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from .costmodel.links import ALGORITHMS as ALGORITHMS
+from .costmodel.links import Round, allreduce_rounds
+from .costmodel.links import ring_pairs as ring_pairs
 from .inspect import Collective
 
 Axis = str | tuple[str, ...]
@@ -67,14 +71,33 @@ class Cost:
         return self.rounds * alpha + self.wire_bytes / bandwidth
 
 
+def rounds_cost(rounds: list[Round], n: int) -> Cost:
+    """The :class:`Cost` of an all-reduce given as the cost model's rounds over ``n`` devices.
+
+    Each round is one latency; its bytes in sequence are the busiest device's, sent or
+    received (links are full duplex); ``sent`` adds up each device's messages.
+
+    >>> rounds_cost(allreduce_rounds("reduce_to_one", 3, 8.0), 3)
+    Cost(rounds=4, wire_bytes=32.0, sent=(16.0, 8.0, 8.0))
+    """
+    sent, wire = [0.0] * n, 0.0
+    for messages in rounds:
+        out, into = [0.0] * n, [0.0] * n
+        for source, target, nbytes in messages:
+            out[source] += nbytes
+            into[target] += nbytes
+        wire += max(max(out), max(into))
+        sent = [total + more for total, more in zip(sent, out, strict=True)]
+    return Cost(len(rounds), wire, tuple(sent))
+
+
 def ring_cost(n: int, nbytes: float) -> Cost:
     """Ring: ``2(n-1)`` rounds, in each of which every device sends ``nbytes/n`` to its neighbour.
 
     >>> ring_cost(4, 400).seconds(alpha=1e-6, bandwidth=1e9)  # 6 x 1 us + 600 B / 1 GB/s
     6.6e-06
     """
-    share = 2 * (n - 1) / n * nbytes
-    return Cost(2 * (n - 1), share, (share,) * n)
+    return rounds_cost(allreduce_rounds("ring", n, nbytes), n)
 
 
 def tree_cost(n: int, nbytes: float) -> Cost:
@@ -83,8 +106,7 @@ def tree_cost(n: int, nbytes: float) -> Cost:
     The bytes equal the ring's, ``2(n-1)/n x nbytes``; the latencies drop from ``2(n-1)`` to ``2 log2 n``.
     """
     _check_power_of_two(n)
-    share = 2 * (n - 1) / n * nbytes
-    return Cost(2 * int(math.log2(n)), share, (share,) * n)
+    return rounds_cost(allreduce_rounds("tree", n, nbytes), n)
 
 
 def reduce_to_one_cost(n: int, nbytes: float) -> Cost:
@@ -92,7 +114,7 @@ def reduce_to_one_cost(n: int, nbytes: float) -> Cost:
 
     Device 0 sends the sum to the ``n-1`` others; each other device sends its array once.
     """
-    return Cost(2 * (n - 1), 2 * (n - 1) * nbytes, ((n - 1) * nbytes,) + (float(nbytes),) * (n - 1))
+    return rounds_cost(allreduce_rounds("reduce_to_one", n, nbytes), n)
 
 
 def hierarchical_cost(inner: int, outer: int, nbytes: float) -> dict[str, Cost]:
@@ -101,7 +123,8 @@ def hierarchical_cost(inner: int, outer: int, nbytes: float) -> dict[str, Cost]:
     Inside (fast links): a reduce-scatter and an all-gather, ``2(g-1)`` rounds and
     ``2(g-1)/g x nbytes``, as a ring of ``g``. Across (slow links): a ring all-reduce of
     one slice of ``nbytes/g`` over the ``m`` groups, ``2(m-1)`` rounds and
-    ``2(m-1)/m x nbytes/g`` per device.
+    ``2(m-1)/m x nbytes/g`` per device. The rounds are the cost model's
+    (:func:`~parallelkit.measure.costmodel.allreduce_rounds`), each counted on the links it uses.
 
     In a flat ring over all ``n = g x m`` devices only each group's last device sends to
     another group, all of its ``2(n-1)/n x nbytes``. What the hierarchy saves on the slow
@@ -113,12 +136,11 @@ def hierarchical_cost(inner: int, outer: int, nbytes: float) -> dict[str, Cost]:
     >>> {link: cost.wire_bytes for link, cost in hierarchical_cost(4, 2, 800).items()}
     {'inner': 1200.0, 'outer': 200.0}
     """
-    inside = ring_cost(inner, nbytes)
-    across = ring_cost(outer, nbytes / inner)
-    return {
-        "inner": Cost(inside.rounds, inside.wire_bytes, inside.sent * outer),
-        "outer": Cost(across.rounds, across.wire_bytes, across.sent[:1] * (inner * outer)),
-    }
+    n = inner * outer
+    rounds = allreduce_rounds("hierarchical", n, nbytes, group=inner)
+    across = [r for r in rounds if any(s // inner != t // inner for s, t, _ in r)]
+    inside = [r for r in rounds if not any(s // inner != t // inner for s, t, _ in r)]
+    return {"inner": rounds_cost(inside, n), "outer": rounds_cost(across, n)}
 
 
 def _check_power_of_two(n: int) -> None:
@@ -144,15 +166,6 @@ def _position(axis: Axis, rings: Sequence[Sequence[int]]) -> jax.Array:
         for k, device in enumerate(ring):
             table[device] = k
     return jnp.asarray(table)[lax.axis_index(axis)]
-
-
-def ring_pairs(rings: Sequence[Sequence[int]]) -> list[tuple[int, int]]:
-    """``(device, next device)`` around every ring: one ring round's messages.
-
-    >>> ring_pairs([[0, 1, 2]])
-    [(0, 1), (1, 2), (2, 0)]
-    """
-    return [(ring[k], ring[(k + 1) % len(ring)]) for ring in rings for k in range(len(ring))]
 
 
 def _reduce_scatter(chunks: jax.Array, axis: Axis, rings: Sequence[Sequence[int]]) -> tuple[jax.Array, jax.Array]:
@@ -264,7 +277,6 @@ def hierarchical_allreduce(x: jax.Array, inner_axis: str, outer_axis: str) -> ja
     return _hierarchical(x, (outer_axis, inner_axis), inner, outer)
 
 
-ALGORITHMS = ("psum", "ring", "tree", "reduce_to_one", "hierarchical")
 TENSORFLOW_NAMES = {
     "psum": "NcclAllReduce (the library's own all-reduce)",
     "reduce_to_one": "ReductionToOneDevice",

@@ -61,6 +61,7 @@ from ..core.reports import Flow as Flow
 from ..core.reports import Sizes as Sizes
 from ..core.reports import StepTraffic as StepTraffic
 from ..core.reports import gradient_all_reduce as gradient_all_reduce
+from .costmodel import Cluster, Link, allreduce_seconds, alltoall_rounds
 from .inspect import Collective, collectives, sent_bytes
 
 if TYPE_CHECKING:
@@ -204,7 +205,11 @@ def _param_bytes(params) -> int:
 class TopologyModel:
     """A back-of-the-envelope model of one step's communication time (latency-bandwidth, "alpha-beta").
 
-    It is a model, not a measurement. Its assumptions, all of them:
+    It is a model, not a measurement: :mod:`parallelkit.measure.costmodel`'s, for devices
+    with links of their own (their collectives are its rounds over a one-machine
+    :class:`~parallelkit.measure.costmodel.Cluster`), with what the cost model leaves out
+    added: the host's links, which central storage and parameter servers cross, and devices
+    that reach each other only through host memory. Its assumptions, all of them:
 
     - sending ``b`` bytes over a link costs ``latency + b / bandwidth``; links are full
       duplex (sending and receiving at once do not slow each other);
@@ -261,10 +266,18 @@ class TopologyModel:
             return 2 * alpha, self._per_byte(1 / n, 1.0)
         return alpha, 1 / (n * self.device_link_GBps * 1e9)
 
+    def _devices(self, n: int) -> Cluster | None:
+        """The ``n`` devices as the cost model's one-machine cluster, when they have links of their own."""
+        if self.device_link_GBps is None:
+            return None
+        return Cluster(1, n, Link("device link", self.device_link_GBps, self.latency_us, "TopologyModel"))
+
     def mirrored_seconds(self, param_bytes: float, n: int) -> float:
-        """Ring all-reduce: ``2(n-1)`` rounds, each moving ``P/n`` per device."""
+        """Ring all-reduce: ``2(n-1)`` rounds, each moving ``P/n`` per device (the cost model's rounds)."""
         if n <= 1:
             return 0.0
+        if (cluster := self._devices(n)) is not None:
+            return allreduce_seconds(cluster, param_bytes)
         alpha, per_byte = self._ring_round(n)
         return 2 * (n - 1) * (alpha + param_bytes * per_byte)
 
@@ -276,6 +289,8 @@ class TopologyModel:
         """
         if n <= 1:
             return 0.0
+        if (cluster := self._devices(n)) is not None:
+            return sum(cluster.round_seconds(r) for r in alltoall_rounds([list(range(n))], nbytes))
         alpha, per_byte = self._ring_round(n)
         return (n - 1) * (alpha + nbytes * per_byte)
 

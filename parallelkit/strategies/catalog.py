@@ -26,7 +26,6 @@ import jax
 
 from ..core.protocol import StrategyProtocol
 from ..measure import costmodel
-from ..measure import sequence_costs as sequence_costs  # registers the cost patterns that split the sequence
 from .central import CentralStorage
 from .context_parallel import ContextParallel
 from .expert_parallel import ExpertParallel

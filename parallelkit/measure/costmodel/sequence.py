@@ -2,7 +2,7 @@
 
 Both move activations, not gradients, so what they send is written in two workload
 figures: ``sequence_bytes``, one sample's ``(length, dim)`` activation (the size of its
-keys, or of its values, in one layer), and ``layers``. :func:`collectives` lists what one
+keys, or of its values, in one layer), and ``layers``. :func:`plan` lists what one
 device's step sends, each collective with its count and its payload as
 :func:`parallelkit.measure.inspect.collectives` reads a compiled program (an all-gather's
 gathered result, a reduce-scatter's shard, an all-to-all's or a permute's array), so a
@@ -37,11 +37,10 @@ rounds: an all-gather or reduce-scatter is ``n - 1`` ring rounds of ``1/n`` of t
 array, a permute one round, an all-to-all ``n - 1`` rounds of ``b/n`` to one peer each: in
 those rounds each device sends :attr:`Planned.sent_bytes`.
 
->>> from parallelkit.measure.costmodel import Workload
 >>> work = Workload(0, 1e-3, batch_per_device=2, sequence_bytes=1024, layers=3)
->>> [(c.op, c.count, c.payload) for c in collectives(work, "context_ring", 4)]
+>>> [(c.op, c.count, c.payload) for c in plan(work, "context_ring", 4)]
 [('collective-permute', 36, 2048)]
->>> [(c.op, c.payload, c.sent_bytes) for c in collectives(work, "context_allgather", 4)]
+>>> [(c.op, c.payload, c.sent_bytes) for c in plan(work, "context_allgather", 4)]
 [('all-gather', 8192, 36864.0), ('reduce-scatter', 2048, 36864.0)]
 """
 
@@ -49,8 +48,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from . import costmodel, inspect
-from .costmodel import Cluster, Options, Pattern, Workload
+from ..inspect import sent_bytes
+from .links import Cluster, allreduce_seconds, alltoall_rounds, gradient_groups_seconds
+from .workload import Options, Pattern, Workload
 
 CONTEXT_METHODS = ("allgather", "ring", "ring_zigzag", "ulysses")
 
@@ -72,24 +72,24 @@ class Planned:
 
     @property
     def sent_bytes(self) -> float:
-        """The bytes one device sends for all of them, one way (:func:`parallelkit.measure.inspect.sent_bytes`)."""
-        return self.count * inspect.sent_bytes(self.op, self.payload, self.devices)
+        """The bytes one device sends for all of them, one way (:func:`parallelkit.measure.sent_bytes`)."""
+        return self.count * sent_bytes(self.op, self.payload, self.devices)
 
 
-def collectives(workload: Workload, strategy: str, n: int) -> list[Planned]:
+def plan(workload: Workload, name: str, n: int) -> list[Planned]:
     """What one device's training step sends to split the sequence over ``n`` devices, by ``strategy``.
 
-    ``strategy``: ``"context_allgather"``, ``"context_ring"``, ``"context_ring_zigzag"``,
-    ``"context_ulysses"`` or ``"sequence_parallel"`` (or a catalog name for one of them).
+    ``name``: ``"context_allgather"``, ``"context_ring"``, ``"context_ring_zigzag"``,
+    ``"context_ulysses"`` or ``"sequence_parallel"`` (``costmodel.sequence_collectives`` takes
+    a catalog name for one of them too).
     The gradients' all-reduce is left out (it is data parallelism's).
 
     Raises:
       ValueError: a strategy that does not split the sequence, or a workload without
         ``sequence_bytes`` and ``layers``.
     """
-    name = costmodel.pattern_name(strategy)
     if name not in PLANS:
-        raise ValueError(f"{strategy!r} does not split the sequence: choose one of {list(PLANS)}.")
+        raise ValueError(f"{name!r} does not split the sequence: choose one of {list(PLANS)}.")
     if not (workload.sequence_bytes > 0 and workload.layers >= 1):
         raise ValueError(
             "Splitting the sequence moves activations: give Workload(sequence_bytes=..., layers=...), the bytes of "
@@ -117,7 +117,7 @@ def _rounds_seconds(cluster: Cluster, groups: list[list[int]], planned: Planned)
     if planned.op == "collective-permute":  # one round: every device sends its array to the next
         return planned.count * cluster.round_seconds([(s, t, planned.payload) for s, t in ring])
     if planned.op == "all-to-all":  # the pairwise exchange: n - 1 rounds of b/n to one peer each
-        return planned.count * sum(cluster.round_seconds(r) for r in costmodel.alltoall_rounds(groups, planned.payload))
+        return planned.count * sum(cluster.round_seconds(r) for r in alltoall_rounds(groups, planned.payload))
     share = planned.payload / n if planned.op == "all-gather" else planned.payload  # a ring's piece per round
     return planned.count * (n - 1) * cluster.round_seconds([(s, t, share) for s, t in ring])
 
@@ -126,13 +126,12 @@ def _splitting(name: str):
     def communication(workload: Workload, cluster: Cluster, options: Options) -> tuple[float, float]:
         n = options.model
         along = [[r * n + j for j in range(n)] for r in range(cluster.devices // n)]
-        critical = sum(_rounds_seconds(cluster, along, p) for p in collectives(workload, name, n))
+        critical = sum(_rounds_seconds(cluster, along, p) for p in plan(workload, name, n))
         if name == "sequence_parallel":  # each device's 1/n of the weights, over its data group
-            return costmodel.gradient_groups_seconds(workload, cluster, n), critical
-        return costmodel.allreduce_seconds(cluster, workload.param_bytes, options.allreduce), critical
+            return gradient_groups_seconds(cluster, workload.param_bytes, n), critical
+        return allreduce_seconds(cluster, workload.param_bytes, options.allreduce), critical
 
     return communication
 
 
-for _name in (*(f"context_{m}" for m in CONTEXT_METHODS), "sequence_parallel"):
-    costmodel.register_pattern(_name, Pattern(_splitting(_name), model="given"))
+SEQUENCE_PATTERNS = {name: Pattern(_splitting(name), model="given") for name in PLANS}
