@@ -55,7 +55,7 @@ from jax.sharding import SingleDeviceSharding  # noqa: E402
 
 from parallelkit.course.bench import _model  # noqa: E402
 from parallelkit.course.tour import max_abs_diff  # noqa: E402
-from parallelkit.strategies.central import push_rows  # noqa: E402
+from parallelkit.strategies.offdevice.rows import push_rows  # noqa: E402
 
 
 def hand_central(loss, tx, params, devices, memory_kind=None):

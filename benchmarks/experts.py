@@ -44,7 +44,7 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from parallelkit.experts import dispatch_bytes  # noqa: E402
+from parallelkit.models.layers.experts import dispatch_bytes  # noqa: E402
 
 DEVICES = (2, 4, 8)
 MODEL = dict(max_length=64, dim=64, heads=4, depth=2, mlp_dim=128, experts=8, top_k=2, capacity_factor=1.25)

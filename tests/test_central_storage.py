@@ -9,7 +9,7 @@ import pytest
 from helpers import assert_steps_compile_once, tree_allclose
 
 import parallelkit as pk
-from parallelkit.strategies.central import host_sharding
+from parallelkit.strategies.offdevice.rows import host_sharding
 
 
 def _assert_one_host_copy(state, strategy):
@@ -97,7 +97,7 @@ def test_repr_and_devices():
 
 @pytest.mark.parametrize("replicas", [1, 2, 3, 8])
 def test_mean_rows_is_the_mean_over_replicas(replicas):
-    from parallelkit.strategies.central import mean_rows
+    from parallelkit.strategies.offdevice.rows import mean_rows
 
     rows = np.random.default_rng(replicas).normal(size=(replicas, 5, 7)).astype(np.float32)
     got = jax.jit(mean_rows)(rows)
@@ -107,7 +107,7 @@ def test_mean_rows_is_the_mean_over_replicas(replicas):
 
 def test_push_copies_each_row_to_the_owner_and_leaves_the_owners_own_row_in_place(mlp, batch):
     """The push moves replica i's row from device i to the owner; the owner's own row is not copied."""
-    from parallelkit.strategies.central import push_rows
+    from parallelkit.strategies.offdevice.rows import push_rows
 
     loss_fn, params = mlp
     strategy = pk.CentralStorage(4)

@@ -13,7 +13,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import parallelkit as pk
-from parallelkit.experts import capacity, expert_parallel, init_moe_params, moe_layer
+from parallelkit.models.layers.experts import capacity, expert_parallel, init_moe_params, moe_layer
 
 EXPERT_WEIGHTS = ("w_in", "w_out", "b_in", "b_out")
 layer = jax.jit(moe_layer, static_argnames=("top_k", "capacity_factor", "groups"))  # one compile, not one per op
@@ -499,8 +499,8 @@ def test_cost_model_all_to_all_bytes_are_the_compiled_steps(corpus, expert, data
     all-to-all flow, and TopologyModel timing it."""
     import optax
 
-    from parallelkit.experts import dispatch_bytes
     from parallelkit.measure import costmodel
+    from parallelkit.models.layers.experts import dispatch_bytes
 
     count, batch_size, depth = expert * (data or 1), 8, 2
     apply, params = pk.models.functional(moe_gpt(groups=count))

@@ -21,9 +21,7 @@ SELF_DESCRIBING = ("strategies",)  # the package that may know its own classes
 # The layers, lowest first: a module imports only from its own layer and those below it.
 LAYERS = {
     "core": 0,  # state, step, contracts, protocol, devices, mesh, axes, partition
-    "models": 1, "data": 1,  # what is trained: import only the core
-    "experts": 1,
-    "attention": 1,  # attention split over devices: imports only the core
+    "models": 1, "data": 1,  # what is trained, and the layers that communicate (models/layers): only the core
     "measure": 1,  # reading compiled programs, traces and clocks: the core and the protocol
     "strategies": 2,  # the core and the measuring tools (each reports its own traffic)
     "run": 3,  # the training loop, callbacks, checkpoints, prefetching, processes
@@ -220,7 +218,7 @@ def test_the_dispatch_check_sees_dispatch(tmp_path):
 def test_no_strategy_inherits_more_than_one_level_below_its_family():
     """Every strategy subclasses Strategy (the protocol's defaults) directly, or one family base that does:
     SPMD (its presets) or OffDeviceStrategy (central storage, parameter servers). No deeper ladder."""
-    from parallelkit.strategies.central import OffDeviceStrategy
+    from parallelkit.strategies.offdevice import OffDeviceStrategy
     from parallelkit.strategies.spmd import SPMD
 
     allowed = ([Strategy], [SPMD, Strategy], [OffDeviceStrategy, Strategy])

@@ -9,8 +9,8 @@ import pytest
 from helpers import assert_steps_compile_once, tree_allclose
 
 import parallelkit as pk
-from parallelkit.strategies.asynchronous import AsyncWorkers
-from parallelkit.strategies.parameter_server import Partition, RoundRobin, Sharded
+from parallelkit.strategies.offdevice.asynchronous import AsyncWorkers
+from parallelkit.strategies.offdevice.partition import Partition, RoundRobin, Sharded
 
 STEPS = 6
 

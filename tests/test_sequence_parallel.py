@@ -14,7 +14,7 @@ from helpers import small_gpt, tree_allclose
 from jax.sharding import PartitionSpec as P
 
 import parallelkit as pk
-from parallelkit.models.sequence import gather_columns, scatter_rows
+from parallelkit.models.layers.sequence import gather_columns, scatter_rows
 from parallelkit.strategies.tensor import SEQUENCE_PARALLEL
 
 LENGTH, BATCH, STEPS, DEPTH, DIM = 32, 4, 10, 2, 32

@@ -181,8 +181,8 @@ _CONTEXT_METHOD: contextvars.ContextVar[str | None] = contextvars.ContextVar("co
 def context_method(name: str) -> Iterator[None]:
     """Inside the block, attention whose ``length`` the active rules split uses method ``name``.
 
-    :func:`parallelkit.attention.attend` reads it when it is traced (``"allgather"``
-    when no block is open); :func:`parallelkit.attention.method` checks the name first.
+    :func:`parallelkit.models.layers.attention.attend` reads it when it is traced (``"allgather"``
+    when no block is open); :func:`parallelkit.models.layers.attention.method` checks the name first.
     """
     token = _CONTEXT_METHOD.set(name)
     try:

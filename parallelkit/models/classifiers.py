@@ -13,8 +13,9 @@ from flax import nnx
 
 from ..core.axes import constrain
 from .functional import functional, graph_and_params, with_axes
+from .layers.basic import apply_dropout, dense, layer_norm
+from .layers.sequence import RESIDUAL, gather_columns, scatter_rows
 from .recompute import maybe_remat, remat_policy
-from .sequence import RESIDUAL, gather_columns, scatter_rows
 
 Apply = Callable[[dict, jax.Array], jax.Array]
 
@@ -57,38 +58,6 @@ class MLP(nnx.Module):
 
 def _dense_relu(layer: nnx.Linear, x: jax.Array) -> jax.Array:
     return jax.nn.relu(layer(x))
-
-
-def dense(
-    width_in: int,
-    width_out: int,
-    axis_in: str,
-    axis_out: str,
-    rngs: nnx.Rngs,
-    *,
-    use_bias: bool = True,
-    kernel_init: nnx.Initializer | None = None,
-) -> nnx.Linear:
-    """``nnx.Linear`` whose kernel declares the logical axes ``(axis_in, axis_out)`` and its bias ``(axis_out,)``;
-    the kernel drawn by ``kernel_init`` (LeCun normal, Flax's default, when None)."""
-    return nnx.Linear(
-        width_in,
-        width_out,
-        use_bias=use_bias,
-        kernel_init=with_axes(kernel_init or nnx.initializers.lecun_normal(), (axis_in, axis_out)),
-        bias_init=with_axes(nnx.initializers.zeros_init(), (axis_out,)),
-        rngs=rngs,
-    )
-
-
-def layer_norm(dim: int, axis: str, rngs: nnx.Rngs) -> nnx.LayerNorm:
-    """``nnx.LayerNorm`` whose scale and bias declare the logical axis ``axis``."""
-    return nnx.LayerNorm(
-        dim,
-        scale_init=with_axes(nnx.initializers.ones_init(), (axis,)),
-        bias_init=with_axes(nnx.initializers.zeros_init(), (axis,)),
-        rngs=rngs,
-    )
 
 
 class CNN(nnx.Module):
@@ -167,7 +136,7 @@ class Transformer(nnx.Module):
     norms, dropout and residual adds act, is ``norm_length``, as in :class:`parallelkit.models.GPT`):
     under :class:`parallelkit.SPMD` rules that map ``length`` (and ``norm_length``) to ``seq`` the
     tokens are split over that mesh axis; elsewhere the calls do nothing. The split layers are
-    called through :mod:`parallelkit.models.sequence`, so ``TensorParallel(k, sequence_parallel=True)``
+    called through :mod:`parallelkit.models.layers.sequence`, so ``TensorParallel(k, sequence_parallel=True)``
     splits the residual stream along the tokens (Megatron's sequence parallelism).
 
     The parameters declare their logical axes: ``query``, ``key`` and ``value`` kernels
@@ -287,14 +256,6 @@ class Tower(nnx.Module):
         x = self.embed(x.reshape(x.shape[0], -1))
         x, _ = jax.lax.scan(maybe_remat(layer, self.remat), x, (self.kernels[...], self.biases[...]))
         return self.head(x)
-
-
-def apply_dropout(x: jax.Array, rate: float, key: jax.Array | None) -> jax.Array:
-    """Inverted dropout drawn from ``key`` for the whole array; the identity without a key."""
-    if key is None or rate == 0:
-        return x
-    keep = jax.random.bernoulli(key, 1 - rate, x.shape)
-    return jnp.where(keep, x / (1 - rate), 0)
 
 
 def classifier_loss(apply: Callable[..., Any]) -> Callable[..., Any]:

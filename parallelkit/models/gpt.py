@@ -1,6 +1,6 @@
 """A small causal language model (GPT) and its next-token loss.
 
-The model's attention is one call, :func:`parallelkit.attention.attend`, so a strategy
+The model's attention is one call, :func:`parallelkit.models.layers.attention.attend`, so a strategy
 that splits the sequence changes how attention is computed without a second copy of
 the model. Its parameters carry logical axis names (``nnx.with_partitioning``:
 ``vocab``, ``embed``, ``heads``, ``mlp``) and its activations name theirs with
@@ -16,13 +16,14 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from .. import attention
 from ..core.axes import constrain
 from ..core.mesh import is_count
-from ..experts import check_routing, moe_layer
-from .classifiers import apply_dropout, cross_entropy, dense, layer_norm
+from .classifiers import cross_entropy
 from .functional import with_axes
-from .sequence import RESIDUAL, gather_columns, scatter_rows
+from .layers import attention
+from .layers.basic import apply_dropout, dense, layer_norm
+from .layers.experts import check_routing, moe_layer
+from .layers.sequence import RESIDUAL, gather_columns, scatter_rows
 
 _INIT = nnx.initializers.normal(0.02)  # GPT-2's initialisation of every weight matrix and embedding
 LOAD_BALANCING = 0.01  # the weight of the load-balancing loss (the Switch Transformer's alpha)
@@ -33,7 +34,7 @@ class GPT(nnx.Module):
 
     Each of the ``depth`` blocks is ``x + Attention(LayerNorm(x))`` then
     ``x + MLP(LayerNorm(x))`` (GELU), with causal self-attention computed by
-    :func:`parallelkit.attention.attend` on ``(batch, length, heads, head_dim)`` arrays.
+    :func:`parallelkit.models.layers.attention.attend` on ``(batch, length, heads, head_dim)`` arrays.
     The output head is a Dense layer of its own (not tied to the token embedding), so
     the embedding and the head can be split differently. Dropout (rate ``dropout``) acts
     on the embeddings and on the output of both branches of every block (not on the
@@ -42,7 +43,7 @@ class GPT(nnx.Module):
 
     With ``experts > 0`` the model is a mixture of experts: the MLP of every block (as in
     Mixtral; GShard replaces every other one) is
-    :func:`parallelkit.experts.moe_layer` over ``experts`` feed-forward networks of width
+    :func:`parallelkit.models.layers.experts.moe_layer` over ``experts`` feed-forward networks of width
     ``mlp_dim`` (GELU), each token sent to its ``top_k`` experts within
     ``capacity_factor``, its tokens routed in ``groups`` equal groups. ``__call__`` then
     returns ``(logits, aux)``, where ``aux`` holds each MoE block's ``load_balancing_loss``,
@@ -61,7 +62,7 @@ class GPT(nnx.Module):
     Activations: the residual stream (the embeddings and every block's input and output, where
     the layer norms, dropout and residual adds act) is ``("batch", "norm_length", "embed")``
     (MaxText's ``activation_norm_length``), so rules can split it where attention and the MLP
-    see whole sequences (Megatron's sequence parallelism, :mod:`parallelkit.models.sequence`);
+    see whole sequences (Megatron's sequence parallelism, :mod:`parallelkit.models.layers.sequence`);
     queries, keys, values and attention's output ``("batch", "length", "heads", None)``, the
     MLP's hidden units ``("batch", "length", "mlp")``, and the logits
     ``("batch", "norm_length", "vocab")`` (the final norm and the head act on each token alone,
@@ -196,7 +197,7 @@ class _CausalBlock(nnx.Module):
 
 
 class _Experts(nnx.Module):
-    """The parameters of :func:`parallelkit.experts.moe_layer` as NNX parameters that declare their logical axes."""
+    """The parameters of :func:`~parallelkit.models.layers.experts.moe_layer` as NNX parameters declaring their axes."""
 
     def __init__(self, dim: int, hidden: int, experts: int, *, rngs: nnx.Rngs):
         zeros = nnx.initializers.zeros_init()

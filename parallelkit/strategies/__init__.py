@@ -5,8 +5,8 @@ from ..core.placement import bytes_by_part as bytes_by_part
 from ..core.placement import total_bytes as total_bytes
 from ..core.state import TrainState as TrainState
 from ..core.step import Step as Step
+from . import offdevice as offdevice
 from .base import Strategy as Strategy
-from .central import CentralStorage as CentralStorage
 from .context_parallel import ContextParallel as ContextParallel
 from .expert_parallel import ExpertParallel as ExpertParallel
 from .fully_sharded import FullySharded as FullySharded
@@ -14,7 +14,8 @@ from .hybrid import Hybrid as Hybrid
 from .mirrored import Mirrored as Mirrored
 from .mirrored import MirroredJit as MirroredJit
 from .multiworker import MultiWorkerMirrored as MultiWorkerMirrored
-from .parameter_server import ParameterServer as ParameterServer
+from .offdevice import CentralStorage as CentralStorage
+from .offdevice import ParameterServer as ParameterServer
 from .pmap import MirroredPmap as MirroredPmap
 from .single import SingleDevice as SingleDevice
 from .spmd import SPMD as SPMD

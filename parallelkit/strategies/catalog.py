@@ -26,14 +26,13 @@ import jax
 
 from ..core.protocol import StrategyProtocol
 from ..measure import costmodel
-from .central import CentralStorage
 from .context_parallel import ContextParallel
 from .expert_parallel import ExpertParallel
 from .fully_sharded import FullySharded
 from .hybrid import Hybrid
 from .mirrored import Mirrored
 from .multiworker import MultiWorkerMirrored
-from .parameter_server import ParameterServer
+from .offdevice import CentralStorage, ParameterServer
 from .pipeline import Pipeline
 from .single import SingleDevice
 from .tensor import TensorParallel

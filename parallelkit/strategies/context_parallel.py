@@ -4,7 +4,7 @@ The devices form a ``data`` x ``seq`` grid. Every batch array is split on its le
 axis over ``data`` and on its second (the tokens) over ``seq``; the rules map the
 logical axes ``length`` and ``norm_length`` (the residual stream's) to ``seq``, so every activation the model constrains
 (:func:`parallelkit.core.axes.constrain`) keeps its length split, and
-:func:`parallelkit.attention.attend` runs as :func:`parallelkit.attention.context_parallel`
+:func:`parallelkit.models.layers.attention.attend` runs as :func:`parallelkit.models.layers.attention.context_parallel`
 by the strategy's method: the one place where a token needs the others. The
 parameters are replicated (or laid out by ``rules``); their gradients are summed over
 every device, as the shardings imply. One ``jax.jit`` of the single-device step, as for
@@ -22,7 +22,6 @@ from collections.abc import Iterator, Mapping, Sequence
 
 import jax
 
-from .. import attention
 from ..core import partition
 from ..core.axes import DATA, SEQ, context_method
 from ..core.contract import Batch, LossFn, PyTree
@@ -31,6 +30,7 @@ from ..core.mesh import is_count, make_mesh
 from ..core.reports import StepTraffic
 from ..core.state import TrainState
 from ..measure.traffic import compiled_traffic
+from ..models.layers import attention
 from .spmd import BATCH, SPMD
 
 LENGTH = "length"  # the logical name of the tokens' axis, a batch array's second
@@ -54,8 +54,8 @@ class ContextParallel(SPMD):
     Args:
       seq: devices that split each sequence (the ``seq`` mesh axis).
       method: how attention fetches the keys and values of the other positions, one of
-        :data:`parallelkit.attention.METHODS`: ``"allgather"``, ``"ring"``, ``"ring_zigzag"``
-        or ``"ulysses"`` (see :func:`parallelkit.attention.context_parallel`).
+        :data:`parallelkit.models.layers.attention.METHODS`: ``"allgather"``, ``"ring"``, ``"ring_zigzag"``
+        or ``"ulysses"`` (see :func:`parallelkit.models.layers.attention.context_parallel`).
       data: groups of ``seq`` devices that split the batch (the ``data`` mesh axis); ``None``:
         all the devices (or those given) divided by ``seq``.
       rules: ``(regex, spec)`` partition rules for the parameters (a spec may be a tuple of
@@ -71,7 +71,7 @@ class ContextParallel(SPMD):
       ValueError: an axis size that is not a whole number >= 1, or an unknown method; when a
         batch is placed, a length that does not divide by ``seq``, or an array with no token
         axis that ``batch_axes`` does not name; when the step traces, heads that do not
-        divide by ``seq`` under Ulysses (raised by :mod:`parallelkit.attention`).
+        divide by ``seq`` under Ulysses (raised by :mod:`parallelkit.models.layers.attention`).
 
     Warns:
       DeviceSubsetWarning: with ``data`` and without ``devices``, when ``data x seq`` is

@@ -18,11 +18,11 @@ from ..core.contract import LossFn
 from ..core.precision import Precision, check_precision
 from ..core.reports import ExpectedCollective, Sizes, gradient_all_reduce
 from ..core.step import train_step
-from ..measure.collectives import AllReduce, mean_tree
+from .allreduce import AllReduce, mean_tree
 
 
 def parse_allreduce(allreduce: str | AllReduce | None, replicas: int, who: str) -> AllReduce | None:
-    """``allreduce`` as an :class:`~parallelkit.measure.collectives.AllReduce` (None: the compiler's), checked.
+    """``allreduce`` as an :class:`~parallelkit.strategies.allreduce.AllReduce` (None: the compiler's), checked.
 
     Raises:
       TypeError: neither a name nor an ``AllReduce``.
@@ -82,7 +82,7 @@ def expected_collectives(sizes: Sizes, allreduce: AllReduce | None = None) -> tu
 
     A hand-written all-reduce is ``collective-permute`` instructions; their arrays add
     up to the bytes through the busiest device's link (:attr:`Cost.wire_bytes
-    <parallelkit.measure.collectives.Cost.wire_bytes>`), of ``P + M`` padded to whole chunks.
+    <parallelkit.strategies.allreduce.Cost.wire_bytes>`), of ``P + M`` padded to whole chunks.
     One replica needs none.
     """
     if sizes.replicas == 1:

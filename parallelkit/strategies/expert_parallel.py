@@ -5,10 +5,10 @@ every parameter that declares the logical axis ``expert`` (as the MoE
 :class:`~parallelkit.models.GPT` does, found by :func:`parallelkit.models.declared_axes`)
 is split along it over ``expert``; for parameters that declare no logical axes, every one
 whose path ends in ``w_in``, ``w_out``, ``b_in`` or ``b_out`` (the expert weights of
-:func:`parallelkit.experts.moe_layer`) is split along its leading (expert) axis. The rest
+:func:`parallelkit.models.layers.experts.moe_layer`) is split along its leading (expert) axis. The rest
 is replicated. The rules map the logical
 axis ``expert`` to the mesh axis ``expert``, so while the step traces,
-:func:`~parallelkit.experts.moe_layer` runs as :func:`~parallelkit.experts.expert_parallel`:
+:func:`~parallelkit.models.layers.experts.moe_layer` runs as :func:`~parallelkit.models.layers.experts.expert_parallel`:
 each device routes its own tokens as one group and two all-to-alls inside
 ``jax.shard_map`` carry them to their experts' devices and back. Everything else in the
 step is the single-device step under ``jax.jit``; the gradients of replicated parameters

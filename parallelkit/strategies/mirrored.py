@@ -17,7 +17,7 @@ copies never drift apart. Two backends show the two JAX idioms:
 how the gradients meet, as TensorFlow's ``cross_device_ops`` does: by default the
 compiler's own all-reduce (``lax.psum``); ``"ring"``, ``"tree"``, ``"reduce_to_one"``
 or ``AllReduce("hierarchical", group=g)`` run the hand-written algorithms of
-:mod:`parallelkit.measure.collectives` instead, inside ``jax.shard_map`` (backend ``"jit"``) or ``pmap``.
+:mod:`parallelkit.strategies.allreduce` instead, inside ``jax.shard_map`` (backend ``"jit"``) or ``pmap``.
 """
 
 from __future__ import annotations
@@ -35,8 +35,8 @@ from ..core.mesh import make_mesh
 from ..core.precision import Precision
 from ..core.reports import ExpectedCollective, Sizes
 from ..core.step import Step
-from ..measure.collectives import AllReduce
 from . import data_parallel
+from .allreduce import AllReduce
 from .pmap import MirroredPmap
 from .spmd import BATCH_ON_DATA, SPMD
 
@@ -65,8 +65,8 @@ def Mirrored(  # noqa: N802 (named as the class it returns, as TensorFlow's Mirr
       backend: ``"jit"`` (shardings: a :class:`MirroredJit`) or ``"pmap"`` (a
         :class:`~parallelkit.strategies.pmap.MirroredPmap`).
       allreduce: the gradient all-reduce: ``None`` (the compiler's), a name from
-        :data:`parallelkit.measure.collectives.ALGORITHMS`, or a
-        :class:`~parallelkit.measure.collectives.AllReduce`. Gradients and metrics travel as one
+        :data:`parallelkit.strategies.allreduce.ALGORITHMS`, or a
+        :class:`~parallelkit.strategies.allreduce.AllReduce`. Gradients and metrics travel as one
         float32 vector, the mean taken after the sum.
 
     Raises:

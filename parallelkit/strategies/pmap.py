@@ -3,7 +3,7 @@
 The classic per-device program: the state stacked with a leading axis of length ``n``
 (one copy per device), the batch reshaped to ``(n, per_replica, ...)``, and the
 gradients averaged by an explicit ``lax.pmean`` over the replica axis (or a hand-written
-all-reduce of :mod:`parallelkit.measure.collectives`). Since JAX 0.8 ``pmap`` is built on
+all-reduce of :mod:`parallelkit.strategies.allreduce`). Since JAX 0.8 ``pmap`` is built on
 ``jit`` + ``shard_map`` and is in maintenance mode; it is here because so much code and
 teaching uses it. :class:`~parallelkit.strategies.mirrored.MirroredJit` is the same
 strategy as one ``jax.jit`` with shardings.
@@ -28,8 +28,8 @@ from ..core.precision import Precision
 from ..core.reports import ExpectedCollective, Sizes
 from ..core.state import TrainState, create_state
 from ..core.step import Step
-from ..measure.collectives import AllReduce
 from . import data_parallel
+from .allreduce import AllReduce
 from .base import Strategy
 
 

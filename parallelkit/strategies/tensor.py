@@ -69,7 +69,7 @@ class TensorParallel(SPMD):
         them; a model that declares none needs rules.
       sequence_parallel: Megatron's sequence parallelism (:data:`SEQUENCE_PARALLEL`) for a model
         that names its residual stream's length ``norm_length`` and calls its split layers through
-        :mod:`parallelkit.models.sequence` (:class:`parallelkit.models.GPT` and the classifier
+        :mod:`parallelkit.models.layers.sequence` (:class:`parallelkit.models.GPT` and the classifier
         ``Transformer`` do): layer norms and dropout on ``1/model`` of the tokens, and each block's
         all-reduce replaced by a reduce-scatter and an all-gather. Another model trains as under
         plain tensor parallelism.

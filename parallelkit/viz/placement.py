@@ -26,7 +26,7 @@ from matplotlib.patches import Patch, Rectangle
 
 from ..measure.inspect import COLLECTIVES, Collective, summarize
 from ..strategies import LeafPlacement
-from ..strategies.parameter_server import Partition
+from ..strategies.offdevice.partition import Partition
 
 _CMAP = "Blues"  # 0 (white) = holds nothing, 1 (dark) = holds a full copy
 HOST_MEMORY_KINDS = ("pinned_host", "unpinned_host")  # host RAM beside a device, not the device's own memory

@@ -25,7 +25,7 @@ from ...core.step import Step
 from ...measure.inspect import Collective, parse_collectives
 from ...measure.traffic import bus_bytes, per_replica_bytes
 from ..base import Strategy
-from ..split_update import check_update_splits
+from ..offdevice.split_update import check_update_splits
 from . import schedules
 from . import stages as programs
 from .executor import Timeline, execute
@@ -63,7 +63,7 @@ class Pipeline(Strategy):
       stage (SGD, momentum, Adam, AdamW; LAMB and LARS too, their norms being per parameter),
       but not for ``optax.clip_by_global_norm``, which would clip each stage by its own norm:
       :meth:`init` probes the optimizer and refuses it
-      (:func:`~parallelkit.strategies.split_update.check_update_splits`);
+      (:func:`~parallelkit.strategies.offdevice.split_update.check_update_splits`);
     - no dropout key and no mutable model state (BatchNorm statistics): a layer is
       ``apply(params, x) -> y``, so :meth:`init` refuses ``rng`` and ``model_state``, and
       :func:`~parallelkit.models.as_layers` gives the kit's transformer without dropout;

@@ -41,10 +41,10 @@ import jax
 import numpy as np
 from jax.sharding import SingleDeviceSharding
 
-from ..core.contract import Batch, LossFn
-from ..core.precision import Precision
-from ..core.state import TrainState
-from .central import gradient_rows
+from ...core.contract import Batch, LossFn
+from ...core.precision import Precision
+from ...core.state import TrainState
+from .rows import gradient_rows
 
 JITTER = 0.25  # each gradient computation takes its worker's time x U(1 - JITTER, 1 + JITTER)
 
@@ -162,7 +162,7 @@ class AsyncStep:
       loss_fn: the loss on the strategy's parameters (the shards' flat slices).
       devices: the workers' devices, in the order the batch is sliced over them.
       update: ``(state, rows) -> (state, metrics)``, the shards' push and update for
-        rows of one gradient (:class:`~parallelkit.strategies.parameter_server.ShardedUpdate`).
+        rows of one gradient (:class:`~parallelkit.strategies.offdevice.parameter_server.ShardedUpdate`).
       workers: the simulated clocks.
       precision: a :class:`~parallelkit.Precision` policy (None: the parameters' dtype). Each
         push is an update of its own: with a loss scale, one whose gradient is not finite is

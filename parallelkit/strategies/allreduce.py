@@ -43,10 +43,10 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from .costmodel.links import ALGORITHMS as ALGORITHMS
-from .costmodel.links import Round, allreduce_rounds
-from .costmodel.links import ring_pairs as ring_pairs
-from .inspect import Collective
+from ..measure.costmodel.links import ALGORITHMS as ALGORITHMS
+from ..measure.costmodel.links import Round, allreduce_rounds
+from ..measure.costmodel.links import ring_pairs as ring_pairs
+from ..measure.inspect import Collective
 
 Axis = str | tuple[str, ...]
 

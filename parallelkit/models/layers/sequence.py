@@ -33,7 +33,7 @@ from flax import nnx
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from ..core import axes
+from ...core import axes
 
 RESIDUAL = ("batch", "norm_length", "embed")  # the residual stream's logical axes (MaxText's activation_norm_length)
 

@@ -29,9 +29,9 @@ import numpy as np
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from .core import axes
-from .core.axes import EXPERT, MeshAxes
-from .core.mesh import is_count
+from ...core import axes
+from ...core.axes import EXPERT, MeshAxes
+from ...core.mesh import is_count
 
 Params = Mapping[str, jax.Array]
 # name -> the logical names of its axes; every leaf but the router has the experts on its leading axis

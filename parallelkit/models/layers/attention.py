@@ -25,8 +25,8 @@ from jax import lax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from .core import axes
-from .core.axes import SEQ, MeshAxes
+from ...core import axes
+from ...core.axes import SEQ, MeshAxes
 
 METHODS = ("allgather", "ring", "ring_zigzag", "ulysses")
 DEFAULT_METHOD = "allgather"  # what attend uses when no method block is open

@@ -1,0 +1,137 @@
+"""Central storage (TensorFlow's CentralStorageStrategy): one copy of the state, off the compute devices.
+
+Parameters and optimizer state live once, in host memory. Each step runs three
+stages, and the bytes of each are real transfers between memories:
+
+1. **pull**: the parameters are copied from host memory to every compute device;
+2. **compute**: each device takes its slice of the global batch and computes its
+   own gradients (one compiled program, ``jax.shard_map`` over the ``data`` axis);
+   no collective runs between the devices. With ``accumulate=K`` each device runs its
+   slice as ``K`` microbatches in a ``lax.scan`` and averages their gradients there, so
+   it still pushes one gradient row a step;
+3. **push and update**: the per-replica gradients are copied to the owner's device
+   (its default memory: a device-to-device copy, as TensorFlow would copy them to the
+   CPU), and a second compiled program there copies the state in from host memory,
+   averages the gradients into one, applies the optimizer update once and writes the
+   state back to host memory. The arithmetic runs on the owner's device, not on the
+   CPU host; the state crosses between host memory and that device twice a step, and
+   the traffic report counts both crossings.
+
+The same three stages, with the state cut into several owners, are a parameter
+server (:mod:`parallelkit.strategies.offdevice.parameter_server`); both share the helpers of
+:mod:`parallelkit.strategies.offdevice.rows`.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+
+import jax
+import optax
+from jax.sharding import SingleDeviceSharding
+
+from ...core.accumulate import accumulated_placement, check_accumulate
+from ...core.contract import LossFn, PyTree
+from ...core.precision import Precision, check_precision
+from ...core.state import TrainState, create_state
+from ...core.step import Step
+from .base import OffDeviceStrategy
+from .rows import (
+    PushPullStep,
+    ReplicaRows,
+    apply_mean_gradients,
+    compute_sharding,
+    host_sharding,
+    push_rows,
+    replica_gradients,
+)
+
+
+class CentralUpdate:
+    """The push and the update of central storage: the rows to the storage device, one program there.
+
+    ``update(state, rows) -> (state, metrics)``; :meth:`lowered` gives the update
+    program as it runs (the traffic report reads its host-memory arguments from it).
+    """
+
+    def __init__(self, storage: SingleDeviceSharding, precision: Precision | None = None):
+        self.compute = compute_sharding(storage)
+        self.program = jax.jit(
+            functools.partial(apply_mean_gradients, compute=self.compute, precision=precision),
+            in_shardings=(storage, self.compute),
+            out_shardings=(storage, self.compute),
+            donate_argnums=0,
+        )
+
+    def __call__(self, state: TrainState, rows: ReplicaRows):
+        return self.program(state, push_rows(rows, self.compute))
+
+    def lowered(self, state: TrainState, rows: ReplicaRows) -> list:
+        return [self.program.lower(state, push_rows(rows, self.compute))]
+
+
+class CentralStorage(OffDeviceStrategy):
+    """One copy of parameters and optimizer state in host memory; the devices only compute.
+
+    Conceptually, with ``n`` devices and a global batch ``b``::
+
+        params_i = copy(params)                     # pull: host -> device i, for every i
+        grads_i = grad(loss_fn)(params_i, b[i * len(b) // n : (i + 1) * len(b) // n])
+        grads = mean(copy_to(storage, grads_i) for i in range(n))   # push to the storage device
+        params = update(params, grads)   # once: state copied in from host memory, updated, written back
+
+    which equals the single-device step on ``b`` because the loss is a mean over the
+    examples (an unweighted one: a loss divided by a per-replica count, such as unmasked
+    tokens, averages differently).
+
+    With ``step(loss_fn, accumulate=K)`` each device cuts its slice into ``K`` microbatches,
+    scans them and averages their gradients before its one push, so a step pulls and pushes
+    the same bytes whatever ``K``; it equals one step on the whole batch.
+
+    Randomness and model state work as under ``pmap``: with ``rng=`` each replica
+    draws its own dropout masks (its index folded into the step's key), and the
+    replicas' new model state is averaged with the gradients. BatchNorm equals
+    SingleDevice when the model averages its batch statistics over the ``data`` axis
+    (``pk.models.CNN(..., bn_axis_name="data")``, SyncBatchNorm).
+
+    Args:
+      devices: how many compute devices (the first ``n``), or which; all by default.
+      storage: the device whose host memory holds the state; the first compute device by default.
+    """
+
+    def __init__(self, devices: int | Sequence[jax.Device] | None = None, storage: jax.Device | None = None):
+        super().__init__(devices)
+        self.storage = host_sharding(storage if storage is not None else self.devices[0])
+
+    def init(
+        self,
+        params: PyTree,
+        tx: optax.GradientTransformation,
+        opt_state: PyTree = None,
+        *,
+        model_state: PyTree = None,
+        rng: int | jax.Array | None = None,
+    ) -> TrainState:
+        state = create_state(params, tx, opt_state, model_state=model_state, rng=rng)
+        return jax.device_put(state, self.storage)
+
+    def step(self, loss_fn: LossFn, accumulate: int = 1, precision: Precision | None = None) -> Step:
+        """Pull, compute (``accumulate`` microbatches per device, averaged there), push and update.
+
+        With ``precision`` the workers cast, scale and unscale (:mod:`parallelkit.core.precision`); the
+        storage device skips an update whose gradients were not all finite, and keeps the dynamic scale.
+        A global batch that does not divide by ``accumulate x devices`` is a ``ValueError``.
+        """
+        check_accumulate(accumulate)
+        check_precision(precision)
+
+        def pull(state: TrainState):
+            return jax.device_put((state.params, state.rng, state.model_state, state.loss_scale), self.replicated)
+
+        compute = replica_gradients(loss_fn, self.mesh, precision, accumulate)
+        step = PushPullStep(pull, compute, CentralUpdate(self.storage, precision))
+        return Step(step, accumulated_placement(self.place_batch, accumulate, self.num_replicas), self, precision)
+
+    def __repr__(self) -> str:
+        return f"CentralStorage(devices={self.num_replicas}, storage={self.storage.memory_kind})"
