@@ -7,6 +7,7 @@
 
 from . import data as data
 from . import models as models
+from . import planner as planner
 from .core import axes as axes
 from .core import mesh as mesh
 from .core import partition as partition

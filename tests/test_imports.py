@@ -25,6 +25,7 @@ LAYERS = {
     "measure": 1,  # reading compiled programs, traces and clocks: the core and the protocol
     "strategies": 2,  # the core and the measuring tools (each reports its own traffic)
     "run": 3,  # the training loop, callbacks, checkpoints, prefetching, processes
+    "planner": 3,  # which strategy: models' shapes, memory per device, layouts ranked (it builds strategies)
     "viz": 4, "widgets": 4,  # views: figures and widgets
     "course": 5, "__main__": 5, "": 5,  # the course, the command line and the package's own namespace
 }  # fmt: skip

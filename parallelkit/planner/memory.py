@@ -1,0 +1,137 @@
+"""Memory per device of a layout, by the standard accounting: ZeRO for the state, Korthikanti for activations.
+
+**State** (Rajbhandari et al., "ZeRO: Memory Optimizations Toward Training Trillion Parameter
+Models", 2020, section 3.1): with mixed-precision Adam each parameter costs 2 bytes of 16-bit
+parameters, 2 of gradients and ``K = 12`` of optimizer state (a float32 master copy, the
+momentum and the variance): 16 bytes. In float32 it is 4 + 4 + 8. ZeRO stage 1 splits the
+optimizer state over the ``N_d`` devices of the data group, stage 2 the gradients too, stage 3
+the parameters too. Tensor and pipeline parallelism split every part over their devices first.
+
+**Activations** (Korthikanti et al., "Reducing Activation Recomputation in Large Transformer
+Models", 2022, section 4): one layer of ``s`` tokens, a microbatch of ``b``, width ``h`` and
+``a`` heads keeps ``s b h (34 + 5 a s / h)`` bytes of 16-bit activations for the backward pass
+(masks at 1 byte): ``10 s b h`` outside attention and the MLP (norm inputs, the blocks' inputs,
+their dropout masks), ``24 s b h`` inside them and ``5 a s^2 b`` of attention scores. Tensor
+parallelism over ``t`` splits the inner ``24 s b h + 5 a s^2 b``; sequence parallelism splits
+the outer ``10 s b h`` too; selective recomputation (or FlashAttention) keeps no scores; full
+recomputation keeps each layer's input, ``2 s b h`` (over ``t`` with sequence parallelism). The
+paper's block has a 4h GELU MLP and multi-head attention; :func:`layer_activation_bytes`
+counts the same arrays for any MLP width, a gated MLP (its gate, up, activation and product:
+``8 s b f``) and grouped key-value heads. Embeddings and the loss are left out.
+
+A pipeline stage holds ``layers / stages`` layers' activations for every microbatch in flight:
+all ``m`` under GPipe, at most ``stages`` on the first stage under 1F1B.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .model import Transformer
+
+# Bytes per parameter of (parameters, gradients, optimizer state), by precision and optimizer.
+STATE_BYTES = {
+    ("bf16", "adam"): (2, 2, 12),  # ZeRO's mixed-precision Adam: 16-bit copies; float32 master, m, v
+    ("bf16", "sgd"): (2, 2, 4),  # 16-bit copies; the float32 master
+    ("fp32", "adam"): (4, 4, 8),
+    ("fp32", "sgd"): (4, 4, 0),
+}
+RECOMPUTE = ("none", "selective", "full")
+SCHEDULES = ("gpipe", "1f1b")
+CONTEXT_METHODS = ("allgather", "ring", "ulysses")
+
+
+@dataclass(frozen=True)
+class Memory:
+    """Bytes per device, by what they hold."""
+
+    params: float
+    grads: float
+    optimizer: float
+    activations: float
+
+    @property
+    def state(self) -> float:
+        return self.params + self.grads + self.optimizer
+
+    @property
+    def total(self) -> float:
+        return self.state + self.activations
+
+    def __str__(self) -> str:
+        parts = ("params", "grads", "optimizer", "activations", "total")
+        return ", ".join(f"{name} {getattr(self, name) / 1e9:.2f} GB" for name in parts)
+
+
+def state_bytes(
+    params: float, *, data: int = 1, zero: int = 0, precision: str = "bf16", optimizer: str = "adam"
+) -> tuple[float, float, float]:
+    """(parameters, gradients, optimizer state) bytes on one device for ``params`` parameters it holds a part of.
+
+    ``params`` is what one device's model-parallel slice holds before ZeRO (the model's
+    parameters over tensor x pipeline x expert splits); ``zero`` (0-3) splits over the ``data``
+    devices that replicate it.
+
+    >>> psi = 7.5e9  # the ZeRO paper's Figure 1: 7.5B parameters, 64 devices, K = 12
+    >>> [round(sum(state_bytes(psi, data=64, zero=z)) / 1e9, 1) for z in range(4)]
+    [120.0, 31.4, 16.6, 1.9]
+    """
+    if (precision, optimizer) not in STATE_BYTES:
+        raise ValueError(f"precision={precision!r}, optimizer={optimizer!r}: choose from {list(STATE_BYTES)}.")
+    if zero not in (0, 1, 2, 3) or data < 1:
+        raise ValueError(f"zero={zero!r} must be 0, 1, 2 or 3 and data={data!r} >= 1.")
+    p, g, o = (params * b for b in STATE_BYTES[precision, optimizer])
+    return p / (data if zero >= 3 else 1), g / (data if zero >= 2 else 1), o / (data if zero >= 1 else 1)
+
+
+def layer_activation_bytes(
+    model: Transformer,
+    micro_batch: int,
+    *,
+    tensor: int = 1,
+    sequence_parallel: bool = False,
+    context: int = 1,
+    context_method: str = "ring",
+    recompute: str = "none",
+) -> float:
+    """The 16-bit activations one transformer layer keeps on one device for its backward pass, in bytes.
+
+    Korthikanti et al.'s accounting (the module's docstring). ``context`` devices split each
+    sequence: each holds ``s / context`` tokens, and its attention scores are ``s/c x s/c`` a
+    block (``"ring"``), ``s/c x s`` (``"allgather"``) or ``a/c`` heads of ``s x s``
+    (``"ulysses"``). An MoE layer keeps the MLP's arrays for each of a token's ``top_k`` experts.
+
+    >>> gpt = Transformer(layers=1, d_model=4096, heads=32, ffn=16384, vocab=1, seq=2048, gated=False)
+    >>> s, b, h, a = 2048, 1, 4096, 32  # the paper's s b h (34 + 5 a s / h), its 4h GELU block
+    >>> layer_activation_bytes(gpt, b) == s * b * h * (34 + 5 * a * s / h)
+    True
+    >>> layer_activation_bytes(gpt, b, tensor=8, sequence_parallel=True) == s * b * h / 8 * (34 + 5 * a * s / h)
+    True
+    """
+    if recompute not in RECOMPUTE or context_method not in CONTEXT_METHODS:
+        raise ValueError(f"recompute={recompute!r} (one of {RECOMPUTE}), context_method={context_method!r} "
+                         f"(one of {CONTEXT_METHODS}).")  # fmt: skip
+    if min(micro_batch, tensor, context) < 1:
+        raise ValueError(f"micro_batch={micro_batch}, tensor={tensor}, context={context}: whole numbers >= 1.")
+    s, b, h, a = model.seq / context, micro_batch, model.d_model, model.heads
+    outer_split = tensor if sequence_parallel else 1
+    if recompute == "full":
+        return 2 * s * b * h / outer_split
+    kv = model.kv_heads_ * model.head_dim
+    attention = 2 * s * b * h + 4 * s * b * kv + 2 * s * b * h  # Q; K and V; the output projection's input
+    mlp = (8 if model.gated else 4) * s * b * model.ffn * (model.top_k if model.experts else 1)
+    keys = {"ring": s, "allgather": model.seq, "ulysses": model.seq}[context_method]
+    queries_heads = a * s if context_method != "ulysses" else a / context * model.seq
+    scores = 0.0 if recompute == "selective" else 5 * queries_heads * keys * b
+    return 10 * s * b * h / outer_split + (attention + mlp + scores) / tensor
+
+
+def in_flight(schedule: str, stages: int, microbatches: int) -> int:
+    """Microbatches whose activations the first pipeline stage holds at once under ``schedule``.
+
+    >>> in_flight("gpipe", 4, 8), in_flight("1f1b", 4, 8), in_flight("1f1b", 4, 2)
+    (8, 4, 2)
+    """
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule={schedule!r}: one of {SCHEDULES}.")
+    return microbatches if schedule == "gpipe" or stages == 1 else min(stages, microbatches)

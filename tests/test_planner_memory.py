@@ -1,0 +1,102 @@
+"""The planner's model shapes and memory accounting, against published counts and hand computations."""
+
+from __future__ import annotations
+
+import pytest
+
+from parallelkit.planner import MODELS, Transformer, in_flight, layer_activation_bytes, state_bytes
+
+# Parameter counts as their authors publish them: GPT-2 XL's checkpoint (Radford et al., 2019; the
+# Hugging Face model's 1,557,611,200 weights), Llama 3's safetensors totals in Meta's releases.
+PUBLISHED = {"gpt2-xl": 1_557_611_200, "llama3-8b": 8_030_261_248, "llama3-70b": 70_553_706_496}
+
+
+@pytest.mark.parametrize("name", PUBLISHED)
+def test_parameter_counts_equal_the_published_ones(name):
+    assert MODELS[name].params == PUBLISHED[name]
+
+
+def test_flops_per_token_are_palms_count():
+    llama = MODELS["llama3-8b"]  # 6 N + 12 L s d
+    assert llama.flops_per_token() == 6 * 8_030_261_248 + 12 * 32 * 8192 * 4096
+
+
+def test_a_mixture_of_experts_counts_every_expert_and_computes_with_top_k():
+    dense = Transformer(2, 64, 4, 256, 100, 16)
+    moe = Transformer(2, 64, 4, 256, 100, 16, experts=8, top_k=2)
+    expert = 3 * 64 * 256
+    assert moe.params == dense.params + 2 * (7 * expert + 64 * 8)  # 7 more experts and a router a layer
+    assert moe.active_params == dense.params + 2 * (expert + 64 * 8)
+
+
+def test_zero_stages_give_the_papers_figure_1():
+    """7.5B parameters on 64 devices, mixed-precision Adam (K = 12): 120, 31.4, 16.6 and 1.9 GB."""
+    gb = [sum(state_bytes(7.5e9, data=64, zero=stage)) / 1e9 for stage in range(4)]
+    assert gb == pytest.approx([120.0, 31.40625, 16.640625, 1.875])
+    assert state_bytes(1000, data=4, zero=2, precision="fp32") == (4000, 1000, 2000)  # 4 + 4/4 + 8/4
+
+
+# The paper's GPT block: s = 2048, b = 1, h = 12288, a = 96 (GPT-3 175B), t = 8.
+S, B, H, A, T = 2048, 1, 12288, 96, 8
+GPT3 = Transformer(layers=96, d_model=H, heads=A, ffn=4 * H, vocab=51200, seq=S, gated=False)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "expected"),
+    [
+        ({}, S * B * H * (34 + 5 * A * S / H)),
+        ({"tensor": T}, S * B * H * (10 + 24 / T + 5 * A * S / (H * T))),
+        ({"tensor": T, "sequence_parallel": True}, S * B * H / T * (34 + 5 * A * S / H)),
+        ({"tensor": T, "sequence_parallel": True, "recompute": "selective"}, 34 * S * B * H / T),
+        ({"tensor": T, "recompute": "full"}, 2 * S * B * H),
+        ({"tensor": T, "sequence_parallel": True, "recompute": "full"}, 2 * S * B * H / T),
+    ],
+    ids=["none", "tensor", "tensor+sp", "selective", "full", "full+sp"],
+)
+def test_activations_are_korthikantis_formulas(kwargs, expected):
+    """Section 4 and Table 2 of Korthikanti et al. (2022), one layer, 16-bit activations."""
+    assert layer_activation_bytes(GPT3, B, **kwargs) == pytest.approx(expected, rel=1e-12)
+
+
+def test_a_gated_mlp_and_grouped_heads_count_their_own_arrays():
+    llama = MODELS["llama3-8b"]
+    s, h, kv, f, a = 8192, 4096, 1024, 14336, 32
+    by_hand = (
+        10 * s * h  # norm inputs (4), the blocks' inputs (2 + 2), their dropout masks (1 + 1)
+        + 2 * s * h + 2 * s * kv + 2 * s * kv + 2 * s * h  # Q, K, V, the output projection's input
+        + 4 * 2 * s * f  # gate, up, SiLU(gate) and their product, 2 bytes each
+        + 5 * a * s * s  # scores, probabilities (2 + 2) and their dropout mask (1)
+    )  # fmt: skip
+    assert layer_activation_bytes(llama, 1) == by_hand
+
+
+def test_context_parallelism_splits_the_tokens_and_each_method_holds_its_own_scores():
+    llama = MODELS["llama3-8b"]
+    s, a, c = 8192, 32, 4
+    flash = layer_activation_bytes(llama, 1, context=c, recompute="selective")
+    assert flash == pytest.approx(layer_activation_bytes(llama, 1, recompute="selective") / c)
+    for method, scores in [("ring", a * (s / c) ** 2), ("allgather", a * s / c * s), ("ulysses", a / c * s * s)]:
+        kept = layer_activation_bytes(llama, 1, context=c, context_method=method)
+        assert kept - flash == pytest.approx(5 * scores), method
+
+
+def test_microbatches_in_flight_by_schedule():
+    assert [in_flight("gpipe", 4, m) for m in (1, 4, 16)] == [1, 4, 16]
+    assert [in_flight("1f1b", 4, m) for m in (1, 4, 16)] == [1, 4, 4]
+
+
+@pytest.mark.parametrize(
+    ("call", "match"),
+    [
+        (lambda: Transformer(2, 10, 3, 8, 8, 8), "does not split into heads=3"),
+        (lambda: Transformer(2, 8, 4, 8, 8, 8, kv_heads=3), "do not group into kv_heads=3"),
+        (lambda: Transformer(0, 8, 2, 8, 8, 8), r"layers=0"),
+        (lambda: state_bytes(1, zero=4), "zero=4"),
+        (lambda: state_bytes(1, precision="fp8"), "precision='fp8'"),
+        (lambda: layer_activation_bytes(GPT3, 1, recompute="some"), "recompute='some'"),
+        (lambda: in_flight("zb", 2, 2), "schedule='zb'"),
+    ],
+)
+def test_bad_input_names_what_is_wrong(call, match):
+    with pytest.raises(ValueError, match=match):
+        call()
