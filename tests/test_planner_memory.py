@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from parallelkit.planner import MODELS, Transformer, in_flight, layer_activation_bytes, state_bytes
+from parallelkit.planner.layout import Layout, check, memory_per_device
 
 # Parameter counts as their authors publish them: GPT-2 XL's checkpoint (Radford et al., 2019; the
 # Hugging Face model's 1,557,611,200 weights), Llama 3's safetensors totals in Meta's releases.
@@ -83,6 +86,7 @@ def test_context_parallelism_splits_the_tokens_and_each_method_holds_its_own_sco
 def test_microbatches_in_flight_by_schedule():
     assert [in_flight("gpipe", 4, m) for m in (1, 4, 16)] == [1, 4, 16]
     assert [in_flight("1f1b", 4, m) for m in (1, 4, 16)] == [1, 4, 4]
+    assert in_flight("gpipe", 1, 16) == 1  # one stage: the microbatches are accumulation steps, one at a time
 
 
 @pytest.mark.parametrize(
@@ -100,3 +104,69 @@ def test_microbatches_in_flight_by_schedule():
 def test_bad_input_names_what_is_wrong(call, match):
     with pytest.raises(ValueError, match=match):
         call()
+
+
+# --- a layout's memory per device ------------------------------------------------------------------
+
+LLAMA = MODELS["llama3-8b"]
+N, S8, H8, KV8, F8, A8 = 8_030_261_248, 8192, 4096, 1024, 14336, 32
+
+
+def per_layer(b: int, t: int = 1, sp: bool = False) -> float:
+    """Llama 3 8B's layer by hand, without its scores (selective recomputation), microbatch b, tensor t."""
+    outer = 10 * S8 * b * H8
+    inner = (4 * S8 * b * H8 + 4 * S8 * b * KV8) + 8 * S8 * b * F8
+    return outer / (t if sp else 1) + inner / t
+
+
+def test_fully_sharded_with_full_recomputation_by_hand():
+    m = memory_per_device(LLAMA, Layout(data=8, zero=3, recompute="full"), batch=8)
+    assert (m.params, m.grads, m.optimizer) == pytest.approx((2 * N / 8, 2 * N / 8, 12 * N / 8))
+    assert m.activations == 32 * 2 * S8 * 1 * H8  # each layer's 16-bit input, one sequence a device
+
+
+def test_tensor_and_sequence_parallel_by_hand():
+    layout = Layout(data=2, tensor=4, sequence_parallel=True, recompute="selective")
+    m = memory_per_device(LLAMA, layout, batch=4)  # 2 sequences a replica
+    assert m.state == pytest.approx(16 * N / 4)
+    assert m.activations == pytest.approx(32 * per_layer(2, t=4, sp=True))
+
+
+def test_a_1f1b_first_stage_holds_every_layers_worth_and_gpipe_every_microbatch():
+    one = memory_per_device(LLAMA, Layout(recompute="selective"), batch=1).activations
+    kw = {"stages": 4, "microbatches": 8, "recompute": "selective"}
+    assert memory_per_device(LLAMA, Layout(schedule="1f1b", **kw), batch=8).activations == pytest.approx(one)
+    assert memory_per_device(LLAMA, Layout(schedule="gpipe", **kw), batch=8).activations == pytest.approx(2 * one)
+    assert memory_per_device(LLAMA, Layout(microbatches=8, recompute="selective"), batch=8).activations == one
+
+
+def test_expert_weights_split_over_the_expert_axis():
+    moe = Transformer(4, 256, 4, 512, 1000, 128, experts=8, top_k=2)
+    experts = 4 * 8 * moe.expert_params
+    m = memory_per_device(moe, Layout(data=2, expert=4), batch=8, precision="fp32")
+    assert m.params == pytest.approx(4 * ((moe.params - experts) + experts / 4))
+
+
+@pytest.mark.parametrize(
+    ("layout", "batch", "reason"),
+    [
+        (Layout(data=3), 8, "does not split into 3 replicas"),
+        (Layout(tensor=3), 6, r"tensor=3 does not divide the heads \(32\)"),
+        (Layout(context=3), 3, "tokens do not split"),
+        (Layout(stages=64), 64, "64 stages for 32 layers"),
+        (Layout(expert=2), 2, "expert=2 does not divide the model's 0 experts"),
+    ],
+)
+def test_a_layout_that_cannot_run_says_why(layout, batch, reason):
+    assert re.search(reason, check(LLAMA, layout, batch))
+    with pytest.raises(ValueError, match=reason):
+        memory_per_device(LLAMA, layout, batch)
+
+
+def test_layout_errors_and_names():
+    with pytest.raises(ValueError, match=r"sequence_parallel=True\) splits the tokens over the tensor axis"):
+        Layout(sequence_parallel=True)
+    with pytest.raises(ValueError, match=r"Layout\(data=0\)"):
+        Layout(data=0)
+    layout = Layout(data=2, tensor=4, sequence_parallel=True, zero=1, stages=2, microbatches=8, recompute="full")
+    assert layout.name == "data 2 x tensor 4 x stages 2 (SP), ZeRO-1, 1f1b m=8, remat full" and layout.devices == 16

@@ -129,9 +129,14 @@ def layer_activation_bytes(
 def in_flight(schedule: str, stages: int, microbatches: int) -> int:
     """Microbatches whose activations the first pipeline stage holds at once under ``schedule``.
 
-    >>> in_flight("gpipe", 4, 8), in_flight("1f1b", 4, 8), in_flight("1f1b", 4, 2)
-    (8, 4, 2)
+    Without a pipeline (one stage) the microbatches are accumulation steps, run one after
+    another: one is in flight.
+
+    >>> in_flight("gpipe", 4, 8), in_flight("1f1b", 4, 8), in_flight("1f1b", 4, 2), in_flight("gpipe", 1, 8)
+    (8, 4, 2, 1)
     """
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule={schedule!r}: one of {SCHEDULES}.")
-    return microbatches if schedule == "gpipe" or stages == 1 else min(stages, microbatches)
+    if stages == 1:
+        return 1
+    return microbatches if schedule == "gpipe" else min(stages, microbatches)

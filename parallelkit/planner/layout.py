@@ -1,0 +1,147 @@
+"""A layout: how a training step is cut over devices, and the memory it needs on each.
+
+A :class:`Layout` names the size of every axis the kit can split over (``data``, ``tensor``,
+``context``, ``stages``, ``expert``), how the state is sharded over the data axis (``zero``,
+ZeRO stage 0-3), and what each device runs (sequence parallelism, the pipeline schedule and
+its microbatches, recomputation). :func:`memory_per_device` adds up the state and the
+activations one device holds (:mod:`.memory`); :func:`check` says why a layout cannot run a
+model and batch at all.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from .memory import CONTEXT_METHODS, RECOMPUTE, SCHEDULES, Memory, in_flight, layer_activation_bytes, state_bytes
+from .model import Transformer
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Sizes of the axes a step is split over, and what each device runs.
+
+    Args:
+      data: replicas: each takes ``1 / (data x expert)`` of the batch's sequences.
+      zero: ZeRO stage over the ``data x context`` devices that hold the same parameters: 1 splits
+        the optimizer state, 2 the gradients too, 3 the parameters too (fully sharded).
+      tensor: devices each weight is split over (Megatron); ``sequence_parallel`` splits the
+        activations between the blocks over them too.
+      context: devices each sequence is split over, by ``context_method``.
+      stages: pipeline stages; ``schedule`` and ``microbatches`` run them (without a pipeline,
+        ``microbatches > 1`` is gradient accumulation).
+      expert: devices the experts are split over (MoE models); they take a share of the batch too.
+      recompute: ``"none"``, ``"selective"`` (attention's scores, as FlashAttention does) or ``"full"``.
+
+    >>> Layout(data=2, tensor=4).devices, Layout(data=2, tensor=4).name
+    (8, 'data 2 x tensor 4')
+    """
+
+    data: int = 1
+    zero: int = 0
+    tensor: int = 1
+    sequence_parallel: bool = False
+    context: int = 1
+    context_method: str = "ring"
+    stages: int = 1
+    schedule: str = "1f1b"
+    microbatches: int = 1
+    expert: int = 1
+    recompute: str = "none"
+
+    def __post_init__(self) -> None:
+        for axis in ("data", "tensor", "context", "stages", "microbatches", "expert"):
+            value = getattr(self, axis)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"Layout({axis}={value!r}): a whole number >= 1.")
+        if self.zero not in (0, 1, 2, 3):
+            raise ValueError(f"Layout(zero={self.zero!r}): a ZeRO stage, 0 to 3.")
+        if self.schedule not in SCHEDULES or self.recompute not in RECOMPUTE:
+            raise ValueError(f"Layout: schedule in {SCHEDULES}, recompute in {RECOMPUTE}.")
+        if self.context_method not in CONTEXT_METHODS:
+            raise ValueError(f"Layout(context_method={self.context_method!r}): one of {CONTEXT_METHODS}.")
+        if self.sequence_parallel and self.tensor == 1:
+            raise ValueError("Layout(sequence_parallel=True) splits the tokens over the tensor axis: give tensor > 1.")
+
+    @property
+    def devices(self) -> int:
+        return self.data * self.expert * self.tensor * self.context * self.stages
+
+    @property
+    def replicas(self) -> int:
+        """How many slices the batch's sequences are cut into."""
+        return self.data * self.expert
+
+    @property
+    def name(self) -> str:
+        """The axes larger than 1, and what else is on: ``'data 2 x tensor 4 (SP), ZeRO-3, remat full'``."""
+        axes = [(n, getattr(self, n)) for n in ("data", "expert", "context", "tensor", "stages")]
+        shown = " x ".join(f"{n} {s}" for n, s in axes if s > 1) or "one device"
+        extras = [f"ZeRO-{self.zero}"] if self.zero else []
+        if self.sequence_parallel:
+            shown += " (SP)"
+        if self.context > 1:
+            extras.append(self.context_method)
+        if self.stages > 1:
+            extras.append(f"{self.schedule} m={self.microbatches}")
+        elif self.microbatches > 1:
+            extras.append(f"accumulate {self.microbatches}")
+        if self.recompute != "none":
+            extras.append(f"remat {self.recompute}")
+        return ", ".join([shown, *extras])
+
+
+def check(model: Transformer, layout: Layout, batch: int) -> str | None:
+    """Why ``layout`` cannot train ``model`` on a global batch of ``batch`` sequences; None when it can."""
+    if batch % (layout.replicas * layout.microbatches):
+        return (f"the batch of {batch} sequences does not split into {layout.replicas} replicas x "
+                f"{layout.microbatches} microbatches")  # fmt: skip
+    if model.heads % layout.tensor or model.kv_heads_ % layout.tensor or model.ffn % layout.tensor:
+        return f"tensor={layout.tensor} does not divide the heads ({model.heads}), kv heads or the MLP width"
+    if model.seq % layout.context or (layout.sequence_parallel and model.seq % (layout.context * layout.tensor)):
+        return f"the {model.seq} tokens do not split over context x tensor"
+    if layout.context_method == "ulysses" and model.heads % (layout.context * layout.tensor):
+        return f"Ulysses needs heads ({model.heads}) divisible by context x tensor"
+    if layout.stages > model.layers:
+        return f"{layout.stages} stages for {model.layers} layers"
+    if layout.expert > 1 and (not model.experts or model.experts % layout.expert):
+        return f"expert={layout.expert} does not divide the model's {model.experts} experts"
+    return None
+
+
+def memory_per_device(
+    model: Transformer, layout: Layout, batch: int, *, precision: str = "bf16", optimizer: str = "adam"
+) -> Memory:
+    """The bytes one device holds while ``layout`` trains ``model`` on ``batch`` sequences a step.
+
+    The state: the parameters over ``tensor x stages`` (the experts' over ``expert`` too), then
+    ZeRO over the ``data x context`` devices that hold the same slice (:func:`.memory.state_bytes`).
+    The activations: one layer's (:func:`.memory.layer_activation_bytes`) for a microbatch of
+    ``batch / (replicas x microbatches)`` sequences, times the layers of a stage, times the
+    microbatches in flight on the first stage (:func:`.memory.in_flight`). The first stage's
+    layers are ``ceil(layers / stages)``.
+
+    Raises:
+      ValueError: the layout cannot run the model on this batch (:func:`check` says why).
+    """
+    if reason := check(model, layout, batch):
+        raise ValueError(f"{layout.name} cannot train {model.name or 'this model'}: {reason}.")
+    experts = model.layers * model.experts * model.expert_params if model.experts else 0
+    held = (model.params - experts) / (layout.tensor * layout.stages)
+    held += experts / (layout.tensor * layout.stages * layout.expert)
+    params, grads, opt = state_bytes(
+        held, data=layout.data * layout.context, zero=layout.zero, precision=precision, optimizer=optimizer
+    )
+    micro = batch // (layout.replicas * layout.microbatches)
+    per_layer = layer_activation_bytes(
+        model,
+        micro,
+        tensor=layout.tensor,
+        sequence_parallel=layout.sequence_parallel,
+        context=layout.context,
+        context_method=layout.context_method,
+        recompute=layout.recompute,
+    )
+    stage_layers = math.ceil(model.layers / layout.stages)
+    activations = per_layer * stage_layers * in_flight(layout.schedule, layout.stages, layout.microbatches)
+    return Memory(params, grads, opt, activations)
