@@ -8,6 +8,7 @@ NNX module is split once into a static graph and a dict of arrays::
     logits = apply(params, x)
 """
 
+from . import layers
 from .classifiers import (
     CNN,
     MLP,
@@ -26,6 +27,6 @@ from .recompute import remat
 
 __all__ = [
     "CNN", "GPT", "MLP", "Apply", "Functional", "Layers", "Tower", "Transformer",
-    "as_layers", "build", "classifier_loss", "cross_entropy", "declared_axes", "from_nnx", "functional", "lm_loss",
-    "param_axes", "param_bytes", "remat", "with_axes",
+    "as_layers", "build", "classifier_loss", "cross_entropy", "declared_axes", "from_nnx", "functional", "layers",
+    "lm_loss", "param_axes", "param_bytes", "remat", "with_axes",
 ]  # fmt: skip
