@@ -54,8 +54,8 @@ class SkippedSteps:
     >>> [watch.update(finite, scale) is None for finite, scale in [(0, 8.0), (1, 4.0), (0, 4.0), (0, 2.0)]]
     [True, True, True, True]
     >>> print(watch.update(False, 1.0))  # doctest: +NORMALIZE_WHITESPACE
-    3 steps in a row were skipped because their gradients were not finite (the last at the dynamic
-    scale's floor of 1, where halving cannot help), so the run is not training.
+    3 steps in a row were skipped because the gradients were not finite (at the dynamic scale's
+    floor of 1, where halving cannot help), so the run is not training.
     """
 
     def __init__(self, precision: Precision, limit: int = SKIPPED_STEPS_LIMIT):
@@ -73,15 +73,13 @@ class SkippedSteps:
         if self.precision.dynamic:  # it halves on every skip: stuck once it skips at its floor
             if float(np.min(np.asarray(scale))) > MIN_SCALE:
                 return None
-            where = "the last at the dynamic scale's floor of 1, where halving cannot help"
+            where = "at the dynamic scale's floor of 1, where halving cannot help"
         else:
             if self.in_a_row < self.limit:
                 return None
-            where = f"loss scale {float(np.max(np.asarray(scale))):g}"
-        return (
-            f"{self.in_a_row} steps in a row were skipped because their gradients were not finite ({where}), "
-            "so the run is not training."
-        )
+            where = f"at loss scale {float(np.max(np.asarray(scale))):g}"
+        count = f"{self.in_a_row} steps in a row were skipped" if self.in_a_row > 1 else "A step was skipped"
+        return f"{count} because the gradients were not finite ({where}), so the run is not training."
 
 
 class StepWatch:
