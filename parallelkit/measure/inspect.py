@@ -160,9 +160,12 @@ def parse_collectives(hlo_text: str) -> list[Collective]:
     return found
 
 
-def compiled_text(step, *args) -> str:
-    """The optimized HLO of ``step`` (a jitted/pmapped function or a :class:`~parallelkit.Step`)."""
-    check_step_call("pk.inspect.compiled_text", step, args[0] if args else None)
+def compiled_text(step, *args, who: str = "pk.inspect.compiled_text") -> str:
+    """The optimized HLO of ``step`` (a jitted/pmapped function or a :class:`~parallelkit.Step`).
+
+    ``who`` names the caller in the error for a step or state of the wrong kind.
+    """
+    check_step_call(who, step, args[0] if args else None)
     return step.lower(*args).compile().as_text()
 
 
@@ -173,8 +176,7 @@ def collectives(step, *args) -> list[Collective]:
     listed once, though it runs once per iteration: multiply by the trip count for the
     bytes a step moves.
     """
-    check_step_call("pk.inspect.collectives", step, args[0] if args else None)
-    return parse_collectives(compiled_text(step, *args))
+    return parse_collectives(compiled_text(step, *args, who="pk.inspect.collectives"))
 
 
 _LAID_OUT = re.compile(r"([a-z][a-z0-9]*)\[([0-9,]*)\]\{([^}]*)\}")

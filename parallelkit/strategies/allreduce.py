@@ -138,9 +138,10 @@ def hierarchical_cost(inner: int, outer: int, nbytes: float) -> dict[str, Cost]:
     """
     n = inner * outer
     rounds = allreduce_rounds("hierarchical", n, nbytes, group=inner)
-    across = [r for r in rounds if any(s // inner != t // inner for s, t, _ in r)]
-    inside = [r for r in rounds if not any(s // inner != t // inner for s, t, _ in r)]
-    return {"inner": rounds_cost(inside, n), "outer": rounds_cost(across, n)}
+    by_link: dict[str, list[Round]] = {"inner": [], "outer": []}
+    for r in rounds:  # a round that crosses a group boundary runs on the slow links
+        by_link["outer" if any(s // inner != t // inner for s, t, _ in r) else "inner"].append(r)
+    return {link: rounds_cost(found, n) for link, found in by_link.items()}
 
 
 def _check_power_of_two(n: int) -> None:
