@@ -65,12 +65,20 @@ def test_a_gated_mlp_and_grouped_heads_count_their_own_arrays():
     llama = MODELS["llama3-8b"]
     s, h, kv, f, a = 8192, 4096, 1024, 14336, 32
     by_hand = (
-        10 * s * h  # norm inputs (4), the blocks' inputs (2 + 2), their dropout masks (1 + 1)
+        8 * s * h  # norm inputs (2 + 2), the blocks' inputs (2 + 2); Llama has no dropout masks
         + 2 * s * h + 2 * s * kv + 2 * s * kv + 2 * s * h  # Q, K, V, the output projection's input
         + 4 * 2 * s * f  # gate, up, SiLU(gate) and their product, 2 bytes each
-        + 5 * a * s * s  # scores, probabilities (2 + 2) and their dropout mask (1)
+        + 2 * a * s * s  # the probabilities, kept once (no dropout)
     )  # fmt: skip
     assert layer_activation_bytes(llama, 1) == by_hand
+    assert layer_activation_bytes(llama, 1, element_bytes=4) == 2 * by_hand  # float32: every array twice
+
+
+def test_dropout_masks_cost_a_byte_an_entry():
+    llama, s, h, a = MODELS["llama3-8b"], 8192, 4096, 32
+    with_dropout = Transformer(32, 4096, 32, 14336, 128256, 8192, kv_heads=8, dropout=True)
+    masks = 2 * s * h + a * s * s  # the blocks' two masks; the probabilities' mask, and their dropped copy (2 bytes)
+    assert layer_activation_bytes(with_dropout, 1) - layer_activation_bytes(llama, 1) == masks + 2 * a * s * s
 
 
 def test_context_parallelism_splits_the_tokens_and_each_method_holds_its_own_scores():
@@ -80,7 +88,7 @@ def test_context_parallelism_splits_the_tokens_and_each_method_holds_its_own_sco
     assert flash == pytest.approx(layer_activation_bytes(llama, 1, recompute="selective") / c)
     for method, scores in [("ring", a * (s / c) ** 2), ("allgather", a * s / c * s), ("ulysses", a / c * s * s)]:
         kept = layer_activation_bytes(llama, 1, context=c, context_method=method)
-        assert kept - flash == pytest.approx(5 * scores), method
+        assert kept - flash == pytest.approx(2 * scores), method  # the 16-bit probabilities, no dropout
 
 
 def test_microbatches_in_flight_by_schedule():
@@ -114,7 +122,7 @@ N, S8, H8, KV8, F8, A8 = 8_030_261_248, 8192, 4096, 1024, 14336, 32
 
 def per_layer(b: int, t: int = 1, sp: bool = False) -> float:
     """Llama 3 8B's layer by hand, without its scores (selective recomputation), microbatch b, tensor t."""
-    outer = 10 * S8 * b * H8
+    outer = 8 * S8 * b * H8  # no dropout masks
     inner = (4 * S8 * b * H8 + 4 * S8 * b * KV8) + 8 * S8 * b * F8
     return outer / (t if sp else 1) + inner / t
 

@@ -44,6 +44,7 @@ class Chip:
     fp32_flops: float | None  # float32 FLOP/s without tensor cores, None where unpublished
     tf32_flops: float | None  # dense TensorFloat-32 tensor-core FLOP/s, None where unpublished
     hbm_bytes_per_s: float  # memory bandwidth
+    memory_bytes: float  # memory capacity (HBM) as printed, 1 GB = 1e9 bytes; a framework can use a little less
     link_bytes_per_s: float  # inside a node / slice (NVLink, ICI), per direction, all links together
     link_axes: int  # mesh axes the links are split over: 1 through a switch, a torus's dimensions
     network_bytes_per_s: float  # between nodes, per chip, per direction
@@ -68,6 +69,7 @@ PUBLISHED: dict[str, Chip] = {
         fp32_flops=67e12,
         tf32_flops=494.5e12,  # half the printed 989 TFLOPS "with sparsity"
         hbm_bytes_per_s=3.35e12,
+        memory_bytes=80e9,
         link_bytes_per_s=450e9,
         link_axes=1,  # every NVLink goes to the NVSwitches: any collective can use all of them
         network_bytes_per_s=50e9,  # one 400 Gb/s ConnectX-7 per GPU in a DGX H100
@@ -84,6 +86,7 @@ PUBLISHED: dict[str, Chip] = {
         fp32_flops=19.5e12,
         tf32_flops=156e12,  # half the printed 312 TFLOPS "with sparsity"
         hbm_bytes_per_s=2.039e12,
+        memory_bytes=80e9,
         link_bytes_per_s=300e9,
         link_axes=1,  # every NVLink goes to the NVSwitches
         network_bytes_per_s=25e9,  # one 200 Gb/s HDR InfiniBand adapter per GPU in a DGX A100
@@ -100,6 +103,7 @@ PUBLISHED: dict[str, Chip] = {
         fp32_flops=None,
         tf32_flops=None,
         hbm_bytes_per_s=819e9,
+        memory_bytes=16e9,
         link_bytes_per_s=200e9,
         link_axes=2,  # 2D torus, 4 ICI ports: 2 per axis
         network_bytes_per_s=3.125e9,  # 2 x 100 Gb/s per host, 8 chips per host
@@ -113,6 +117,7 @@ PUBLISHED: dict[str, Chip] = {
         fp32_flops=None,
         tf32_flops=None,
         hbm_bytes_per_s=2765e9,
+        memory_bytes=95e9,
         link_bytes_per_s=600e9,
         link_axes=3,  # 3D torus: 6 neighbours, 2 per axis
         network_bytes_per_s=6.25e9,  # 50 Gb/s data-center network per chip

@@ -303,8 +303,9 @@ class Layers(NamedTuple):
     params: list[dict]
 
 
-def as_layers(module: MLP | Transformer) -> Layers:
-    """The kit's :class:`MLP` or :class:`Transformer` as a list of layers, each with its own parameters.
+def as_layers(module: Any) -> Layers:
+    """The kit's :class:`MLP`, :class:`Transformer` or :class:`~parallelkit.models.GPT` as a list of layers,
+    each with its own parameters.
 
     The first layer takes a batch ``{"x", ...}`` and reads ``batch["x"]``; each later layer
     takes the previous one's output; the last gives the logits, for :func:`cross_entropy`.
@@ -317,9 +318,14 @@ def as_layers(module: MLP | Transformer) -> Layers:
     >>> len(layers), sorted(params[0])
     (2, ['bias', 'kernel'])
 
+    A module with an ``as_layers()`` method of its own (the GPT: :meth:`parallelkit.models.GPT.as_layers`)
+    gives its layers itself.
+
     Raises:
       TypeError: any other module (write its layers as functions instead).
     """
+    if callable(getattr(module, "as_layers", None)):
+        return module.as_layers()
     if isinstance(module, MLP):
         linears = [*module.hidden, module.head]
         parts = [graph_and_params(layer) for layer in linears]
@@ -363,7 +369,7 @@ def as_layers(module: MLP | Transformer) -> Layers:
             ],
         )
     raise TypeError(
-        f"as_layers knows the kit's MLP and Transformer, not {type(module).__name__}: write the model as a list "
+        f"as_layers knows the kit's MLP, Transformer and GPT, not {type(module).__name__}: write the model as a list "
         "of functions apply_i(params_i, x) -> y with a list of their parameters."
     )
 

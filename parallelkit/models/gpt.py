@@ -18,8 +18,8 @@ from flax import nnx
 
 from ..core.axes import constrain
 from ..core.mesh import is_count
-from .classifiers import cross_entropy
-from .functional import with_axes
+from .classifiers import Layers, cross_entropy
+from .functional import graph_and_params, with_axes
 from .layers import attention
 from .layers.basic import apply_dropout, dense, layer_norm
 from .layers.experts import check_routing, moe_layer
@@ -139,6 +139,40 @@ class GPT(nnx.Module):
             return logits
         return logits, {name: jnp.stack([aux[name] for aux in layers]) for name in MOE_METRICS}
 
+
+    def as_layers(self) -> Layers:
+        """This GPT as layers for :class:`~parallelkit.Pipeline` (:func:`~parallelkit.models.as_layers`).
+
+        The embedding (tokens ``batch["x"]`` and positions), each block, and the final norm with
+        the head, whose logits :func:`~parallelkit.models.cross_entropy` scores against
+        ``batch["y"]`` as :func:`lm_loss` does. As layers, the GPT runs without dropout.
+
+        Raises:
+          TypeError: a GPT with experts (its blocks return the router's aux as well).
+        """
+        if self.routing is not None:
+            raise TypeError("A GPT with experts is not a list of layers (its blocks return the router's aux): "
+                            "train it with pk.ExpertParallel, or build it without experts for a pipeline.")  # fmt: skip
+        (embed, embed_params), (norm, norm_params), (head, head_params) = map(
+            graph_and_params, (self.embed, self.norm, self.head)
+        )
+
+        def embedding(params: dict, batch: dict) -> jax.Array:
+            tokens = batch["x"]
+            return nnx.merge(embed, nnx.State(params["embed"]))(tokens) + params["position"][: tokens.shape[1]][None]
+
+        def block_layer(graphdef):
+            return lambda params, x: nnx.merge(graphdef, nnx.State(params))(x, self.heads, 0.0, None)[0]
+
+        def logits(params: dict, x: jax.Array) -> jax.Array:
+            return nnx.merge(head, nnx.State(params["head"]))(nnx.merge(norm, nnx.State(params["norm"]))(x))
+
+        blocks = [graph_and_params(block) for block in self.blocks]
+        return Layers(
+            [embedding, *(block_layer(graphdef) for graphdef, _ in blocks), logits],
+            [{"embed": embed_params, "position": self.position[...]}, *(params for _, params in blocks),
+             {"norm": norm_params, "head": head_params}],
+        )  # fmt: skip
 
 # What the MoE GPT reports of each MoE layer: pk.experts.moe_layer's aux
 MOE_METRICS = ("load_balancing_loss", "router_z_loss", "dropped_fraction", "tokens_per_expert", "kept_per_expert")

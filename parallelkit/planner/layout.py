@@ -11,9 +11,12 @@ model and batch at all.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
-from .memory import CONTEXT_METHODS, RECOMPUTE, SCHEDULES, Memory, in_flight, layer_activation_bytes, state_bytes
+from .build import kit_strategy
+from .memory import CONTEXT_METHODS, ELEMENT_BYTES, RECOMPUTE, SCHEDULES, Memory, in_flight, layer_activation_bytes, state_bytes
 from .model import Transformer
 
 
@@ -68,6 +71,19 @@ class Layout:
         return self.data * self.expert * self.tensor * self.context * self.stages
 
     @property
+    def accumulate(self) -> int:
+        """Gradient accumulation steps: the microbatches, when there is no pipeline to run them."""
+        return self.microbatches if self.stages == 1 else 1
+
+    def strategy(self, *, layers: Sequence[Callable] | None = None, devices: Sequence[Any] | None = None):
+        """The kit's strategy for this layout (:func:`.build.kit_strategy`); step it with ``accumulate=self.accumulate``.
+
+        Raises:
+          ValueError: a layout the kit has no strategy for (:func:`.build.unsupported` says why).
+        """
+        return kit_strategy(self, layers=layers, devices=devices)
+
+    @property
     def replicas(self) -> int:
         """How many slices the batch's sequences are cut into."""
         return self.data * self.expert
@@ -118,8 +134,10 @@ def memory_per_device(
     ZeRO over the ``data x context`` devices that hold the same slice (:func:`.memory.state_bytes`).
     The activations: one layer's (:func:`.memory.layer_activation_bytes`) for a microbatch of
     ``batch / (replicas x microbatches)`` sequences, times the layers of a stage, times the
-    microbatches in flight on the first stage (:func:`.memory.in_flight`). The first stage's
-    layers are ``ceil(layers / stages)``.
+    microbatches in flight on the first stage (:func:`.memory.in_flight`); the last stage holds
+    one microbatch's float32 logits (``4 s b V / tensor``) instead of most of them. The device
+    that holds more is the one counted. The first stages hold ``ceil(layers / stages)`` layers
+    each, the last what is left; the parameters are split evenly over the stages.
 
     Raises:
       ValueError: the layout cannot run the model on this batch (:func:`check` says why).
@@ -141,7 +159,13 @@ def memory_per_device(
         context=layout.context,
         context_method=layout.context_method,
         recompute=layout.recompute,
+        element_bytes=ELEMENT_BYTES[precision],
     )
     stage_layers = math.ceil(model.layers / layout.stages)
-    activations = per_layer * stage_layers * in_flight(layout.schedule, layout.stages, layout.microbatches)
-    return Memory(params, grads, opt, activations)
+    first = per_layer * stage_layers * in_flight(layout.schedule, layout.stages, layout.microbatches)
+    logits = 4 * micro * (model.seq / layout.context) * model.vocab / layout.tensor
+    if layout.stages == 1:
+        return Memory(params, grads, opt, first, logits)
+    last_layers = model.layers - (layout.stages - 1) * stage_layers
+    last = per_layer * max(last_layers, 0) * (layout.microbatches if layout.schedule == "gpipe" else 1)
+    return Memory(params, grads, opt, first) if first >= last + logits else Memory(params, grads, opt, last, logits)

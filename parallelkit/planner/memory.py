@@ -17,7 +17,9 @@ the outer ``10 s b h`` too; selective recomputation (or FlashAttention) keeps no
 recomputation keeps each layer's input, ``2 s b h`` (over ``t`` with sequence parallelism). The
 paper's block has a 4h GELU MLP and multi-head attention; :func:`layer_activation_bytes`
 counts the same arrays for any MLP width, a gated MLP (its gate, up, activation and product:
-``8 s b f``) and grouped key-value heads. Embeddings and the loss are left out.
+``8 s b f``) and grouped key-value heads. Beyond the paper, the loss keeps one microbatch's
+float32 logits, ``4 s b V`` bytes for a vocabulary of ``V`` (over ``t``: a vocabulary-parallel
+loss, as Megatron's); the embedding's own activations are left out.
 
 A pipeline stage holds ``layers / stages`` layers' activations for every microbatch in flight:
 all ``m`` under GPipe, at most ``stages`` on the first stage under 1F1B.
@@ -36,6 +38,7 @@ STATE_BYTES = {
     ("fp32", "adam"): (4, 4, 8),
     ("fp32", "sgd"): (4, 4, 0),
 }
+ELEMENT_BYTES = {"bf16": 2, "fp32": 4}  # a stored activation, by the training precision
 RECOMPUTE = ("none", "selective", "full")
 SCHEDULES = ("gpipe", "1f1b")
 CONTEXT_METHODS = ("allgather", "ring", "ulysses")
@@ -49,6 +52,7 @@ class Memory:
     grads: float
     optimizer: float
     activations: float
+    logits: float = 0.0  # the last stage's float32 logits of one microbatch, kept for the loss's backward
 
     @property
     def state(self) -> float:
@@ -56,10 +60,10 @@ class Memory:
 
     @property
     def total(self) -> float:
-        return self.state + self.activations
+        return self.state + self.activations + self.logits
 
     def __str__(self) -> str:
-        parts = ("params", "grads", "optimizer", "activations", "total")
+        parts = ("params", "grads", "optimizer", "activations", "logits", "total")
         return ", ".join(f"{name} {getattr(self, name) / 1e9:.2f} GB" for name in parts)
 
 
@@ -93,13 +97,17 @@ def layer_activation_bytes(
     context: int = 1,
     context_method: str = "ring",
     recompute: str = "none",
+    element_bytes: int = 2,
 ) -> float:
-    """The 16-bit activations one transformer layer keeps on one device for its backward pass, in bytes.
+    """The activations one transformer layer keeps on one device for its backward pass, in bytes.
 
-    Korthikanti et al.'s accounting (the module's docstring). ``context`` devices split each
-    sequence: each holds ``s / context`` tokens, and its attention scores are ``s/c x s/c`` a
-    block (``"ring"``), ``s/c x s`` (``"allgather"``) or ``a/c`` heads of ``s x s``
-    (``"ulysses"``). An MoE layer keeps the MLP's arrays for each of a token's ``top_k`` experts.
+    Korthikanti et al.'s accounting (the module's docstring), for ``element_bytes`` a stored
+    activation (2: the paper's 16-bit; 4: float32) and 1 byte a dropout mask entry, masks only
+    where ``model.dropout``; without dropout the attention keeps its probabilities once, not the
+    paper's three arrays. ``context`` devices split each sequence: each holds ``s / context``
+    tokens, and its attention scores are ``s/c x s/c`` a block (``"ring"``), ``s/c x s``
+    (``"allgather"``) or ``a/c`` heads of ``s x s`` (``"ulysses"``). An MoE layer keeps the MLP's
+    arrays for each of a token's ``top_k`` experts.
 
     >>> gpt = Transformer(layers=1, d_model=4096, heads=32, ffn=16384, vocab=1, seq=2048, gated=False)
     >>> s, b, h, a = 2048, 1, 4096, 32  # the paper's s b h (34 + 5 a s / h), its 4h GELU block
@@ -111,19 +119,23 @@ def layer_activation_bytes(
     if recompute not in RECOMPUTE or context_method not in CONTEXT_METHODS:
         raise ValueError(f"recompute={recompute!r} (one of {RECOMPUTE}), context_method={context_method!r} "
                          f"(one of {CONTEXT_METHODS}).")  # fmt: skip
-    if min(micro_batch, tensor, context) < 1:
-        raise ValueError(f"micro_batch={micro_batch}, tensor={tensor}, context={context}: whole numbers >= 1.")
-    s, b, h, a = model.seq / context, micro_batch, model.d_model, model.heads
+    if min(micro_batch, tensor, context, element_bytes) < 1:
+        raise ValueError(f"micro_batch={micro_batch}, tensor={tensor}, context={context}, "
+                         f"element_bytes={element_bytes}: whole numbers >= 1.")  # fmt: skip
+    s, b, h, a, e = model.seq / context, micro_batch, model.d_model, model.heads, element_bytes
+    mask = 1 if model.dropout else 0
     outer_split = tensor if sequence_parallel else 1
     if recompute == "full":
-        return 2 * s * b * h / outer_split
+        return e * s * b * h / outer_split
     kv = model.kv_heads_ * model.head_dim
-    attention = 2 * s * b * h + 4 * s * b * kv + 2 * s * b * h  # Q; K and V; the output projection's input
-    mlp = (8 if model.gated else 4) * s * b * model.ffn * (model.top_k if model.experts else 1)
+    attention = e * (s * b * h + 2 * s * b * kv + s * b * h)  # Q; K and V; the output projection's input
+    mlp = e * (4 if model.gated else 2) * s * b * model.ffn * (model.top_k if model.experts else 1)
     keys = {"ring": s, "allgather": model.seq, "ulysses": model.seq}[context_method]
     queries_heads = a * s if context_method != "ulysses" else a / context * model.seq
-    scores = 0.0 if recompute == "selective" else 5 * queries_heads * keys * b
-    return 10 * s * b * h / outer_split + (attention + mlp + scores) / tensor
+    per_score = 2 * e + mask if model.dropout else e  # probabilities, their mask and the dropped ones; or once
+    scores = 0.0 if recompute == "selective" else per_score * queries_heads * keys * b
+    outer = (4 * e + 2 * mask) * s * b * h  # two norms' inputs, the two blocks' inputs, their dropout masks
+    return outer / outer_split + (attention + mlp + scores) / tensor
 
 
 def in_flight(schedule: str, stages: int, microbatches: int) -> int:

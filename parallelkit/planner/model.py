@@ -10,6 +10,7 @@ each checked in the tests against the parameter count its authors publish.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from ..measure.flops import dense_training_flops
 
@@ -24,8 +25,10 @@ class Transformer:
       kv_heads: key and value heads (grouped-query attention); ``heads`` when None.
       gated: a gated MLP (SwiGLU: three ``d_model x ffn`` matrices) rather than two (GELU).
       tied: the output head shares the input embedding's matrix.
-      bias: linear layers and norms carry biases (GPT-2), not only norm scales (Llama).
+      bias: linear layers (an untied head too) and norms carry biases (GPT-2), not only norm scales (Llama).
+      key_bias: with ``bias``, the key projection has one too (GPT-2's does; the kit's GPT's does not).
       positions: a learned position embedding of ``seq`` rows (GPT-2); rotary positions have none.
+      dropout: the model trains with dropout, whose masks its activations keep (1 byte an entry).
       experts, top_k: a mixture of experts in every layer's MLP (0: a dense model), each token
         routed to ``top_k`` of them.
       name: for tables.
@@ -45,7 +48,9 @@ class Transformer:
     gated: bool = True
     tied: bool = False
     bias: bool = False
+    key_bias: bool = True
     positions: bool = False
+    dropout: bool = True
     experts: int = 0
     top_k: int = 1
     name: str = ""
@@ -76,7 +81,7 @@ class Transformer:
         """One layer's query, key, value and output projections (and their biases)."""
         d, kv = self.d_model, self.kv_heads_ * self.head_dim
         weights = d * d + 2 * d * kv + d * d
-        return weights + ((d + 2 * kv + d) if self.bias else 0)
+        return weights + ((d + (2 if self.key_bias else 1) * kv + d) if self.bias else 0)
 
     @property
     def expert_params(self) -> int:
@@ -98,9 +103,10 @@ class Transformer:
 
     @property
     def embedding_params(self) -> int:
-        """The input embedding, the output head unless tied, learned positions if any, and the final norm."""
+        """The input embedding, the output head (and its bias) unless tied, learned positions if any, the final norm."""
         table = self.vocab * self.d_model
-        return table * (1 if self.tied else 2) + (self.seq * self.d_model if self.positions else 0) + self.norm_params
+        head_bias = self.vocab if self.bias and not self.tied else 0
+        return table * (1 if self.tied else 2) + head_bias + (self.seq * self.d_model if self.positions else 0) + self.norm_params
 
     @property
     def layer_params(self) -> int:
@@ -119,6 +125,24 @@ class Transformer:
         unused = self.layers * (self.experts - self.top_k) * self.expert_params
         return self.params - unused
 
+    @classmethod
+    def from_gpt(cls, gpt: Any, name: str = "") -> Transformer:
+        """The shape of the kit's :class:`parallelkit.models.GPT` (a GELU MLP, biases but the key's,
+        learned positions, an untied head), trained on sequences of its ``max_length``.
+
+        >>> from flax import nnx; import parallelkit as pk
+        >>> gpt = pk.models.GPT(256, max_length=32, dim=16, heads=2, depth=2, mlp_dim=64, rngs=nnx.Rngs(0))
+        >>> Transformer.from_gpt(gpt).params == pk.models.param_bytes(pk.models.functional(gpt)[1]) // 4
+        True
+        """
+        block = gpt.blocks[0]
+        experts = block.moe.w_in.shape[0] if gpt.routing else 0
+        ffn = block.moe.w_in.shape[2] if experts else block.mlp_in.kernel.shape[1]
+        vocab, d_model = gpt.embed.embedding.shape
+        top_k = gpt.routing["top_k"] if experts else 1
+        return cls(len(gpt.blocks), d_model, gpt.heads, ffn, vocab, gpt.max_length, gated=False, bias=True,
+                   key_bias=False, positions=True, dropout=gpt.dropout_rate > 0, experts=experts, top_k=top_k, name=name or "the kit's GPT")  # fmt: skip
+
     def flops_per_token(self) -> float:
         """Training FLOPs per token: ``6`` per active parameter plus attention, as PaLM counts them."""
         return dense_training_flops(self.active_params, 1, layers=self.layers, seq_len=self.seq, d_model=self.d_model)
@@ -126,10 +150,10 @@ class Transformer:
 
 # Published shapes. Llama 3: Meta's model cards and config.json (rotary positions, SwiGLU, untied,
 # no biases, grouped-query attention). GPT-2 XL: Radford et al. (2019) and its config.json (learned
-# positions, GELU MLP of 4 x d_model, tied head, biases).
+# positions, GELU MLP of 4 x d_model, tied head, biases, dropout 0.1); Llama 3 trains without dropout.
 MODELS: dict[str, Transformer] = {
     "gpt2-xl": Transformer(48, 1600, 25, 6400, 50257, 1024, gated=False, tied=True, bias=True, positions=True,
                            name="GPT-2 XL"),
-    "llama3-8b": Transformer(32, 4096, 32, 14336, 128256, 8192, kv_heads=8, name="Llama 3 8B"),
-    "llama3-70b": Transformer(80, 8192, 64, 28672, 128256, 8192, kv_heads=8, name="Llama 3 70B"),
+    "llama3-8b": Transformer(32, 4096, 32, 14336, 128256, 8192, kv_heads=8, dropout=False, name="Llama 3 8B"),
+    "llama3-70b": Transformer(80, 8192, 64, 28672, 128256, 8192, kv_heads=8, dropout=False, name="Llama 3 70B"),
 }  # fmt: skip

@@ -11,6 +11,7 @@ fits ``alpha`` and ``beta`` to measured times, for the measured ceilings and :fu
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -271,3 +272,78 @@ def fit_link(devices: int, nbytes: Sequence[float], seconds: Sequence[float], na
 def scaled(link: Link, cards: int) -> Link:
     """``cards`` links side by side (a machine with several network cards): ``cards`` times the bandwidth."""
     return Link(f"{cards} x {link.name}", link.GBps * cards, link.latency_us, link.source)
+
+
+def axis_groups(devices: int, size: int, stride: int) -> list[list[int]]:
+    """The groups of one mesh axis of ``size`` whose neighbours are ``stride`` devices apart.
+
+    Devices are numbered with the innermost axis fastest: on a ``(outer, size, inner)`` mesh,
+    ``stride = inner``. ``axis_groups(n, k, 1)`` are :func:`groups`'s model groups,
+    ``axis_groups(n, n // k, k)`` its data groups.
+
+    >>> axis_groups(8, 2, 2)
+    [[0, 2], [1, 3], [4, 6], [5, 7]]
+    """
+    if size < 1 or stride < 1 or devices % (size * stride):
+        raise ValueError(f"An axis of {size} devices {stride} apart does not tile {devices} devices.")
+    block = size * stride
+    return [[start + offset + j * stride for j in range(size)] for start in range(0, devices, block)
+            for offset in range(stride)]  # fmt: skip
+
+
+@functools.lru_cache(maxsize=4096)
+def shifted_round(cluster: Cluster, size: int, stride: int, shift: int) -> tuple[bool, int]:
+    """One round in which every device sends a message to the one ``shift`` places on along its axis group.
+
+    Returns (whether any message stays inside a machine, the most messages that leave or enter
+    one machine): with every message of ``b`` bytes the round lasts the longer of
+    ``inside.seconds(b)`` and ``network.seconds(count x b)``, as :meth:`Cluster.round_seconds`
+    times it; :func:`axis_seconds` uses this so that timing an axis of a thousand devices
+    costs one pass over them per cluster and axis, not one per message size.
+    """
+    inside, leaving, entering = False, {}, {}
+    for group in axis_groups(cluster.devices, size, stride):
+        for j, source in enumerate(group):
+            target = group[(j + shift) % size]
+            a, b = cluster.machine(source), cluster.machine(target)
+            if a == b:
+                inside = True
+            else:
+                leaving[a] = leaving.get(a, 0) + 1
+                entering[b] = entering.get(b, 0) + 1
+    return inside, max([*leaving.values(), *entering.values()], default=0)
+
+
+def axis_seconds(cluster: Cluster, size: int, stride: int, nbytes: float, collective: str) -> float:
+    """Seconds of one collective of ``nbytes`` per device along a mesh axis, all its groups at once.
+
+    ``collective``: ``"all-reduce"`` (a ring: ``2 (k-1)`` rounds of ``nbytes / k``),
+    ``"all-gather"`` or ``"reduce-scatter"`` (``k - 1`` such rounds; ``nbytes`` is the whole
+    gathered array), ``"all-to-all"`` (the pairwise exchange: ``k - 1`` rounds of ``nbytes / k``,
+    each to another peer), ``"permute"`` (one round: ``nbytes`` to the next device on the ring).
+    The same rounds as :func:`ring_rounds` and :func:`alltoall_rounds`, timed as
+    :meth:`Cluster.round_seconds` times them.
+
+    >>> c = Cluster(2, 4, Link("in", 100, 0, "by hand"), Link("net", 10, 0, "by hand"))
+    >>> round(axis_seconds(c, 4, 1, 4e6, "all-reduce") * 1e6, 6)  # inside: 6 rounds of 1 MB at 100 GB/s
+    60.0
+    >>> axis_seconds(c, 2, 4, 4e6, "all-reduce") * 1e6  # across: 2 rounds, 4 x 2 MB share 10 GB/s each way
+    1600.0
+    """
+    if size == 1:
+        return 0.0
+
+    def round_s(shift: int, message: float) -> float:
+        inside, crossing = shifted_round(cluster, size, stride, shift)
+        near = cluster.inside.seconds(message) if inside else 0.0
+        return max(near, cluster.network.seconds(crossing * message) if crossing else 0.0)
+
+    if collective == "permute":
+        return round_s(1, nbytes)
+    if collective == "all-to-all":
+        return sum(round_s(shift, nbytes / size) for shift in range(1, size))
+    phases = {"all-reduce": 2, "all-gather": 1, "reduce-scatter": 1}.get(collective)
+    if phases is None:
+        raise ValueError(f"axis_seconds(collective={collective!r}): all-reduce, all-gather, reduce-scatter, "
+                         "all-to-all or permute.")  # fmt: skip
+    return phases * (size - 1) * round_s(1, nbytes / size)

@@ -1,0 +1,115 @@
+"""A cluster as the planner sees it: the cost model's machines and links, and what one device computes and holds.
+
+:class:`Cluster` is :class:`parallelkit.measure.costmodel.Cluster` (machines, the link inside
+one, the network between them) with each device's peak FLOP/s and memory. Build it from a
+datasheet (:meth:`Cluster.published`: :data:`parallelkit.measure.hardware.PUBLISHED`) or from
+this machine (:meth:`Cluster.measured`: :func:`parallelkit.measure.ceilings.measure_ceilings`).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import jax
+
+from ..measure import costmodel
+from ..measure.ceilings import measure_ceilings
+from ..measure.costmodel import Link
+from ..measure.hardware import PUBLISHED
+
+# NCCL's per-hop latencies for its "Simple" protocol (NVIDIA/nccl src/graph/tuning.cc): NVLink
+# 3.4 us, network about 10 us; the same figures as the cost model's link presets.
+INSIDE_LATENCY_US, NETWORK_LATENCY_US = 3.4, 10.0
+
+
+@dataclass(frozen=True)
+class Cluster(costmodel.Cluster):
+    """Machines of devices, their links, and one device's peak FLOP/s and memory.
+
+    Args (beyond the cost model's ``machines``, ``devices_per_machine``, ``inside``, ``network``):
+      bf16_flops, fp32_flops: one device's matrix-product FLOP/s with 16-bit and 32-bit inputs.
+      memory_bytes: one device's memory.
+      chip: what the devices are, for tables.
+    """
+
+    bf16_flops: float = 0.0
+    fp32_flops: float = 0.0
+    memory_bytes: float = 0.0
+    chip: str = ""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not (self.bf16_flops > 0 and self.fp32_flops > 0 and self.memory_bytes > 0):
+            raise ValueError("Cluster: give each device's bf16_flops, fp32_flops and memory_bytes (all > 0).")
+
+    def peak_flops(self, precision: str) -> float:
+        """One device's FLOP/s for ``"bf16"`` or ``"fp32"`` training."""
+        if precision not in ("bf16", "fp32"):
+            raise ValueError(f"precision={precision!r}: 'bf16' or 'fp32'.")
+        return self.bf16_flops if precision == "bf16" else self.fp32_flops
+
+    @property
+    def name(self) -> str:
+        where = f"{self.machines} machines x {self.devices_per_machine}" if self.machines > 1 else f"{self.devices}"
+        return f"{where} {self.chip}".strip()
+
+    @classmethod
+    def published(cls, chip: str, per_node: int = 8, nodes: int = 1) -> Cluster:
+        """``nodes`` machines of ``per_node`` devices with a datasheet's figures (``hardware.PUBLISHED[chip]``).
+
+        Inside a machine each device gets its chip's link bandwidth along one mesh axis
+        (NVLink through the switches; on a TPU torus, one axis's share); between machines,
+        the machine's network is its chips' per-chip network bandwidth added up (kept with one
+        machine too, for the plans that ask what more machines would do). The float32
+        rate is TensorFloat-32's where the chip has it (JAX's default for float32 products on
+        those GPUs), else plain float32's. Latencies: :data:`INSIDE_LATENCY_US`,
+        :data:`NETWORK_LATENCY_US` (an assumption for every chip).
+
+        >>> two = Cluster.published("H100 SXM", per_node=8, nodes=2)
+        >>> two.devices, two.inside.GBps, two.network.GBps, two.memory_bytes / 1e9
+        (16, 450.0, 400.0, 80.0)
+        """
+        if chip not in PUBLISHED:
+            raise ValueError(f"Cluster.published({chip!r}): choose one of {sorted(PUBLISHED)}.")
+        c = PUBLISHED[chip]
+        source = ", ".join(c.sources)
+        inside = Link(c.link_name, c.axis_link_bytes_per_s / 1e9, INSIDE_LATENCY_US, source)
+        network = Link(f"{per_node} x network", per_node * c.network_bytes_per_s / 1e9, NETWORK_LATENCY_US, source)
+        fp32 = c.tf32_flops or c.fp32_flops or c.bf16_flops
+        return cls(nodes, per_node, inside, network, c.bf16_flops, fp32, c.memory_bytes, chip)
+
+    @classmethod
+    def measured(cls, devices: Sequence[jax.Device] | None = None, *, quick: bool = True) -> Cluster:
+        """This machine's devices as one machine, with their measured ceilings (cached: ``measure_ceilings``).
+
+        The link is the ring whose all-reduce matches the measured one: an all-reduce fitted to
+        ``alpha + P / B`` over ``n`` devices is a ring of ``2 (n-1)`` rounds of ``P / n``, so the
+        link's latency is ``alpha / 2 (n-1)`` and its bandwidth ``B x 2 (n-1) / n``. Memory is
+        the device's allocator limit where it reports one (GPUs), else this host's memory over
+        the devices. Simulated CPU devices (``pk.simulate_devices``) share the host's cores and
+        memory: one device's matrix product already uses every core, so each of ``n`` busy at
+        once gets ``1 / n`` of the measured FLOP/s, and that share is what this cluster says.
+        """
+        devices = list(jax.devices() if devices is None else devices)
+        ceilings = measure_ceilings(devices, quick=quick)
+        n = len(devices)
+        if n > 1:
+            rounds = 2 * (n - 1)
+            bandwidth = ceilings.allreduce_bandwidth.value * rounds / n
+            latency = ceilings.allreduce_latency.value / rounds
+            inside = Link("measured", bandwidth / 1e9, latency * 1e6, ceilings.allreduce_bandwidth.method)
+        else:
+            inside = Link("none (one device)", 1.0, 0.0, "one device: nothing to send")
+        share = n if devices[0].platform == "cpu" else 1
+        flops = ceilings.matmul_bf16.value / share, ceilings.matmul_f32.value / share
+        return cls(1, n, inside, None, *flops, device_memory(devices[0], n), devices[0].device_kind)
+
+
+def device_memory(device: jax.Device, sharing: int) -> float:
+    """``device``'s memory: its allocator's limit, or the host's physical memory over ``sharing`` devices."""
+    stats = device.memory_stats() if hasattr(device, "memory_stats") else None
+    if stats and stats.get("bytes_limit"):
+        return float(stats["bytes_limit"])
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / sharing

@@ -1,0 +1,157 @@
+"""The planner's answer: every layout for a model, a cluster and a batch, ranked, each with why.
+
+>>> from parallelkit.planner import MODELS, Cluster
+>>> answer = plan(MODELS["llama3-8b"], Cluster.published("H100 SXM", per_node=8), global_batch_tokens=1_048_576)
+>>> answer.best.name, answer.batch  # 128 sequences of 8192 tokens
+('data 2 x context 4, ZeRO-1, ring, accumulate 64', 128)
+>>> print(answer.table(1))  # doctest: +NORMALIZE_WHITESPACE
+  #  layout                                           GB/dev   step s    MFU  binds
+  1  data 2 x context 4, ZeRO-1, ring, accumulate 64    64.8   16.511  49.0%  compute
+(415 layouts fit, 363 do not: plan.rejected)
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+from .cluster import Cluster
+from .layout import Layout
+from .memory import in_flight
+from .model import Transformer
+from .search import RESERVE, Candidate, layouts, weigh
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Every layout weighed for one model, cluster and batch: ``ranked`` (fastest first) and ``rejected``."""
+
+    model: Transformer
+    cluster: Cluster
+    batch: int  # sequences asked for
+    precision: str
+    optimizer: str
+    efficiency: float
+    overlap: str
+    reserve: float
+    ranked: tuple[Candidate, ...]
+    rejected: tuple[Candidate, ...]
+
+    @property
+    def best(self) -> Layout:
+        """The layout with the highest predicted MFU."""
+        return self.ranked[0].layout
+
+    def find(self, layout: Layout) -> Candidate:
+        """``layout``'s verdict; a layout given without its recomputation or accumulation matches its chosen variant."""
+        for candidate in (*self.ranked, *self.rejected):
+            if candidate.layout == layout or _base(candidate.layout) == _base(layout) and layout.recompute == "none":
+                return candidate
+        raise ValueError(f"{layout.name} was not weighed: its axes must multiply to {self.cluster.devices} devices "
+                         "and split the model and the batch; see plan.rejected.")  # fmt: skip
+
+    def table(self, rows: int = 10) -> str:
+        """The ``rows`` best layouts as text: memory per device, step time, MFU and what binds each."""
+        shown = self.ranked[:rows]
+        width = max([len("layout"), *(len(c.layout.name) for c in shown)])
+        lines = [f"{'#':>3}  {'layout':<{width}} {'GB/dev':>7} {'step s':>8} {'MFU':>6}  binds"]
+        for rank, c in enumerate(shown, 1):
+            lines.append(f"{rank:>3}  {c.layout.name:<{width}} {c.memory.total / 1e9:>7.1f} {c.time.total:>8.3f} "
+                         f"{c.mfu:>6.1%}  {c.time.binding}")  # fmt: skip
+        lines.append(f"({len(self.ranked)} layouts fit, {len(self.rejected)} do not: plan.rejected)")
+        return "\n".join(lines)
+
+    def explain(self, layout: Layout) -> str:
+        """Why ``layout`` ranks where it does (its memory and time, part by part), or why it was rejected."""
+        c = self.find(layout)
+        m, gb = c.memory, 1e9
+        name = self.model.name or "the model"
+        lines = [f"{c.layout.name} on {self.cluster.name}, {c.batch} sequences of {self.model.seq} a step:"]
+        if not c.fits:
+            return "\n".join([*lines, f"  rejected: {c.rejected}."])
+        rank = self.ranked.index(c) + 1
+        lines.append(f"  rank {rank} of {len(self.ranked)}: MFU {c.mfu:.1%}, {c.time.total:.3f} s a step, "
+                     f"bound by {c.time.binding}")  # fmt: skip
+        split = c.layout.tensor * c.layout.stages
+        micro = c.batch // (c.layout.replicas * c.layout.microbatches)
+        layers = math.ceil(self.model.layers / c.layout.stages)
+        held = in_flight(c.layout.schedule, c.layout.stages, c.layout.microbatches) if not m.logits else 1
+        per_layer = m.activations / (layers * held)
+        lines += [
+            f"  memory {m.total / gb:.1f} GB of {self.cluster.memory_bytes / gb:.0f} GB ({self.reserve:.0%} kept back):",
+            f"    parameters {m.params / gb:.2f} GB, gradients {m.grads / gb:.2f} GB, optimizer {m.optimizer / gb:.2f} GB:"
+            f" {name}'s {self.model.params / 1e9:.2f} B parameters over tensor x stages = {split}"
+            + (f", then ZeRO-{c.layout.zero} over {c.layout.data * c.layout.context}" if c.layout.zero else ""),
+            f"    activations {m.activations / gb:.2f} GB: {layers} layers x {held} microbatch(es) of {micro} "
+            f"sequence(s) in flight x {per_layer / gb:.3f} GB a layer (Korthikanti et al.'s accounting, "
+            f"recompute {c.layout.recompute}: memory.layer_activation_bytes)",
+            f"    logits {m.logits / gb:.2f} GB: 4 bytes x {micro} x {self.model.seq // c.layout.context} tokens x "
+            f"{self.model.vocab} vocabulary / tensor {c.layout.tensor}",
+            f"  time: compute {c.time.compute:.3f} s at {self.efficiency:.0%} of the peak, bubble {c.time.bubble:.3f} s",
+        ]  # fmt: skip
+        for family, seconds in c.time.communication.items():
+            hidden = " (hidden behind compute: overlap full)" if family == "gradients" and self.overlap == "full" else ""
+            lines.append(f"    {family}: {seconds:.3f} s{hidden}")
+        if rank > 1:
+            first = self.ranked[0]
+            lines.append(f"  the best, {first.layout.name}, is {c.time.total / first.time.total * first.batch / c.batch:.2f}"
+                         " times as fast per token")  # fmt: skip
+        return "\n".join(lines)
+
+
+def _base(layout: Layout) -> Layout:
+    return replace(layout, recompute="none", microbatches=1 if layout.stages == 1 else layout.microbatches)
+
+
+def plan(
+    model: Transformer,
+    cluster: Cluster,
+    *,
+    global_batch_tokens: int,
+    precision: str = "bf16",
+    optimizer: str = "adam",
+    efficiency: float = 0.5,
+    overlap: str = "none",
+    reserve: float = RESERVE,
+) -> Plan:
+    """Rank every layout of ``cluster``'s devices that trains ``model`` on ``global_batch_tokens`` tokens a step.
+
+    The batch is ``global_batch_tokens / model.seq`` sequences (rounded); a layout whose replicas
+    do not split it evenly takes the largest batch below it that they do (MFU compares them fairly). ``efficiency``: the share of
+    the peak FLOP/s compute reaches; ``overlap``: ``"none"`` or ``"full"`` hiding of the gradients'
+    communication behind compute (:mod:`.steptime`); ``reserve``: the share of each device's
+    memory kept back (:mod:`.search`).
+
+    Raises:
+      ValueError: no layout fits; the message says by how much, and what would make one fit.
+    """
+    batch = max(1, round(global_batch_tokens / model.seq))
+    options = {"precision": precision, "optimizer": optimizer, "efficiency": efficiency, "overlap": overlap,
+               "reserve": reserve}  # fmt: skip
+    verdicts = [weigh(model, layout, cluster, batch, **options) for layout in layouts(model, cluster.devices, batch)]
+    ranked = tuple(sorted((c for c in verdicts if c.fits), key=lambda c: (-c.mfu, c.memory.total)))
+    rejected = tuple(sorted((c for c in verdicts if not c.fits), key=lambda c: c.memory.total or float("inf")))
+    if not ranked:
+        raise ValueError(_nothing_fits(model, cluster, batch, rejected, **options))
+    return Plan(model, cluster, batch, precision, optimizer, efficiency, overlap, reserve, ranked, rejected)
+
+
+def _nothing_fits(model: Transformer, cluster: Cluster, batch: int, rejected, **options) -> str:
+    """What a user can change when no layout fits: by how much the closest misses, and what would fit."""
+    said = f"{model.name or 'The model'} fits no layout of {cluster.name} with {batch} sequences a step"
+    if not rejected:
+        return f"{said}: no split of {cluster.devices} devices divides the model and the batch. Try another device count."
+    closest = rejected[0]
+    network = cluster.network or cluster.inside  # whether a layout fits is memory alone: any link will do here
+    bigger = [replace(cluster, machines=cluster.machines * k, network=network) for k in (2, 4, 8, 16, 32, 64)]
+    more = next((c.devices for c in bigger if _fits_on(model, c, batch, **options)), None)
+    hint = f"{more} devices of the same kind would hold it" if more else "it needs over 64 times the devices"
+    return f"{said}. The closest {closest.rejected}. {hint}; recomputation and accumulation were already tried."
+
+
+def _fits_on(model: Transformer, cluster: Cluster, batch: int, **options) -> bool:
+    for layout in layouts(model, cluster.devices, batch):
+        if weigh(model, layout, cluster, batch, **options).fits:
+            return True
+    return False
+

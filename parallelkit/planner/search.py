@@ -1,0 +1,120 @@
+"""Every layout the kit can run, for a model, a cluster and a batch: each one's memory and step time, ranked.
+
+:func:`plan` enumerates the layouts (:func:`layouts`): every way to split the devices over
+``tensor``, ``expert``, ``context``, ``stages`` and ``data``, with each ZeRO stage, with and
+without sequence parallelism, each context method, each pipeline schedule at a few
+microbatch counts (1, 2, 4, 8 per stage). For each it tries recomputation off, selective and
+full, and gradient accumulation over more microbatches (each count that splits a replica's
+sequences evenly, fewest first) when the batch does not fit, and keeps the fastest
+variant that fits in ``(1 - reserve)`` of a device's memory; a layout with none that fits is
+kept as rejected, with by how much it misses. The rest are ranked by model FLOPs utilisation
+(MFU: the model's FLOPs a second, over the devices' peak): the same order as tokens a second.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
+
+from .cluster import Cluster
+from .layout import Layout, check, memory_per_device
+from .memory import CONTEXT_METHODS, RECOMPUTE, SCHEDULES, Memory
+from .model import Transformer
+from .steptime import StepTime, step_time
+
+RESERVE = 0.1  # the share of a device's memory left to the framework, its allocator and what the model leaves out
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One layout's verdict: its memory, its step time and MFU when it fits, why not when it does not."""
+
+    layout: Layout
+    batch: int  # sequences a step: the requested batch rounded down to a multiple of the replicas
+    memory: Memory
+    time: StepTime | None = None  # None: rejected
+    mfu: float = 0.0
+    rejected: str | None = None
+
+    @property
+    def fits(self) -> bool:
+        return self.rejected is None
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def meshes(model: Transformer, devices: int) -> Iterator[dict[str, int]]:
+    """Every ``(tensor, expert, context, stages, data)`` whose product is ``devices`` and that the model splits into."""
+    for tensor in divisors(devices):
+        if model.heads % tensor or model.kv_heads_ % tensor or model.ffn % tensor:
+            continue
+        for expert in divisors(devices // tensor) if model.experts else [1]:
+            if model.experts and model.experts % expert:
+                continue
+            for context in divisors(devices // (tensor * expert)):
+                if model.seq % context:
+                    continue
+                rest = devices // (tensor * expert * context)
+                for stages in (s for s in divisors(rest) if s <= model.layers):
+                    yield {"tensor": tensor, "expert": expert, "context": context, "stages": stages,
+                           "data": rest // stages}  # fmt: skip
+
+
+def layouts(model: Transformer, devices: int, batch: int) -> Iterator[Layout]:
+    """Every layout :func:`plan` weighs, before recomputation and accumulation are chosen."""
+    for mesh in meshes(model, devices):
+        replicas = mesh["data"] * mesh["expert"]
+        if replicas > batch:
+            continue
+        sharded = mesh["data"] * mesh["context"] * mesh["expert"] > 1
+        stages = mesh["stages"]
+        per_replica = batch // replicas
+        pipelines = [(s, stages * k) for s in SCHEDULES for k in (1, 2, 4, 8) if per_replica % (stages * k) == 0]
+        for zero in range(4) if sharded else [0]:
+            for sp in (False, True) if mesh["tensor"] > 1 else [False]:
+                for method in CONTEXT_METHODS if mesh["context"] > 1 else ["ring"]:
+                    for schedule, m in pipelines if stages > 1 else [("1f1b", 1)]:
+                        yield Layout(**mesh, zero=zero, sequence_parallel=sp, context_method=method,
+                                     schedule=schedule, microbatches=m)  # fmt: skip
+
+
+def weigh(
+    model: Transformer, layout: Layout, cluster: Cluster, batch: int, *, precision: str, optimizer: str,
+    efficiency: float, overlap: str, reserve: float,
+) -> Candidate:  # fmt: skip
+    """The fastest variant of ``layout`` (recomputation, accumulation) that fits, or why none does."""
+    budget = (1 - reserve) * cluster.memory_bytes
+    best, smallest = None, None
+    for recompute in RECOMPUTE:
+        variant = replace(layout, recompute=recompute)
+        used = batch // layout.replicas * layout.replicas
+        for accumulate in _accumulations(variant, used):
+            trial = replace(variant, microbatches=accumulate) if layout.stages == 1 else variant
+            if check(model, trial, used):
+                continue
+            memory = memory_per_device(model, trial, used, precision=precision, optimizer=optimizer)
+            if smallest is None or memory.total < smallest[1].total:
+                smallest = (trial, memory, used)
+            if memory.total > budget:
+                continue
+            time = step_time(model, trial, cluster, used, precision=precision, efficiency=efficiency, overlap=overlap)
+            mfu = model.flops_per_token() * used * model.seq / (time.total * cluster.devices
+                                                                 * cluster.peak_flops(precision))  # fmt: skip
+            if best is None or mfu > best.mfu:
+                best = Candidate(trial, used, memory, time, mfu)
+            break  # more accumulation only adds time
+    if best is not None:
+        return best
+    if smallest is None:
+        return Candidate(layout, batch, Memory(0, 0, 0, 0), rejected=check(model, layout, batch) or "cannot split")
+    trial, memory, used = smallest
+    over = (memory.total - budget) / 1e9
+    return Candidate(trial, used, memory, rejected=f"needs {memory.total / 1e9:.1f} GB a device even at its "
+                     f"smallest ({trial.name}): {over:.1f} GB over the {budget / 1e9:.1f} GB usable")  # fmt: skip
+
+
+def _accumulations(layout: Layout, batch: int) -> list[int]:
+    """Accumulation steps to try, fewest first: the counts that split each replica's sequences evenly."""
+    return divisors(batch // layout.replicas) if layout.stages == 1 else [layout.microbatches]

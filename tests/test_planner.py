@@ -1,0 +1,191 @@
+"""The planner: step times by hand, the ranking, its errors, and every layout it can run built and trained one step."""
+
+from __future__ import annotations
+
+import dataclasses
+import jax
+import optax
+import pytest
+from flax import nnx
+from helpers import tree_allclose
+
+import parallelkit as pk
+from parallelkit.measure.costmodel import Cluster as Links
+from parallelkit.measure.costmodel import Link, axis_groups, axis_seconds, ring_rounds
+from parallelkit.planner import MODELS, Cluster, Layout, Transformer, check, plan, step_time, unsupported
+from parallelkit.planner.search import layouts
+
+FAST, SLOW = Link("fast", 100, 2, "by hand"), Link("slow", 10, 20, "by hand")
+
+
+def _cluster(machines: int = 1, per: int = 8, **kw) -> Cluster:
+    figures = {"bf16_flops": 1e15, "fp32_flops": 5e14, "memory_bytes": 80e9} | kw
+    return Cluster(machines, per, FAST, SLOW if machines > 1 else None, **figures, chip="test")
+
+
+@pytest.mark.parametrize(("machines", "per", "size", "stride"), [(1, 8, 8, 1), (2, 4, 4, 2), (2, 4, 2, 4), (4, 2, 4, 2)])
+def test_an_axis_collective_is_its_rings_rounds_timed_one_by_one(machines, per, size, stride):
+    cluster = Links(machines, per, FAST, SLOW)
+    rings = axis_groups(machines * per, size, stride)
+    by_rounds = sum(cluster.round_seconds(r) for r in ring_rounds(rings, 3e6))
+    assert axis_seconds(cluster, size, stride, 3e6, "all-reduce") == pytest.approx(by_rounds, rel=1e-12)
+
+
+def test_tensor_parallel_all_reduces_by_hand():
+    model = Transformer(layers=4, d_model=1024, heads=8, ffn=4096, vocab=1000, seq=512)
+    layout, batch = Layout(data=2, tensor=4), 8
+    t = step_time(model, layout, _cluster(), batch)
+    activation = (batch // 2) * 512 * 1024 * 2  # a replica's 4 sequences, bf16
+    one = 2 * 3 * (2e-6 + activation / 4 / 100e9)  # a ring over 4 neighbours: 6 rounds of a quarter
+    assert t.communication["tensor"] == pytest.approx(4 * 4 * one)  # 4 layers x (2 forward + 2 backward)
+
+
+def test_the_bubble_and_what_binds():
+    model = Transformer(layers=8, d_model=4096, heads=32, ffn=16384, vocab=100, seq=2048)
+    t = step_time(model, Layout(stages=8, microbatches=8), _cluster(), 64)
+    assert t.bubble == pytest.approx(t.compute * 7 / 8) and t.binding == "compute"
+    slow = step_time(model, Layout(stages=8, microbatches=1), _cluster(), 64)
+    assert slow.binding == "bubble"
+
+
+def test_zero_3_gathers_each_microbatch_and_full_overlap_hides_the_gradients():
+    model = MODELS["gpt2-xl"]
+    cluster = _cluster()
+    zero1 = step_time(model, Layout(data=8, zero=1, microbatches=4), cluster, 32)
+    zero3 = step_time(model, Layout(data=8, zero=3, microbatches=4), cluster, 32)
+    ring = 2 * 7 * (2e-6 + model.params * 2 / 8 / 100e9)  # one all-reduce of the bf16 gradients
+    assert zero1.communication["gradients"] == pytest.approx(ring)
+    assert zero3.communication["gradients"] == pytest.approx(3 * 4 * ring / 2)  # 3 gathers of half a ring each
+    hidden = step_time(model, Layout(data=8, zero=1, microbatches=4), cluster, 32, overlap="full")
+    assert hidden.total == pytest.approx(hidden.compute) and hidden.total < zero1.total
+
+
+def test_a_tensor_group_across_machines_is_slower_than_inside_one():
+    model = MODELS["llama3-8b"]
+    inside = step_time(model, Layout(data=2, tensor=8), _cluster(2, 8), 4).communication["tensor"]
+    across = step_time(model, Layout(data=8, tensor=2), _cluster(2, 8), 16).communication["tensor"]
+    spread = step_time(model, Layout(data=1, tensor=16), _cluster(2, 8), 4).communication["tensor"]
+    assert inside < spread and across < spread
+
+
+def test_a_plan_ranks_by_mfu_within_memory_and_says_why():
+    p = plan(MODELS["llama3-8b"], Cluster.published("H100 SXM", per_node=8), global_batch_tokens=1_048_576)
+    mfus = [c.mfu for c in p.ranked]
+    assert mfus == sorted(mfus, reverse=True) and p.best == p.ranked[0].layout
+    budget = 0.9 * 80e9
+    assert all(c.memory.total <= budget for c in p.ranked) and p.rejected
+    assert all(c.memory.total > budget or "does not" in c.rejected for c in p.rejected)
+    for c in p.ranked[:20]:
+        expected = MODELS["llama3-8b"].flops_per_token() * c.batch * 8192 / (c.time.total * 8 * 989.5e12)
+        assert c.mfu == pytest.approx(expected)
+    assert p.best.name in p.table(3) and "3 layouts" not in p.table(3)
+    assert "rank 1 of" in p.explain(p.best) and "activations" in p.explain(p.best)
+    closest = p.rejected[0].layout  # asked for without the recomputation and accumulation the planner tried
+    plain = dataclasses.replace(closest, recompute="none", microbatches=1 if closest.stages == 1 else closest.microbatches)
+    assert "rejected: needs" in p.explain(plain)
+
+
+def test_every_kind_of_axis_is_weighed():
+    moe = Transformer(layers=8, d_model=512, heads=8, ffn=1024, vocab=1000, seq=1024, experts=8, top_k=2)
+    seen = list(layouts(moe, 8, 64))
+    for axis in ("data", "tensor", "context", "stages", "expert"):
+        assert any(getattr(layout, axis) == 8 for layout in seen), axis
+    assert {layout.zero for layout in seen} == {0, 1, 2, 3}
+    assert {layout.context_method for layout in seen if layout.context > 1} == {"allgather", "ring", "ulysses"}
+    assert {layout.schedule for layout in seen if layout.stages > 1} == {"gpipe", "1f1b"}
+    assert any(layout.sequence_parallel for layout in seen)
+
+
+def test_a_model_that_fits_nowhere_says_by_how_much_and_what_would_fit():
+    with pytest.raises(ValueError, match=r"fits no layout of 8 H100 SXM.*GB over the 72.0 GB usable.*devices of the "
+                                         r"same kind would hold it"):  # fmt: skip
+        plan(Transformer(80, 16384, 128, 53248, 128256, 8192, kv_heads=8), Cluster.published("H100 SXM", 8),
+             global_batch_tokens=8192 * 8)
+
+
+def test_published_and_measured_clusters():
+    two = Cluster.published("A100 SXM 80GB", per_node=8, nodes=2)
+    assert (two.devices, two.inside.GBps, two.network.GBps, two.peak_flops("bf16")) == (16, 300.0, 200.0, 312e12)
+    here = Cluster.measured(jax.devices())
+    assert here.devices == 8 and here.inside.GBps > 0 and here.peak_flops("fp32") > 0
+    with pytest.raises(ValueError, match="choose one of"):
+        Cluster.published("H200")
+
+
+def test_the_kits_gpt_shape_counts_its_parameters():
+    gpt = pk.models.GPT(256, max_length=16, dim=16, heads=4, depth=2, mlp_dim=32, rngs=nnx.Rngs(0))
+    _, params = pk.models.functional(gpt)
+    assert Transformer.from_gpt(gpt).params == sum(leaf.size for leaf in jax.tree.leaves(params))
+
+
+# --- every layout the kit can run, built and trained one step ---------------------------------------------------
+
+LENGTH, BATCH = 16, 16
+SMALL = {"max_length": LENGTH, "dim": 16, "heads": 4, "depth": 2, "mlp_dim": 32}
+
+
+def _runnable() -> list[Layout]:
+    shape = Transformer.from_gpt(pk.models.GPT(256, **SMALL, rngs=nnx.Rngs(0)))
+    found = []
+    for layout in layouts(shape, 8, BATCH):
+        plain = layout.context_method == "ring" and not layout.sequence_parallel and layout.zero in (0, 3)
+        for accumulate in (1, 2) if layout.stages == 1 and plain else (layout.microbatches,):
+            variant = dataclasses.replace(layout, microbatches=accumulate)
+            if unsupported(variant) is None and check(shape, variant, BATCH) is None and variant not in found:
+                found.append(variant)
+    return found
+
+
+@pytest.fixture(scope="module")
+def corpus():
+    return pk.data.text(length=LENGTH, max_bytes=20_000)
+
+
+@pytest.mark.slow
+def test_every_layout_the_kit_can_run_builds_and_trains_one_step_as_one_device(corpus):
+    """One SGD step of each runnable layout of 8 devices from the same start equals SingleDevice's (float32 tolerance)."""
+    gpt = pk.models.GPT(256, **SMALL, rngs=nnx.Rngs(0))
+    apply, params = pk.models.functional(gpt)
+    layers, layer_params = pk.models.as_layers(gpt)
+    batch = next(pk.data.batches(corpus, BATCH, steps=1))
+    optimizer = optax.sgd(0.1)
+    single = pk.SingleDevice()
+    reference, _ = single.step(pk.models.lm_loss(apply))(single.init(params, optimizer), batch)
+    runnable = _runnable()
+    kinds = {(lay.stages > 1, lay.context > 1, lay.tensor > 1, lay.zero, lay.accumulate > 1) for lay in runnable}
+    assert len(runnable) >= 25 and len(kinds) >= 10
+    for layout in runnable:
+        strategy = layout.strategy(layers=layers)
+        if layout.stages > 1:
+            state = strategy.init(layer_params, optimizer)
+            state, _ = strategy.step(pk.models.cross_entropy)(state, batch)
+            got = strategy.unreplicate(state.params)
+            want = pk.models.as_layers(_with(gpt, single.unreplicate(reference.params))).params
+        else:
+            state = strategy.init(params, optimizer)
+            state, _ = strategy.step(pk.models.lm_loss(apply), accumulate=layout.accumulate)(state, batch)
+            got, want = strategy.unreplicate(state.params), single.unreplicate(reference.params)
+        tree_allclose(got, want, err_msg=layout.name)
+
+
+def _with(gpt: pk.models.GPT, params: dict) -> pk.models.GPT:
+    """``gpt`` with ``params`` (a functional tree) put into it."""
+    graphdef, _ = nnx.split(gpt)
+    return nnx.merge(graphdef, nnx.State(params))
+
+
+def test_layouts_the_kit_cannot_run_say_why():
+    assert "one of" in unsupported(Layout(context=2, tensor=2, data=2))
+    assert "model's choice" in unsupported(Layout(data=8, recompute="full"))
+    assert "ZeRO-2 runs over data alone" in unsupported(Layout(data=2, tensor=4, zero=2))
+    with pytest.raises(ValueError, match="pass layers="):
+        Layout(data=4, stages=2, microbatches=2).strategy()
+    with pytest.raises(ValueError, match="needs 16 devices; JAX has 8"):
+        Layout(data=16).strategy()
+
+
+
+def test_a_batch_that_does_not_split_is_rounded_down_to_the_replicas():
+    p = plan(MODELS["gpt2-xl"], Cluster.published("H100 SXM", per_node=3), global_batch_tokens=8 * 1024)
+    data3 = p.find(Layout(data=3))
+    assert p.batch == 8 and data3.batch == 6 and data3.fits
