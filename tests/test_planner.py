@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+
 import jax
 import optax
 import pytest
@@ -23,7 +24,9 @@ def _cluster(machines: int = 1, per: int = 8, **kw) -> Cluster:
     return Cluster(machines, per, FAST, SLOW if machines > 1 else None, **figures, chip="test")
 
 
-@pytest.mark.parametrize(("machines", "per", "size", "stride"), [(1, 8, 8, 1), (2, 4, 4, 2), (2, 4, 2, 4), (4, 2, 4, 2)])
+@pytest.mark.parametrize(
+    ("machines", "per", "size", "stride"), [(1, 8, 8, 1), (2, 4, 4, 2), (2, 4, 2, 4), (4, 2, 4, 2)]
+)
 def test_an_axis_collective_is_its_rings_rounds_timed_one_by_one(machines, per, size, stride):
     cluster = Links(machines, per, FAST, SLOW)
     rings = axis_groups(machines * per, size, stride)
@@ -81,7 +84,9 @@ def test_a_plan_ranks_by_mfu_within_memory_and_says_why():
     assert p.best.name in p.table(3) and "3 layouts" not in p.table(3)
     assert "rank 1 of" in p.explain(p.best) and "activations" in p.explain(p.best)
     closest = p.rejected[0].layout  # asked for without the recomputation and accumulation the planner tried
-    plain = dataclasses.replace(closest, recompute="none", microbatches=1 if closest.stages == 1 else closest.microbatches)
+    plain = dataclasses.replace(
+        closest, recompute="none", microbatches=1 if closest.stages == 1 else closest.microbatches
+    )
     assert "rejected: needs" in p.explain(plain)
 
 
@@ -99,8 +104,11 @@ def test_every_kind_of_axis_is_weighed():
 def test_a_model_that_fits_nowhere_says_by_how_much_and_what_would_fit():
     with pytest.raises(ValueError, match=r"fits no layout of 8 H100 SXM.*GB over the 72.0 GB usable.*devices of the "
                                          r"same kind would hold it"):  # fmt: skip
-        plan(Transformer(80, 16384, 128, 53248, 128256, 8192, kv_heads=8), Cluster.published("H100 SXM", 8),
-             global_batch_tokens=8192 * 8)
+        plan(
+            Transformer(80, 16384, 128, 53248, 128256, 8192, kv_heads=8),
+            Cluster.published("H100 SXM", 8),
+            global_batch_tokens=8192 * 8,
+        )
 
 
 def test_published_and_measured_clusters():
@@ -143,7 +151,7 @@ def corpus():
 
 @pytest.mark.slow
 def test_every_layout_the_kit_can_run_builds_and_trains_one_step_as_one_device(corpus):
-    """One SGD step of each runnable layout of 8 devices from the same start equals SingleDevice's (float32 tolerance)."""
+    """One SGD step of each runnable layout of 8 devices, from one start, equals SingleDevice's (float32 tolerance)."""
     gpt = pk.models.GPT(256, **SMALL, rngs=nnx.Rngs(0))
     apply, params = pk.models.functional(gpt)
     layers, layer_params = pk.models.as_layers(gpt)
@@ -182,7 +190,6 @@ def test_layouts_the_kit_cannot_run_say_why():
         Layout(data=4, stages=2, microbatches=2).strategy()
     with pytest.raises(ValueError, match="needs 16 devices; JAX has 8"):
         Layout(data=16).strategy()
-
 
 
 def test_a_batch_that_does_not_split_is_rounded_down_to_the_replicas():

@@ -139,7 +139,6 @@ class GPT(nnx.Module):
             return logits
         return logits, {name: jnp.stack([aux[name] for aux in layers]) for name in MOE_METRICS}
 
-
     def as_layers(self) -> Layers:
         """This GPT as layers for :class:`~parallelkit.Pipeline` (:func:`~parallelkit.models.as_layers`).
 
@@ -173,6 +172,7 @@ class GPT(nnx.Module):
             [{"embed": embed_params, "position": self.position[...]}, *(params for _, params in blocks),
              {"norm": norm_params, "head": head_params}],
         )  # fmt: skip
+
 
 # What the MoE GPT reports of each MoE layer: pk.experts.moe_layer's aux
 MOE_METRICS = ("load_balancing_loss", "router_z_loss", "dropped_fraction", "tokens_per_expert", "kept_per_expert")

@@ -59,8 +59,10 @@ def kit_strategy(
         raise ValueError(f"{layout.name}: the kit has no strategy for it: {reason}.")
     if devices is None:
         if len(jax.devices()) < layout.devices:
-            raise ValueError(f"{layout.name} needs {layout.devices} devices; JAX has {len(jax.devices())}. "
-                             f"Call pk.simulate_devices({layout.devices}) before JAX starts to try it on a CPU.")  # fmt: skip
+            raise ValueError(
+                f"{layout.name} needs {layout.devices} devices; JAX has {len(jax.devices())}. "
+                f"Call pk.simulate_devices({layout.devices}) before JAX starts to try it on a CPU."
+            )
         devices = jax.devices()[: layout.devices]
     devices = list(devices)
     if layout.devices == 1:

@@ -16,7 +16,16 @@ from dataclasses import dataclass
 from typing import Any
 
 from .build import kit_strategy
-from .memory import CONTEXT_METHODS, ELEMENT_BYTES, RECOMPUTE, SCHEDULES, Memory, in_flight, layer_activation_bytes, state_bytes
+from .memory import (
+    CONTEXT_METHODS,
+    ELEMENT_BYTES,
+    RECOMPUTE,
+    SCHEDULES,
+    Memory,
+    in_flight,
+    layer_activation_bytes,
+    state_bytes,
+)
 from .model import Transformer
 
 
@@ -76,7 +85,7 @@ class Layout:
         return self.microbatches if self.stages == 1 else 1
 
     def strategy(self, *, layers: Sequence[Callable] | None = None, devices: Sequence[Any] | None = None):
-        """The kit's strategy for this layout (:func:`.build.kit_strategy`); step it with ``accumulate=self.accumulate``.
+        """The kit's strategy for this layout (:func:`.build.kit_strategy`); step it with ``accumulate=accumulate``.
 
         Raises:
           ValueError: a layout the kit has no strategy for (:func:`.build.unsupported` says why).

@@ -106,7 +106,12 @@ class Transformer:
         """The input embedding, the output head (and its bias) unless tied, learned positions if any, the final norm."""
         table = self.vocab * self.d_model
         head_bias = self.vocab if self.bias and not self.tied else 0
-        return table * (1 if self.tied else 2) + head_bias + (self.seq * self.d_model if self.positions else 0) + self.norm_params
+        return (
+            table * (1 if self.tied else 2)
+            + head_bias
+            + (self.seq * self.d_model if self.positions else 0)
+            + self.norm_params
+        )
 
     @property
     def layer_params(self) -> int:
@@ -140,8 +145,9 @@ class Transformer:
         ffn = block.moe.w_in.shape[2] if experts else block.mlp_in.kernel.shape[1]
         vocab, d_model = gpt.embed.embedding.shape
         top_k = gpt.routing["top_k"] if experts else 1
-        return cls(len(gpt.blocks), d_model, gpt.heads, ffn, vocab, gpt.max_length, gated=False, bias=True,
-                   key_bias=False, positions=True, dropout=gpt.dropout_rate > 0, experts=experts, top_k=top_k, name=name or "the kit's GPT")  # fmt: skip
+        shape = {"gated": False, "bias": True, "key_bias": False, "positions": True, "dropout": gpt.dropout_rate > 0}
+        return cls(len(gpt.blocks), d_model, gpt.heads, ffn, vocab, gpt.max_length, **shape, experts=experts,
+                   top_k=top_k, name=name or "the kit's GPT")  # fmt: skip
 
     def flops_per_token(self) -> float:
         """Training FLOPs per token: ``6`` per active parameter plus attention, as PaLM counts them."""

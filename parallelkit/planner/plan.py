@@ -78,24 +78,29 @@ class Plan:
         held = in_flight(c.layout.schedule, c.layout.stages, c.layout.microbatches) if not m.logits else 1
         per_layer = m.activations / (layers * held)
         lines += [
-            f"  memory {m.total / gb:.1f} GB of {self.cluster.memory_bytes / gb:.0f} GB ({self.reserve:.0%} kept back):",
-            f"    parameters {m.params / gb:.2f} GB, gradients {m.grads / gb:.2f} GB, optimizer {m.optimizer / gb:.2f} GB:"
-            f" {name}'s {self.model.params / 1e9:.2f} B parameters over tensor x stages = {split}"
+            f"  memory {m.total / gb:.1f} GB of {self.cluster.memory_bytes / gb:.0f} GB ({self.reserve:.0%} kept "
+            "back):",
+            f"    parameters {m.params / gb:.2f} GB, gradients {m.grads / gb:.2f} GB, optimizer "
+            f"{m.optimizer / gb:.2f} GB: {name}'s {self.model.params / 1e9:.2f} B parameters over tensor x stages "
+            f"= {split}"
             + (f", then ZeRO-{c.layout.zero} over {c.layout.data * c.layout.context}" if c.layout.zero else ""),
             f"    activations {m.activations / gb:.2f} GB: {layers} layers x {held} microbatch(es) of {micro} "
             f"sequence(s) in flight x {per_layer / gb:.3f} GB a layer (Korthikanti et al.'s accounting, "
             f"recompute {c.layout.recompute}: memory.layer_activation_bytes)",
             f"    logits {m.logits / gb:.2f} GB: 4 bytes x {micro} x {self.model.seq // c.layout.context} tokens x "
             f"{self.model.vocab} vocabulary / tensor {c.layout.tensor}",
-            f"  time: compute {c.time.compute:.3f} s at {self.efficiency:.0%} of the peak, bubble {c.time.bubble:.3f} s",
+            f"  time: compute {c.time.compute:.3f} s at {self.efficiency:.0%} of the peak, "
+            f"bubble {c.time.bubble:.3f} s",
         ]  # fmt: skip
         for family, seconds in c.time.communication.items():
-            hidden = " (hidden behind compute: overlap full)" if family == "gradients" and self.overlap == "full" else ""
+            hidden = (
+                " (hidden behind compute: overlap full)" if family == "gradients" and self.overlap == "full" else ""
+            )
             lines.append(f"    {family}: {seconds:.3f} s{hidden}")
         if rank > 1:
             first = self.ranked[0]
-            lines.append(f"  the best, {first.layout.name}, is {c.time.total / first.time.total * first.batch / c.batch:.2f}"
-                         " times as fast per token")  # fmt: skip
+            faster = c.time.total / first.time.total * first.batch / c.batch
+            lines.append(f"  the best, {first.layout.name}, is {faster:.2f} times as fast per token")
         return "\n".join(lines)
 
 
@@ -117,8 +122,8 @@ def plan(
     """Rank every layout of ``cluster``'s devices that trains ``model`` on ``global_batch_tokens`` tokens a step.
 
     The batch is ``global_batch_tokens / model.seq`` sequences (rounded); a layout whose replicas
-    do not split it evenly takes the largest batch below it that they do (MFU compares them fairly). ``efficiency``: the share of
-    the peak FLOP/s compute reaches; ``overlap``: ``"none"`` or ``"full"`` hiding of the gradients'
+    do not split it evenly takes the largest batch below it that they do (MFU compares them
+    fairly). ``efficiency``: the share of the peak FLOP/s compute reaches; ``overlap``: ``"none"`` or ``"full"`` hiding of the gradients'
     communication behind compute (:mod:`.steptime`); ``reserve``: the share of each device's
     memory kept back (:mod:`.search`).
 
@@ -140,7 +145,9 @@ def _nothing_fits(model: Transformer, cluster: Cluster, batch: int, rejected, **
     """What a user can change when no layout fits: by how much the closest misses, and what would fit."""
     said = f"{model.name or 'The model'} fits no layout of {cluster.name} with {batch} sequences a step"
     if not rejected:
-        return f"{said}: no split of {cluster.devices} devices divides the model and the batch. Try another device count."
+        return (
+            f"{said}: no split of {cluster.devices} devices divides the model and the batch. Try another device count."
+        )
     closest = rejected[0]
     network = cluster.network or cluster.inside  # whether a layout fits is memory alone: any link will do here
     bigger = [replace(cluster, machines=cluster.machines * k, network=network) for k in (2, 4, 8, 16, 32, 64)]
@@ -154,4 +161,3 @@ def _fits_on(model: Transformer, cluster: Cluster, batch: int, **options) -> boo
         if weigh(model, layout, cluster, batch, **options).fits:
             return True
     return False
-

@@ -131,7 +131,7 @@ def step_time(
         if layout.context_method == "ulysses":
             kv = 2 * tokens * model.kv_heads_ * model.head_dim * e / layout.tensor
             q_out = 2 * activation / layout.tensor
-            one_way = (along("context", q_out / 2, "all-to-all") * 2 + along("context", kv / 2, "all-to-all") * 2)
+            one_way = along("context", q_out / 2, "all-to-all") * 2 + along("context", kv / 2, "all-to-all") * 2
         else:
             kv = 2 * tokens * model.kv_heads_ * model.head_dim * e / layout.tensor  # K and V
             one_way = (layout.context - 1) * along("context", kv, "permute")

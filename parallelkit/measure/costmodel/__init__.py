@@ -61,10 +61,10 @@ from .links import Cluster as Cluster
 from .links import Link as Link
 from .links import Round as Round
 from .links import allreduce_rounds as allreduce_rounds
-from .links import axis_groups as axis_groups
-from .links import axis_seconds as axis_seconds
 from .links import allreduce_seconds as allreduce_seconds
 from .links import alltoall_rounds as alltoall_rounds
+from .links import axis_groups as axis_groups
+from .links import axis_seconds as axis_seconds
 from .links import fit_alpha_beta as fit_alpha_beta
 from .links import fit_link as fit_link
 from .links import gradient_groups_seconds as gradient_groups_seconds
