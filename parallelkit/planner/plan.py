@@ -123,9 +123,9 @@ def plan(
 
     The batch is ``global_batch_tokens / model.seq`` sequences (rounded); a layout whose replicas
     do not split it evenly takes the largest batch below it that they do (MFU compares them
-    fairly). ``efficiency``: the share of the peak FLOP/s compute reaches; ``overlap``: ``"none"`` or ``"full"`` hiding of the gradients'
-    communication behind compute (:mod:`.steptime`); ``reserve``: the share of each device's
-    memory kept back (:mod:`.search`).
+    fairly). ``efficiency``: the share of the peak FLOP/s compute reaches; ``overlap``:
+    ``"none"`` or ``"full"`` hiding of the gradients' communication behind compute
+    (:mod:`.steptime`); ``reserve``: the share of each device's memory kept back (:mod:`.search`).
 
     Raises:
       ValueError: no layout fits; the message says by how much, and what would make one fit.
