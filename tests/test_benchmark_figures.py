@@ -392,7 +392,38 @@ def test_what_the_context_prose_says_holds():
         assert _context_row("ContextParallel", 1024, 8, method)["attention_temp_bytes"] < one / 8
 
 
+def _planner() -> list[str]:
+    record = load("planner.json")
+    v, slope, speed = record["validation"], record["activation_slope"], record["speed"]
+    small, large = record["published"]
+    quotes = [
+        f"within 20 % of the compiler's for {v['memory_within_20pct']} of the {v['memory_compared']} layouts compared "
+        f"(median planned/compiled {v['memory_ratio_median']:.2f})",
+        f"adds {slope['compiled_bytes'] / 1e3:.1f} kB to the compiled step and {slope['planned_bytes'] / 1e3:.1f} kB",
+        f"rank the {len(v['rows'])} layouts (pipelines too) with a Spearman correlation of {v['spearman']:.2f}",
+        f"its first choice ({v['first_choice']}) measured {v['first_choice_over_best']:.2f} times the best "
+        f"({v['measured_best']})",
+        f"It plans Llama 3 70B on 1,024 GPUs ({speed['layouts_weighed']:,} layouts) in {speed['median_s']:.2f} s",
+    ]
+    for item in (small, large):
+        mine, theirs = item["planner_for_their_layout"], item["published"]
+        quotes.append(f"counts {mine['memory_bytes'] / 1e9:.1f} GB")
+        quotes.append(f"{theirs['memory_bytes'] / 1e9:.1f} GB")
+        said = "{} MFU beside the {}" if item is small else "predicts {} beside {}"
+        quotes.append(said.format(f"{mine['mfu']:.1%}", f"{theirs['mfu']:.1%}").replace("%", " %"))
+    return quotes
+
+
+def _planner_summary() -> str:
+    v, speed = load("planner.json")["validation"], load("planner.json")["speed"]
+    return (f"memory within 20 % for {v['memory_within_20pct']} of {v['memory_compared']} layouts, Spearman "
+            f"{v['spearman']:.2f}, the first choice {v['first_choice_over_best']:.2f} times the best, the published "
+            f"comparisons, {speed['median_s']:.2f} s for 1,024 GPUs")  # fmt: skip
+
+
 QUOTES = [
+    *((README, q) for q in _planner()),
+    (BENCH_README, _planner_summary()),
     *((doc, q) for doc in (README, BENCH_README) for q in _notebooks(doc) + _central(doc) + _roofline(doc)),
     *((BENCH_README, q) for q in _context()),
     *((BENCH_README, q) for q in _overhead() + _cpu_pool() + _strategies() + _dashboard() + _precision()),

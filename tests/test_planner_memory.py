@@ -83,12 +83,14 @@ def test_dropout_masks_cost_a_byte_an_entry():
 
 def test_context_parallelism_splits_the_tokens_and_each_method_holds_its_own_scores():
     llama = MODELS["llama3-8b"]
-    s, a, c = 8192, 32, 4
-    flash = layer_activation_bytes(llama, 1, context=c, recompute="selective")
-    assert flash == pytest.approx(layer_activation_bytes(llama, 1, recompute="selective") / c)
-    for method, scores in [("ring", a * (s / c) ** 2), ("allgather", a * s / c * s), ("ulysses", a / c * s * s)]:
+    s, a, c, kv = 8192, 32, 4, 1024
+    alone = layer_activation_bytes(llama, 1, recompute="selective")
+    received = 2 * 2 * (c - 1) * s / c * kv  # the other devices' K and V blocks, 16-bit
+    for method, extra in [("ring", received), ("allgather", received), ("ulysses", 0)]:
+        flash = layer_activation_bytes(llama, 1, context=c, context_method=method, recompute="selective")
+        assert flash == pytest.approx(alone / c + extra), method
         kept = layer_activation_bytes(llama, 1, context=c, context_method=method)
-        assert kept - flash == pytest.approx(2 * scores), method  # the 16-bit probabilities, no dropout
+        assert kept - flash == pytest.approx(2 * a * s / c * s), method  # s/c x s probabilities (a/c heads of s x s)
 
 
 def test_microbatches_in_flight_by_schedule():
@@ -130,7 +132,8 @@ def per_layer(b: int, t: int = 1, sp: bool = False) -> float:
 def test_fully_sharded_with_full_recomputation_by_hand():
     m = memory_per_device(LLAMA, Layout(data=8, zero=3, recompute="full"), batch=8)
     assert (m.params, m.grads, m.optimizer) == pytest.approx((2 * N / 8, 2 * N / 8, 12 * N / 8))
-    assert m.activations == 32 * 2 * S8 * 1 * H8  # each layer's 16-bit input, one sequence a device
+    rebuilt = per_layer(1) + 2 * A8 * S8 * S8  # the layer being recomputed: all its arrays, its probabilities too
+    assert m.activations == 32 * 2 * S8 * 1 * H8 + rebuilt  # each layer's 16-bit input, one sequence a device
 
 
 def test_tensor_and_sequence_parallel_by_hand():

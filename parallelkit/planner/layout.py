@@ -143,7 +143,8 @@ def memory_per_device(
     ZeRO over the ``data x context`` devices that hold the same slice (:func:`.memory.state_bytes`).
     The activations: one layer's (:func:`.memory.layer_activation_bytes`) for a microbatch of
     ``batch / (replicas x microbatches)`` sequences, times the layers of a stage, times the
-    microbatches in flight on the first stage (:func:`.memory.in_flight`); the last stage holds
+    microbatches in flight on the first stage (:func:`.memory.in_flight`), and under full
+    recomputation one layer's activations more, rebuilt in the backward pass; the last stage holds
     one microbatch's float32 logits (``4 s b V / tensor``) instead of most of them. The device
     that holds more is the one counted. The first stages hold ``ceil(layers / stages)`` layers
     each, the last what is left; the parameters are split evenly over the stages.
@@ -160,21 +161,16 @@ def memory_per_device(
         held, data=layout.data * layout.context, zero=layout.zero, precision=precision, optimizer=optimizer
     )
     micro = batch // (layout.replicas * layout.microbatches)
-    per_layer = layer_activation_bytes(
-        model,
-        micro,
-        tensor=layout.tensor,
-        sequence_parallel=layout.sequence_parallel,
-        context=layout.context,
-        context_method=layout.context_method,
-        recompute=layout.recompute,
-        element_bytes=ELEMENT_BYTES[precision],
-    )
+    split = {"tensor": layout.tensor, "sequence_parallel": layout.sequence_parallel, "context": layout.context,
+             "context_method": layout.context_method, "element_bytes": ELEMENT_BYTES[precision]}  # fmt: skip
+    per_layer = layer_activation_bytes(model, micro, recompute=layout.recompute, **split)
+    # full recomputation rebuilds one layer's activations at a time in the backward pass: one layer's worth more
+    working = layer_activation_bytes(model, micro, **split) if layout.recompute == "full" else 0.0
     stage_layers = math.ceil(model.layers / layout.stages)
-    first = per_layer * stage_layers * in_flight(layout.schedule, layout.stages, layout.microbatches)
+    first = per_layer * stage_layers * in_flight(layout.schedule, layout.stages, layout.microbatches) + working
     logits = 4 * micro * (model.seq / layout.context) * model.vocab / layout.tensor
     if layout.stages == 1:
         return Memory(params, grads, opt, first, logits)
     last_layers = model.layers - (layout.stages - 1) * stage_layers
-    last = per_layer * max(last_layers, 0) * (layout.microbatches if layout.schedule == "gpipe" else 1)
+    last = per_layer * max(last_layers, 0) * (layout.microbatches if layout.schedule == "gpipe" else 1) + working
     return Memory(params, grads, opt, first) if first >= last + logits else Memory(params, grads, opt, last, logits)

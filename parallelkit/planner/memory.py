@@ -105,9 +105,11 @@ def layer_activation_bytes(
     activation (2: the paper's 16-bit; 4: float32) and 1 byte a dropout mask entry, masks only
     where ``model.dropout``; without dropout the attention keeps its probabilities once, not the
     paper's three arrays. ``context`` devices split each sequence: each holds ``s / context``
-    tokens, and its attention scores are ``s/c x s/c`` a block (``"ring"``), ``s/c x s``
-    (``"allgather"``) or ``a/c`` heads of ``s x s`` (``"ulysses"``). An MoE layer keeps the MLP's
-    arrays for each of a token's ``top_k`` experts.
+    tokens. Under ``"allgather"`` and ``"ring"`` its queries meet every key, ``s/c x s`` scores
+    (the ring one ``s/c x s/c`` block a step, each kept for the backward pass as automatic
+    differentiation keeps a loop's), and it keeps the ``c - 1`` other blocks of keys and values it
+    received; under ``"ulysses"`` it holds ``a/c`` heads of ``s x s``. An MoE layer keeps the
+    MLP's arrays for each of a token's ``top_k`` experts.
 
     >>> gpt = Transformer(layers=1, d_model=4096, heads=32, ffn=16384, vocab=1, seq=2048, gated=False)
     >>> s, b, h, a = 2048, 1, 4096, 32  # the paper's s b h (34 + 5 a s / h), its 4h GELU block
@@ -130,12 +132,12 @@ def layer_activation_bytes(
     kv = model.kv_heads_ * model.head_dim
     attention = e * (s * b * h + 2 * s * b * kv + s * b * h)  # Q; K and V; the output projection's input
     mlp = e * (4 if model.gated else 2) * s * b * model.ffn * (model.top_k if model.experts else 1)
-    keys = {"ring": s, "allgather": model.seq, "ulysses": model.seq}[context_method]
     queries_heads = a * s if context_method != "ulysses" else a / context * model.seq
+    received = 2 * e * (context - 1) * s * b * kv if context_method != "ulysses" else 0.0  # others' K and V
     per_score = 2 * e + mask if model.dropout else e  # probabilities, their mask and the dropped ones; or once
-    scores = 0.0 if recompute == "selective" else per_score * queries_heads * keys * b
+    scores = 0.0 if recompute == "selective" else per_score * queries_heads * model.seq * b
     outer = (4 * e + 2 * mask) * s * b * h  # two norms' inputs, the two blocks' inputs, their dropout masks
-    return outer / outer_split + (attention + mlp + scores) / tensor
+    return outer / outer_split + (attention + mlp + scores + received) / tensor
 
 
 def in_flight(schedule: str, stages: int, microbatches: int) -> int:

@@ -3,11 +3,11 @@
 >>> from parallelkit.planner import MODELS, Cluster
 >>> answer = plan(MODELS["llama3-8b"], Cluster.published("H100 SXM", per_node=8), global_batch_tokens=1_048_576)
 >>> answer.best.name, answer.batch  # 128 sequences of 8192 tokens
-('data 2 x context 4, ZeRO-1, ring, accumulate 64', 128)
+('context 8, ZeRO-1, allgather, accumulate 128', 128)
 >>> print(answer.table(1))  # doctest: +NORMALIZE_WHITESPACE
-  #  layout                                           GB/dev   step s    MFU  binds
-  1  data 2 x context 4, ZeRO-1, ring, accumulate 64    64.8   16.511  49.0%  compute
-(415 layouts fit, 363 do not: plan.rejected)
+  #  layout                                        GB/dev   step s    MFU  binds
+  1  context 8, ZeRO-1, allgather, accumulate 128    68.3   16.970  47.7%  compute
+(269 layouts fit, 509 do not: plan.rejected)
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from .cluster import Cluster
 from .layout import Layout
 from .memory import in_flight
 from .model import Transformer
-from .search import RESERVE, Candidate, layouts, weigh
+from .search import RESERVE, Candidate, assess, layouts, weigh
 
 
 @dataclass(frozen=True)
@@ -49,6 +49,12 @@ class Plan:
                 return candidate
         raise ValueError(f"{layout.name} was not weighed: its axes must multiply to {self.cluster.devices} devices "
                          "and split the model and the batch; see plan.rejected.")  # fmt: skip
+
+    def assess(self, layout: Layout) -> Candidate:
+        """``layout`` exactly as given (its recomputation and microbatches too), weighed as this plan weighs."""
+        options = {"precision": self.precision, "optimizer": self.optimizer, "efficiency": self.efficiency,
+                   "overlap": self.overlap, "reserve": self.reserve}  # fmt: skip
+        return assess(self.model, layout, self.cluster, self.batch, **options)
 
     def table(self, rows: int = 10) -> str:
         """The ``rows`` best layouts as text: memory per device, step time, MFU and what binds each."""

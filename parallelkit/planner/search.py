@@ -80,39 +80,44 @@ def layouts(model: Transformer, devices: int, batch: int) -> Iterator[Layout]:
                                      schedule=schedule, microbatches=m)  # fmt: skip
 
 
-def weigh(
+def assess(
     model: Transformer, layout: Layout, cluster: Cluster, batch: int, *, precision: str, optimizer: str,
     efficiency: float, overlap: str, reserve: float,
 ) -> Candidate:  # fmt: skip
-    """The fastest variant of ``layout`` (recomputation, accumulation) that fits, or why none does."""
+    """``layout`` exactly as given: its memory, and its step time and MFU when it fits in the memory kept free."""
+    used = batch // layout.replicas * layout.replicas
+    if reason := check(model, layout, used):
+        return Candidate(layout, used, Memory(0, 0, 0, 0), rejected=reason)
+    memory = memory_per_device(model, layout, used, precision=precision, optimizer=optimizer)
     budget = (1 - reserve) * cluster.memory_bytes
+    if memory.total > budget:
+        over = f"{(memory.total - budget) / 1e9:.1f} GB over the {budget / 1e9:.1f} GB usable"
+        return Candidate(layout, used, memory, rejected=f"needs {memory.total / 1e9:.1f} GB a device: {over}")
+    time = step_time(model, layout, cluster, used, precision=precision, efficiency=efficiency, overlap=overlap)
+    mfu = model.flops_per_token() * used * model.seq / (time.total * cluster.devices * cluster.peak_flops(precision))
+    return Candidate(layout, used, memory, time, mfu)
+
+
+def weigh(model: Transformer, layout: Layout, cluster: Cluster, batch: int, **options) -> Candidate:
+    """The fastest variant of ``layout`` (recomputation, accumulation) that fits (:func:`assess`), or why none does."""
     best, smallest = None, None
     for recompute in RECOMPUTE:
         variant = replace(layout, recompute=recompute)
-        used = batch // layout.replicas * layout.replicas
-        for accumulate in _accumulations(variant, used):
+        for accumulate in _accumulations(variant, batch // layout.replicas * layout.replicas):
             trial = replace(variant, microbatches=accumulate) if layout.stages == 1 else variant
-            if check(model, trial, used):
-                continue
-            memory = memory_per_device(model, trial, used, precision=precision, optimizer=optimizer)
-            if smallest is None or memory.total < smallest[1].total:
-                smallest = (trial, memory, used)
-            if memory.total > budget:
-                continue
-            time = step_time(model, trial, cluster, used, precision=precision, efficiency=efficiency, overlap=overlap)
-            mfu = model.flops_per_token() * used * model.seq / (time.total * cluster.devices
-                                                                 * cluster.peak_flops(precision))  # fmt: skip
-            if best is None or mfu > best.mfu:
-                best = Candidate(trial, used, memory, time, mfu)
-            break  # more accumulation only adds time
+            verdict = assess(model, trial, cluster, batch, **options)
+            if verdict.memory.total and (smallest is None or verdict.memory.total < smallest.memory.total):
+                smallest = verdict
+            if verdict.fits:
+                if best is None or verdict.mfu > best.mfu:
+                    best = verdict
+                break  # more accumulation only adds time
     if best is not None:
         return best
     if smallest is None:
         return Candidate(layout, batch, Memory(0, 0, 0, 0), rejected=check(model, layout, batch) or "cannot split")
-    trial, memory, used = smallest
-    over = (memory.total - budget) / 1e9
-    return Candidate(trial, used, memory, rejected=f"needs {memory.total / 1e9:.1f} GB a device even at its "
-                     f"smallest ({trial.name}): {over:.1f} GB over the {budget / 1e9:.1f} GB usable")  # fmt: skip
+    needs, over = smallest.rejected.split(": ", 1)
+    return replace(smallest, rejected=f"{needs} even at its smallest ({smallest.layout.name}): {over}")
 
 
 def _accumulations(layout: Layout, batch: int) -> list[int]:
