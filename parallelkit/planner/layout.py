@@ -144,7 +144,8 @@ def memory_per_device(
     The activations: one layer's (:func:`.memory.layer_activation_bytes`) for a microbatch of
     ``batch / (replicas x microbatches)`` sequences, times the layers of a stage, times the
     microbatches in flight on the first stage (:func:`.memory.in_flight`), and under full
-    recomputation one layer's activations more, rebuilt in the backward pass; the last stage holds
+    recomputation one layer's activations more, rebuilt in the backward pass with its attention
+    computed block by block (FlashAttention: no ``s x s`` scores); the last stage holds
     one microbatch's float32 logits (``4 s b V / tensor``) instead of most of them. The device
     that holds more is the one counted. The first stages hold ``ceil(layers / stages)`` layers
     each, the last what is left; the parameters are split evenly over the stages.
@@ -164,8 +165,10 @@ def memory_per_device(
     split = {"tensor": layout.tensor, "sequence_parallel": layout.sequence_parallel, "context": layout.context,
              "context_method": layout.context_method, "element_bytes": ELEMENT_BYTES[precision]}  # fmt: skip
     per_layer = layer_activation_bytes(model, micro, recompute=layout.recompute, **split)
-    # full recomputation rebuilds one layer's activations at a time in the backward pass: one layer's worth more
-    working = layer_activation_bytes(model, micro, **split) if layout.recompute == "full" else 0.0
+    # full recomputation rebuilds one layer at a time in the backward pass, its attention block by block (as
+    # FlashAttention does: no s x s scores): one such layer's activations more
+    rebuilt = layer_activation_bytes(model, micro, recompute="selective", **split)
+    working = rebuilt if layout.recompute == "full" else 0.0
     stage_layers = math.ceil(model.layers / layout.stages)
     first = per_layer * stage_layers * in_flight(layout.schedule, layout.stages, layout.microbatches) + working
     logits = 4 * micro * (model.seq / layout.context) * model.vocab / layout.tensor
