@@ -17,9 +17,10 @@
    (Spearman) of predicted and measured times, and the measured time of the planner's first
    choice over the measured best.
 3. **Published configurations.** torchtitan's published runs of Llama 3 8B on 8 H100s (FSDP)
-   and Llama 3 70B on 256 H100s (FSDP x tensor parallelism): the planner's memory per device
-   and MFU for their layout beside the published memory and throughput (:data:`PUBLISHED`,
-   marked as published, with sources), and the planner's own first choice on the same GPUs.
+   and Llama 3 70B on 256 H100s (FSDP x tensor parallelism), and MaxText's Llama 2 70B on 512
+   TPU v5p chips (FSDP): the planner's memory per device and MFU for their layout beside the
+   published memory and throughput (:data:`PUBLISHED`, marked as published, with sources), and
+   the planner's own first choice on the same chips.
 4. **Speed.** Seconds to plan Llama 3 70B on 1,024 H100s (128 machines of 8), median of 3.
 
 Run: ``.venv/bin/python benchmarks/planner.py`` (a few minutes on 2 cores); it prints the tables
@@ -51,17 +52,29 @@ BATCH = 16
 TORCHTITAN = "pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md (commit 820504e)"
 # As published: tokens a second per GPU on H100s (torchtitan's runs: 96 GB HBM2e at a 500 W limit), bf16 without
 # torch.compile or Float8 where published; the layout each names, in the planner's words.
+MAXTEXT = "AI-Hypercomputer/maxtext docs/reference/models/tiering.md (commit 66266787)"
+LLAMA2_70B = Transformer(80, 8192, 64, 28672, 32000, 4096, kv_heads=8, dropout=False, name="Llama 2 70B")
+# As published: tokens a second per chip, and the layout each names, in the planner's words. torchtitan's H100s
+# have 96 GB of HBM2e (at a 500 W limit), not the SXM datasheet's 80 GB.
 PUBLISHED = [
-    {"model": "llama3-8b", "gpus": 8, "layout": Layout(data=8, zero=3, recompute="selective"), "batch": 16,
-     "tokens_per_s_per_gpu": 5762, "memory_gib": 82.4,
-     "source": TORCHTITAN + ", Table 1: FSDP, local batch 2, selective AC"},
-    {"model": "llama3-70b", "gpus": 256, "batch": 512, "tokens_per_s_per_gpu": 829, "memory_gib": 71.9,
+    {"model": MODELS["llama3-8b"], "chip": "H100 SXM", "chips": 8, "per_node": 8, "memory": 96e9,
+     "layout": Layout(data=8, zero=3, recompute="selective"), "batch": 16,
+     "tokens_per_s_per_chip": 5762, "memory_gib": 82.4,
+     "source": TORCHTITAN + ", Table 1: FSDP, local batch 2, selective AC, bf16 without torch.compile"},
+    {"model": MODELS["llama3-70b"], "chip": "H100 SXM", "chips": 256, "per_node": 8, "memory": 96e9,
+     "batch": 512, "tokens_per_s_per_chip": 829, "memory_gib": 71.9,
      "layout": Layout(data=32, zero=3, tensor=8, sequence_parallel=True, recompute="full"),
      "source": TORCHTITAN + ", Table 4: FSDP 32 x TP 8 (its tensor parallelism splits the norms' tokens: "
      "sequence parallelism), local batch 16, full AC, torch.compile and Float8 (not bf16 alone: the nearest "
      "it publishes)"},
+    {"model": LLAMA2_70B, "chip": "TPU v5p", "chips": 512, "per_node": 512, "memory": None,
+     "batch": 2048, "tokens_per_s_per_chip": 692, "memory_gib": None,
+     "layout": Layout(data=512, zero=3, recompute="full"),
+     "source": MAXTEXT + ": Llama 2 70B on 512 v5p chips, BF16, sequence 4096, 65.4 % MFU as it counts it; its "
+     "config (benchmarks/maxtext_v5p_model_configs.py, llama2_70b_v5p_128): FSDP over every chip, 4 sequences a "
+     "chip, remat policy save_dot_except_mlpwi (it keeps a few matrix products' outputs a layer: taken here as full "
+     "recomputation, the nearest the planner names)"},
 ]  # fmt: skip
-TORCHTITAN_GPU_BYTES = 96e9  # torchtitan's H100s: 96 GB of HBM2e, not the SXM datasheet's 80 GB
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -187,34 +200,36 @@ def against_the_compiler_and_the_clock(steps: int, rounds: int) -> dict:
 
 
 def published() -> list[dict]:
-    """The planner beside torchtitan's published runs: its memory and MFU for their layout, and its own choice."""
+    """The planner beside published runs: its memory and MFU for their layout, and its own choice."""
     out = []
     for item in PUBLISHED:
-        model, gpus, layout = MODELS[item["model"]], item["gpus"], item["layout"]
-        cluster = Cluster.published("H100 SXM", per_node=8, nodes=gpus // 8)
-        cluster = dataclasses.replace(cluster, memory_bytes=TORCHTITAN_GPU_BYTES)
+        model, chips, layout = item["model"], item["chips"], item["layout"]
+        cluster = Cluster.published(item["chip"], per_node=item["per_node"], nodes=chips // item["per_node"])
+        if item["memory"]:
+            cluster = dataclasses.replace(cluster, memory_bytes=item["memory"])
         answer = plan(model, cluster, global_batch_tokens=item["batch"] * model.seq)
         memory = pk.planner.memory_per_device(model, layout, item["batch"])
         time_ = step_time(model, layout, cluster, item["batch"], efficiency=answer.efficiency)
-        mfu = model.flops_per_token() * item["batch"] * model.seq / (time_.total * gpus * cluster.bf16_flops)
+        mfu = model.flops_per_token() * item["batch"] * model.seq / (time_.total * chips * cluster.bf16_flops)
         theirs = {
             "layout": layout.name,
-            "tokens_per_s_per_gpu": item["tokens_per_s_per_gpu"],
-            "mfu": item["tokens_per_s_per_gpu"] * model.flops_per_token() / cluster.bf16_flops,
-            "memory_bytes": item["memory_gib"] * 2**30,
+            "tokens_per_s_per_chip": item["tokens_per_s_per_chip"],
+            "mfu": item["tokens_per_s_per_chip"] * model.flops_per_token() / cluster.bf16_flops,
+            "memory_bytes": item["memory_gib"] * 2**30 if item["memory_gib"] else None,
             "source": item["source"],
         }
         out.append({
-            "model": model.name, "gpus": gpus, "batch_sequences": item["batch"], "published": theirs,
+            "model": model.name, "chip": item["chip"], "chips": chips, "batch_sequences": item["batch"],
+            "published": theirs,
             "planner_for_their_layout": {"memory_bytes": memory.total, "memory": str(memory), "mfu": mfu,
                                          "binds": time_.binding, "fits": answer.assess(layout).fits},
             "planner_best": {"layout": answer.best.name, "mfu": answer.ranked[0].mfu,
                              "memory_bytes": answer.ranked[0].memory.total, "binds": answer.ranked[0].time.binding},
             "efficiency_assumed": answer.efficiency,
         })  # fmt: skip
-        print(f"{model.name} on {gpus} H100s, published: {layout.name}, {theirs['mfu']:.1%} MFU, "
-              f"{theirs['memory_bytes'] / 1e9:.1f} GB; the planner for it: {mfu:.1%}, {memory.total / 1e9:.1f} GB; "
-              f"its choice: {answer.best.name} at {answer.ranked[0].mfu:.1%}")  # fmt: skip
+        print(f"{model.name} on {chips} {item['chip']}, published: {layout.name}, {theirs['mfu']:.1%} MFU; "
+              f"the planner for it: {mfu:.1%}, {memory.total / 1e9:.1f} GB; its choice: {answer.best.name} at "
+              f"{answer.ranked[0].mfu:.1%}")  # fmt: skip
     return out
 
 

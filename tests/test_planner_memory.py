@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 
 import pytest
@@ -181,3 +182,50 @@ def test_layout_errors_and_names():
         Layout(data=0)
     layout = Layout(data=2, tensor=4, sequence_parallel=True, zero=1, stages=2, microbatches=8, recompute="full")
     assert layout.name == "data 2 x tensor 4 x stages 2 (SP), ZeRO-1, 1f1b m=8, remat full" and layout.devices == 16
+
+
+def _by_hand(model: Transformer, b: int, t: int = 1, sp: bool = False, c: int = 1, selective: bool = False) -> float:
+    """One layer's 16-bit activations written out in the paper's terms, for any published shape (ring attention)."""
+    s, h, f, a, kv = model.seq / c, model.d_model, model.ffn, model.heads, model.kv_heads_ * model.head_dim
+    masks = 1 if model.dropout else 0
+    outer = (8 + 2 * masks) * s * b * h  # two norms' inputs and the two blocks' inputs at 2 bytes, their masks at 1
+    inner = 2 * (2 * s * b * h + 2 * s * b * kv) + 2 * (4 if model.gated else 2) * s * b * f  # Q, K, V, O; the MLP
+    scores = 0 if selective else (5 if model.dropout else 2) * a * s * model.seq * b  # s/c queries x every key
+    received = 2 * 2 * (c - 1) * s * b * kv  # the other blocks' K and V a ring brings
+    return outer / (t if sp else 1) + (inner + scores + received) / t
+
+
+def _tensor(m: Transformer) -> int:
+    return 5 if m.heads % 4 else 4  # GPT-2 XL's 25 heads split 5 ways, the Llamas' 4 ways
+
+
+def _sp(m: Transformer) -> bool:
+    return m.seq % _tensor(m) == 0  # sequence parallelism where the tokens split too (not GPT-2 XL's 1024 over 5)
+
+
+@pytest.mark.parametrize("name", PUBLISHED)
+@pytest.mark.parametrize(
+    ("layout", "batch", "hand"),
+    [
+        (lambda m: Layout(data=8, zero=3), 8, lambda m: m.layers * _by_hand(m, 1)),
+        (lambda m: Layout(data=2, tensor=_tensor(m), sequence_parallel=_sp(m)), 4,
+         lambda m: m.layers * _by_hand(m, 2, t=_tensor(m), sp=_sp(m))),
+        (lambda m: Layout(data=2, context=4, zero=1), 2, lambda m: m.layers * _by_hand(m, 1, c=4)),
+        (lambda m: Layout(data=2, stages=4, microbatches=8, recompute="selective"), 16,
+         lambda m: math.ceil(m.layers / 4) * 4 * _by_hand(m, 1, selective=True)),  # 1F1B: 4 microbatches in flight
+        (lambda m: Layout(data=8, zero=2, microbatches=2, recompute="full"), 16,
+         lambda m: m.layers * 2 * m.seq * m.d_model + _by_hand(m, 1, selective=True)),  # inputs; one layer rebuilt
+    ],
+    ids=["zero3", "tensor-sp", "context-ring", "1f1b-selective", "zero2-accumulate-full"],
+)  # fmt: skip
+def test_every_layout_kind_by_hand_for_each_published_shape(name, layout, batch, hand):
+    """State exact (16 bytes a parameter over the model-parallel split, then ZeRO); activations the paper's terms."""
+    model = MODELS[name]
+    layout = layout(model)
+    m = memory_per_device(model, layout, batch)
+    per = model.params / (layout.tensor * layout.stages)  # tensor x stages split every weight
+    zero_over = layout.data * layout.context
+    expected = (2 * per / (zero_over if layout.zero >= 3 else 1), 2 * per / (zero_over if layout.zero >= 2 else 1),
+                12 * per / (zero_over if layout.zero >= 1 else 1))  # fmt: skip
+    assert (m.params, m.grads, m.optimizer) == pytest.approx(expected, rel=1e-12)
+    assert m.activations == pytest.approx(hand(model), rel=1e-12)
