@@ -11,8 +11,8 @@ from helpers import tree_allclose
 import parallelkit as pk
 import parallelkit.viz as viz
 from parallelkit.measure.gradsync import GradientProbe, path_label, ring_allreduce, trace_gradients
+from parallelkit.viz.gradsync import spread_table
 from parallelkit.widgets import GradSyncExplorer
-from parallelkit.widgets.explorer import spread_table
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,6 @@
 """A strategy race as a figure: step times, throughput against ideal scaling, scaling efficiency.
 
-Takes the plain data of :class:`parallelkit.widgets.StrategyRace` (a
+Takes the plain data of :class:`StrategyRace` (a
 :class:`~parallelkit.widgets.live.RaceStandings`) and returns a
 :class:`matplotlib.figure.Figure` (no pyplot).
 
@@ -10,20 +10,30 @@ Takes the plain data of :class:`parallelkit.widgets.StrategyRace` (a
 >>> fig = race_figure(RaceStandings(rows, "one", simulated=False))
 >>> [float(p.get_height()) for p in fig.axes[0].patches], [float(p.get_height()) for p in fig.axes[2].patches]
 ([4.0, 2.0], [1.0, 0.5])
+
+The live view over the same data is here too: :class:`StrategyRace` trains the strategies in turn and
+redraws the figure as they go (``pk.widgets.StrategyRace`` is the same class).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import html
+import io
+import time
+from collections.abc import Callable, Iterable, Mapping
+from typing import TextIO
 
 import numpy as np
+import optax
 from matplotlib.figure import Figure
 
+from ..core.contract import Batch, LossFn, PyTree
 from ..core.devices import device_summary
+from ..run.training import Callback, FitResult, History, RunInfo, StepRecord, fit
+from ..strategies import Strategy
+from ..widgets.dashboard import in_notebook
+from ..widgets.live import LiveTimes, RaceStandings, format_race, race_rows
 from .placement import annotate_bar
-
-if TYPE_CHECKING:
-    from ..widgets.live import RaceStandings
 
 _REFERENCE, _OTHER = "0.55", "tab:blue"
 
@@ -89,3 +99,236 @@ def race_figure(standings: RaceStandings, title: str = "") -> Figure:
     state = " · interrupted" if standings.interrupted else ""
     fig.suptitle(f"{title or 'strategy race'}{note}{state}", fontsize=10)
     return fig
+
+
+class StrategyRace:
+    """Train every strategy on the same model and data, comparing their step times as they go.
+
+    Conceptually, this is::
+
+        for name, strategy in strategies.items():
+            results[name] = pk.fit(strategy, loss_fn, params, tx, batches(), steps=steps)
+        # then compare results[name].history.times with the reference's
+
+    Args:
+      strategies: name -> strategy, raced in this order.
+      loss_fn, params, tx: the model's loss, its initial parameters and the optimizer,
+        shared by every run.
+      batches: a function returning a fresh iterable of global batches (for example
+        ``lambda: pk.data.batches(dataset, 64, steps=30)``), or a list of batches; each
+        run sees the same batches.
+      steps: stop each run after this many steps (default: when the batches end).
+      batch_size: global batch size, for throughput while a run is going (read from the
+        data at the end of each run otherwise).
+      reference: the name ratios and efficiencies are relative to; by default the first
+        strategy on one device (such as :class:`~parallelkit.SingleDevice`), else the first one.
+      mode: ``"auto"`` (widgets in a notebook, text elsewhere), ``"widget"`` or ``"text"``.
+      min_interval: seconds between table redraws while a run goes.
+      chart_interval: seconds between chart redraws while a run goes (the chart is also
+        redrawn when each run ends). Redraws run between steps, never inside a timed step.
+      stream: where text mode writes (default ``sys.stdout``).
+
+    Raises:
+      ValueError: no strategies, an unknown ``reference`` or ``mode``, or ``batches`` is
+        a one-shot iterator (every run needs the same batches).
+    """
+
+    def __init__(
+        self,
+        strategies: Mapping[str, Strategy],
+        loss_fn: LossFn,
+        params: PyTree,
+        tx: optax.GradientTransformation,
+        batches: Callable[[], Iterable[Batch]] | Iterable[Batch],
+        *,
+        steps: int | None = None,
+        batch_size: int = 0,
+        reference: str | None = None,
+        mode: str = "auto",
+        min_interval: float = 0.3,
+        chart_interval: float = 2.0,
+        stream: TextIO | None = None,
+    ):
+        if not strategies:
+            raise ValueError("StrategyRace needs at least one strategy, e.g. {'SingleDevice': pk.SingleDevice()}.")
+        if not callable(batches) and iter(batches) is batches:
+            raise ValueError(
+                "StrategyRace got a one-shot iterator of batches, which the first run would use up. "
+                "Pass a function that returns fresh batches, e.g. lambda: pk.data.batches(dataset, 64, steps=30)."
+            )
+        if reference is None:
+            reference = next((n for n, s in strategies.items() if len(s.devices) == 1), next(iter(strategies)))
+        if reference not in strategies:
+            raise ValueError(f"reference={reference!r} is not one of the strategies {list(strategies)}.")
+        if mode not in ("auto", "widget", "text"):
+            raise ValueError(f"StrategyRace(mode={mode!r}): choose 'auto', 'widget' or 'text'.")
+        self.strategies = dict(strategies)
+        self.loss_fn, self.params, self.tx, self.batches = loss_fn, params, tx, batches
+        self.steps, self.batch_size, self.reference = steps, batch_size, reference
+        self.mode = ("widget" if in_notebook() else "text") if mode == "auto" else mode
+        self.min_interval, self.chart_interval, self.stream = min_interval, chart_interval, stream
+        self.logs: dict[str, LiveTimes] = {
+            name: LiveTimes(repr(s), len(s.devices), batch_size=batch_size) for name, s in self.strategies.items()
+        }
+        self.results: dict[str, FitResult] = {}
+        self.simulated = False
+        self.running: str | None = None
+        self.interrupted = False
+        self.redraws = 0
+        self.chart_redraws = 0
+        self._widgets: _RaceWidgets | None = None
+        self._shown = False
+
+    # -- data ---------------------------------------------------------------------------------
+    def standings(self) -> RaceStandings:
+        """The race so far, as plain data (what the table and the chart show)."""
+        rows = race_rows(self.logs, self.reference)
+        return RaceStandings(tuple(rows), self.reference, self.simulated, self.running, self.interrupted)
+
+    def run(self) -> RaceStandings:
+        """Race every strategy in turn; returns the final standings (``self.results`` holds each run).
+
+        Interrupting the kernel stops the race after the current run's state is kept,
+        and the standings say so.
+        """
+        if self.mode == "widget" and not self._shown:
+            from IPython.display import display
+
+            display(self.widget)
+            self._shown = True
+        self.interrupted = False
+        for name, strategy in self.strategies.items():
+            batches = self.batches() if callable(self.batches) else self.batches
+            self.results[name] = fit(
+                strategy,
+                self.loss_fn,
+                self.params,
+                self.tx,
+                batches,
+                steps=self.steps,
+                callbacks=[_RaceCallback(self, name)],
+            )
+            if self.results[name].interrupted:
+                self.interrupted = True
+                break
+        self.running = None
+        if self.mode == "widget":  # the chart is up to date: the last run's end drew it
+            self.draw()
+        return self.standings()
+
+    # -- views --------------------------------------------------------------------------------
+    @property
+    def widget(self):
+        """The ipywidgets box (built on first use)."""
+        if self._widgets is None:
+            self._widgets = _RaceWidgets()
+            self._widgets.update(self.standings(), chart=False)  # the chart appears when the first run ends
+        return self._widgets.box
+
+    def draw(self, chart: bool = False) -> None:
+        self.redraws += 1
+        standings = self.standings()
+        if self.mode == "text":
+            if chart:  # text mode prints the table once per finished run, not on every redraw
+                print(format_race(standings), file=self.stream)
+            return
+        self.widget  # noqa: B018  (builds the widgets)
+        self.chart_redraws += chart
+        self._widgets.update(standings, chart)
+
+    def _ipython_display_(self) -> None:
+        from IPython.display import display
+
+        if self.mode == "widget":
+            self._shown = True
+            display(self.widget)
+        else:
+            print(format_race(self.standings()))
+
+
+class _RaceCallback(Callback):
+    """Feeds one run's steps into the race's log of that strategy; redraws, throttled."""
+
+    def __init__(self, race: StrategyRace, name: str):
+        self.race, self.name = race, name
+        self.last_table = self.last_chart = float("-inf")
+
+    def on_train_begin(self, info: RunInfo) -> None:
+        race = self.race
+        race.logs[self.name] = LiveTimes(info.strategy, info.devices, info.simulated, info.steps, race.batch_size)
+        race.simulated = race.simulated or info.simulated
+        race.running = self.name
+        self.last_chart = time.monotonic()  # the previous run's end just drew the chart
+        race.draw()
+
+    def on_step_end(self, record: StepRecord) -> None:
+        self.race.logs[self.name].add(record.seconds, record.metrics.get("loss", float("nan")))
+        now = time.monotonic()
+        if record.step <= 2 or now - self.last_table >= self.race.min_interval:
+            chart = now - self.last_chart >= self.race.chart_interval and record.step > 2
+            self.last_table = now
+            self.last_chart = now if chart else self.last_chart
+            self.race.draw(chart=chart and self.race.mode == "widget")
+
+    def on_train_end(self, history: History, interrupted: bool) -> None:
+        log = self.race.logs[self.name]
+        if history.batch_size and not log.batch_size:
+            log.batch_size = history.batch_size
+        log.interrupted, log.finished = interrupted, True
+        self.race.draw(chart=True)
+
+
+def _fmt(value: float, spec: str) -> str:
+    return "–" if value != value else f"{value:{spec}}"
+
+
+class _RaceWidgets:
+    """A header, a live table and the chart; the table cells carry CSS classes a browser test can find."""
+
+    def __init__(self):
+        import ipywidgets as w
+
+        self.header = w.HTML().add_class("pk-race-header")
+        self.table = w.HTML().add_class("pk-race-table")
+        self.chart = w.Image(format="png").add_class("pk-race-chart")
+        self.box = w.VBox(
+            [self.header, self.table, self.chart],
+            layout=w.Layout(border="1px solid #ccc", padding="6px", width="fit-content"),
+        ).add_class("pk-race")
+
+    def update(self, s: RaceStandings, chart: bool) -> None:
+        running = f" · running <b>{s.running}</b>" if s.running else ""
+        done = all(r.finished for r in s.rows)
+        state = " · <b style='color:#c00'>interrupted</b>" if s.interrupted else (" · done" if done else running)
+        simulated = f" · simulated CPU devices, {device_summary().simulation}" if s.simulated else ""
+        self.header.value = f"<b>strategy race</b> (reference: {s.reference}){simulated}{state}"
+        head = "".join(
+            f"<th style='padding:0 8px'>{h}</th>"
+            for h in ("strategy", "devices", "step", "median", "samples/s", "x ref", "efficiency", "loss")
+        )
+        body = []
+        for r in s.rows:
+            total = f"/{r.steps_total}" if r.steps_total else ""
+            cells = [
+                ("name", r.name),
+                ("devices", str(r.devices)),
+                ("steps", f"{r.steps_done}{total}"),
+                ("median", _fmt(r.median_seconds * 1e3, ".2f") + " ms"),
+                ("throughput", _fmt(r.samples_per_second, ",.0f")),
+                ("ratio", _fmt(r.ratio_to_reference, ".2f")),
+                ("efficiency", _fmt(r.scaling_efficiency, ".0%")),
+                ("loss", _fmt(r.final_loss, ".4f")),
+            ]
+            tds = "".join(
+                f"<td class='pk-race-{k}' style='padding:0 8px;text-align:right'>{html.escape(v)}</td>"
+                for k, v in cells
+            )
+            name = html.escape(r.name, quote=True)
+            body.append(f"<tr class='pk-race-row' data-name='{name}' data-steps='{r.steps_done}'>{tds}</tr>")
+        self.table.value = f"<table><tr>{head}</tr>{''.join(body)}</table>"
+        if chart:
+            from ..viz.race import race_figure
+
+            buffer = io.BytesIO()
+            race_figure(s).savefig(buffer, format="png", dpi=80)
+            self.chart.value = buffer.getvalue()
