@@ -159,7 +159,14 @@ def _nothing_fits(model: Transformer, cluster: Cluster, batch: int, rejected, **
     bigger = [replace(cluster, machines=cluster.machines * k, network=network) for k in (2, 4, 8, 16, 32, 64)]
     more = next((c.devices for c in bigger if _fits_on(model, c, batch, **options)), None)
     hint = f"{more} devices of the same kind would hold it" if more else "it needs over 64 times the devices"
-    return f"{said}. The closest {closest.rejected}. {hint}; recomputation and accumulation were already tried."
+    usable = (1 - options["reserve"]) * cluster.memory_bytes
+    state = closest.memory.state
+    if state > usable:
+        why = f"its state alone, {state / 1e9:.1f} GB, is over it: only more devices (or less optimizer state) help"
+    else:
+        why = f"its state is {state / 1e9:.1f} GB, the rest activations and logits: shorter sequences would help too"
+    tried = "recomputation and accumulation down to one sequence a replica were already tried"
+    return f"{said}. The closest {closest.rejected}; {why}. {hint}; {tried}."
 
 
 def _fits_on(model: Transformer, cluster: Cluster, batch: int, **options) -> bool:
