@@ -24,14 +24,17 @@
 4. **Speed.** Seconds to plan Llama 3 70B on 1,024 H100s (128 machines of 8), median of 3.
 
 Run: ``.venv/bin/python benchmarks/planner.py`` (a few minutes on 2 cores); it prints the tables
-and writes ``benchmarks/results/planner.json``.
+and writes ``benchmarks/results/planner.json`` and its figure, ``planner.png`` (``--figure-only``
+draws the figure again from the saved record).
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import time
+from pathlib import Path
 
 from interleaved import header, save
 
@@ -82,6 +85,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--steps", type=int, default=5, help="timed steps per layout in each round")
     parser.add_argument("--rounds", type=int, default=4, help="rounds of timing, every layout in each")
     parser.add_argument("--out", default="benchmarks/results/planner.json")
+    parser.add_argument("--figure-only", action="store_true", help="draw the figure from the saved record, no run")
     return parser
 
 
@@ -246,8 +250,50 @@ def planning_speed() -> dict:
             "best": answer.best.name}  # fmt: skip
 
 
+def figure(record: dict, path: str) -> None:
+    """Memory planned against compiled (the 20 % band shaded) and step time predicted against measured, per layout."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = record["validation"]["rows"]
+    families = ("tensor", "context", "stages", "ZeRO", "data")
+    colour = dict(zip(families, ("tab:red", "tab:green", "tab:purple", "tab:orange", "tab:blue"), strict=True))
+
+    def family(name: str) -> str:
+        return next(f for f in families if f in name)
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
+    compared = [r for r in rows if r["compiled_bytes"]]
+    top = 1.1 * max(max(r["compiled_bytes"], r["planned_bytes"]) for r in compared) / 1e6
+    line = np.array([0, top])
+    left.fill_between(line, 0.8 * line, 1.2 * line, color="0.9", label="within 20 %")
+    left.plot(line, line, color="0.5", lw=0.8)
+    for r in compared:
+        left.scatter(r["compiled_bytes"] / 1e6, r["planned_bytes"] / 1e6, color=colour[family(r["layout"])], s=18)
+    left.set(xlabel="compiled (MB a device)", ylabel="planner (MB a device)", xlim=(0, top), ylim=(0, top),
+             title=f"memory: {len(compared)} layouts (pipelines have no one program)")  # fmt: skip
+    for r in rows:
+        right.scatter(r["predicted_s"] * 1e3, r["seconds"] * 1e3, color=colour[family(r["layout"])], s=18)
+    v = record["validation"]
+    right.set(xlabel="predicted step (ms)", ylabel="measured step (ms)",
+              title=f"time: {len(rows)} layouts, Spearman {v['spearman']:.2f}")  # fmt: skip
+    for name in families:
+        right.scatter([], [], color=colour[name], label=name if name != "data" else "data alone")
+    right.legend(fontsize=8)
+    left.legend(fontsize=8, loc="upper left")
+    fig.suptitle("The planner against the compiler and the clock: a small GPT on 8 simulated CPU devices")
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    print(f"saved {path}")
+
+
 def main() -> None:
     args = _parser().parse_args()
+    if args.figure_only:
+        figure(json.loads(Path(args.out).read_text()), str(Path(args.out).with_suffix(".png")))
+        return
     record = header("planner", args)
     record["activation_slope"] = activation_slope()
     record["validation"] = against_the_compiler_and_the_clock(args.steps, args.rounds)
@@ -258,6 +304,7 @@ def main() -> None:
     record["published"] = published()
     record["speed"] = planning_speed()
     save(record, args.out)
+    figure(record, str(Path(args.out).with_suffix(".png")))
 
 
 if __name__ == "__main__":
