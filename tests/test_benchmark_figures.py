@@ -404,7 +404,13 @@ def _planner() -> list[str]:
         f"its first choice ({v['first_choice']}) measured {v['first_choice_over_best']:.2f} times the best "
         f"({v['measured_best']})",
         f"It plans Llama 3 70B on 1,024 GPUs ({speed['layouts_weighed']:,} layouts) in {speed['median_s']:.2f} s",
+        f"It predicts {len(v['tied_with_first'])} layouts equal at the top",
+        f"which measured {min(v['tied_over_best']):.2f} to {max(v['tied_over_best']):.2f} times the best",
     ]
+    rows = {r["layout"]: r for r in v["rows"]}
+    zero = [rows[f"data 8, ZeRO-{stage}"] for stage in (1, 2, 3)]
+    quotes.append(", ".join(f"{r['compiled_bytes'] / 1e6:.2f}" for r in zero) + " MB compiled against "
+                  + ", ".join(f"{r['planned_bytes'] / 1e6:.2f}" for r in zero) + " MB counted")  # fmt: skip
     for item in (small, large):
         mine, theirs = item["planner_for_their_layout"], item["published"]
         quotes.append(f"counts {mine['memory_bytes'] / 1e9:.1f} GB")

@@ -196,3 +196,11 @@ def test_a_batch_that_does_not_split_is_rounded_down_to_the_replicas():
     p = plan(MODELS["gpt2-xl"], Cluster.published("H100 SXM", per_node=3), global_batch_tokens=8 * 1024)
     data3 = p.find(Layout(data=3))
     assert p.batch == 8 and data3.batch == 6 and data3.fits
+
+
+def test_explain_weighs_a_layout_the_plan_did_not_choose():
+    p = plan(MODELS["llama3-8b"], Cluster.published("H100 SXM", per_node=8), global_batch_tokens=1_048_576)
+    said = p.explain(Layout(data=2, tensor=4, sequence_parallel=True, zero=1, microbatches=64, recompute="full"))
+    assert "would rank" in said and "for the layer being rebuilt" in said
+    with pytest.raises(ValueError, match="uses 16 devices; this plan is for 8"):
+        p.explain(Layout(data=16))

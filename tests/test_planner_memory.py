@@ -229,3 +229,19 @@ def test_every_layout_kind_by_hand_for_each_published_shape(name, layout, batch,
                 12 * per / (zero_over if layout.zero >= 1 else 1))  # fmt: skip
     assert (m.params, m.grads, m.optimizer) == pytest.approx(expected, rel=1e-12)
     assert m.activations == pytest.approx(hand(model), rel=1e-12)
+
+
+def test_zero_splits_the_dense_state_over_the_expert_axis_too_and_the_experts_over_data():
+    moe = Transformer(4, 256, 4, 512, 1000, 128, experts=8, top_k=2)
+    experts = 4 * 8 * moe.expert_params
+    m = memory_per_device(moe, Layout(data=2, expert=4, zero=3), batch=8, precision="fp32")
+    assert m.params == pytest.approx(4 * ((moe.params - experts) / 8 + experts / 4 / 2))  # dense / (4 x 2)
+
+
+def test_the_device_counted_is_the_first_stage_or_the_last_with_its_logits():
+    from parallelkit.planner.layout import activations
+
+    gpipe = activations(LLAMA, Layout(stages=4, microbatches=8, schedule="gpipe", recompute="full"), 8)
+    assert (gpipe.layers, gpipe.in_flight, gpipe.last_stage) == (8, 8, True)  # the same layers, and the logits
+    one_f = activations(LLAMA, Layout(stages=4, microbatches=8, recompute="selective"), 8)
+    assert (one_f.layers, one_f.in_flight, one_f.last_stage, one_f.logits) == (8, 4, False, 0.0)

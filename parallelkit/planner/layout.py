@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from .build import kit_strategy
@@ -35,7 +35,8 @@ class Layout:
 
     Args:
       data: replicas: each takes ``1 / (data x expert)`` of the batch's sequences.
-      zero: ZeRO stage over the ``data x context`` devices that hold the same parameters: 1 splits
+      zero: ZeRO stage over the devices that hold the same parameters (``expert x context x data``
+        for the dense ones, ``context x data`` for the experts'): 1 splits
         the optimizer state, 2 the gradients too, 3 the parameters too (fully sharded).
       tensor: devices each weight is split over (Megatron); ``sequence_parallel`` splits the
         activations between the blocks over them too.
@@ -134,21 +135,63 @@ def check(model: Transformer, layout: Layout, batch: int) -> str | None:
     return None
 
 
+@dataclass(frozen=True)
+class Activations:
+    """The activations of the device :func:`memory_per_device` counts, part by part."""
+
+    layers: int  # the layers its stage holds
+    in_flight: int  # the microbatches whose activations it holds at once
+    micro: int  # sequences a microbatch
+    per_layer: float  # one layer of one microbatch (memory.layer_activation_bytes)
+    rebuilt: float  # full recomputation: the one layer rebuilt in the backward pass (0 otherwise)
+    logits: float  # the last stage's float32 logits of one microbatch (0 on another stage)
+    last_stage: bool  # whether the device counted is the last stage (with the logits) rather than the first
+
+    @property
+    def total(self) -> float:
+        """The layers' activations, without the logits."""
+        return self.layers * self.in_flight * self.per_layer + self.rebuilt
+
+
+def activations(model: Transformer, layout: Layout, batch: int, *, precision: str = "bf16") -> Activations:
+    """The activations of the device that holds the most: the first pipeline stage's, or the last's with the logits.
+
+    One layer's (:func:`.memory.layer_activation_bytes`) for a microbatch of ``batch / (replicas
+    x microbatches)`` sequences, times the layers of a stage, times the microbatches in flight
+    (:func:`.memory.in_flight` on the first stage; one under 1F1B and every one under GPipe on the
+    last), and under full recomputation one layer more, rebuilt in the backward pass with its
+    attention computed block by block (FlashAttention: no ``s x s`` scores). The last stage also
+    holds one microbatch's float32 logits (``4 s b V / tensor``). The first stages hold
+    ``ceil(layers / stages)`` layers each, the last what is left.
+    """
+    micro = batch // (layout.replicas * layout.microbatches)
+    split = {"tensor": layout.tensor, "sequence_parallel": layout.sequence_parallel, "context": layout.context,
+             "context_method": layout.context_method, "element_bytes": ELEMENT_BYTES[precision]}  # fmt: skip
+    per_layer = layer_activation_bytes(model, micro, recompute=layout.recompute, **split)
+    rebuilt = (
+        layer_activation_bytes(model, micro, recompute="selective", **split) if layout.recompute == "full" else 0.0
+    )
+    logits = 4 * micro * (model.seq / layout.context) * model.vocab / layout.tensor
+    stage_layers = math.ceil(model.layers / layout.stages)
+    first = Activations(stage_layers, in_flight(layout.schedule, layout.stages, layout.microbatches), micro,
+                        per_layer, rebuilt, 0.0, False)  # fmt: skip
+    if layout.stages == 1:
+        return replace(first, logits=logits, last_stage=True)
+    last_layers = max(model.layers - (layout.stages - 1) * stage_layers, 0)
+    held = layout.microbatches if layout.schedule == "gpipe" else 1
+    last = Activations(last_layers, held, micro, per_layer, rebuilt, logits, True)
+    return first if first.total >= last.total + last.logits else last
+
+
 def memory_per_device(
     model: Transformer, layout: Layout, batch: int, *, precision: str = "bf16", optimizer: str = "adam"
 ) -> Memory:
     """The bytes one device holds while ``layout`` trains ``model`` on ``batch`` sequences a step.
 
     The state: the parameters over ``tensor x stages`` (the experts' over ``expert`` too), then
-    ZeRO over the ``data x context`` devices that hold the same slice (:func:`.memory.state_bytes`).
-    The activations: one layer's (:func:`.memory.layer_activation_bytes`) for a microbatch of
-    ``batch / (replicas x microbatches)`` sequences, times the layers of a stage, times the
-    microbatches in flight on the first stage (:func:`.memory.in_flight`), and under full
-    recomputation one layer's activations more, rebuilt in the backward pass with its attention
-    computed block by block (FlashAttention: no ``s x s`` scores); the last stage holds
-    one microbatch's float32 logits (``4 s b V / tensor``) instead of most of them. The device
-    that holds more is the one counted. The first stages hold ``ceil(layers / stages)`` layers
-    each, the last what is left; the parameters are split evenly over the stages.
+    ZeRO over the devices that hold the same slice (:func:`.memory.state_bytes`): ``expert x
+    context x data`` for the dense parameters, ``context x data`` for the experts'. The
+    activations: :func:`activations`. The parameters are split evenly over the stages.
 
     Raises:
       ValueError: the layout cannot run the model on this batch (:func:`check` says why).
@@ -156,24 +199,10 @@ def memory_per_device(
     if reason := check(model, layout, batch):
         raise ValueError(f"{layout.name} cannot train {model.name or 'this model'}: {reason}.")
     experts = model.layers * model.experts * model.expert_params if model.experts else 0
-    held = (model.params - experts) / (layout.tensor * layout.stages)
-    held += experts / (layout.tensor * layout.stages * layout.expert)
-    params, grads, opt = state_bytes(
-        held, data=layout.data * layout.context, zero=layout.zero, precision=precision, optimizer=optimizer
-    )
-    micro = batch // (layout.replicas * layout.microbatches)
-    split = {"tensor": layout.tensor, "sequence_parallel": layout.sequence_parallel, "context": layout.context,
-             "context_method": layout.context_method, "element_bytes": ELEMENT_BYTES[precision]}  # fmt: skip
-    per_layer = layer_activation_bytes(model, micro, recompute=layout.recompute, **split)
-    # full recomputation rebuilds one layer at a time in the backward pass, its attention block by block (as
-    # FlashAttention does: no s x s scores): one such layer's activations more
-    rebuilt = layer_activation_bytes(model, micro, recompute="selective", **split)
-    working = rebuilt if layout.recompute == "full" else 0.0
-    stage_layers = math.ceil(model.layers / layout.stages)
-    first = per_layer * stage_layers * in_flight(layout.schedule, layout.stages, layout.microbatches) + working
-    logits = 4 * micro * (model.seq / layout.context) * model.vocab / layout.tensor
-    if layout.stages == 1:
-        return Memory(params, grads, opt, first, logits)
-    last_layers = model.layers - (layout.stages - 1) * stage_layers
-    last = per_layer * max(last_layers, 0) * (layout.microbatches if layout.schedule == "gpipe" else 1) + working
-    return Memory(params, grads, opt, first) if first >= last + logits else Memory(params, grads, opt, last, logits)
+    split = layout.tensor * layout.stages
+    kinds = {"zero": layout.zero, "precision": precision, "optimizer": optimizer}
+    dense = state_bytes((model.params - experts) / split, data=layout.expert * layout.context * layout.data, **kinds)
+    expert = state_bytes(experts / (split * layout.expert), data=layout.context * layout.data, **kinds)
+    params, grads, opt = (a + b for a, b in zip(dense, expert, strict=True))
+    act = activations(model, layout, batch, precision=precision)
+    return Memory(params, grads, opt, act.total, act.logits)

@@ -7,19 +7,17 @@
 >>> print(answer.table(1))  # doctest: +NORMALIZE_WHITESPACE
   #  layout                                        GB/dev   step s    MFU  binds
   1  context 8, ZeRO-1, allgather, accumulate 128    68.3   16.970  47.7%  compute
-(269 layouts fit, 509 do not: plan.rejected)
+(340 layouts fit, 438 do not: plan.rejected)
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, replace
 
 from .cluster import Cluster
-from .layout import Layout
-from .memory import in_flight
+from .layout import Layout, activations
 from .model import Transformer
-from .search import RESERVE, Candidate, assess, layouts, weigh
+from .search import RESERVE, Candidate, assess, layouts, simpler_first, weigh
 
 
 @dataclass(frozen=True)
@@ -43,12 +41,18 @@ class Plan:
         return self.ranked[0].layout
 
     def find(self, layout: Layout) -> Candidate:
-        """``layout``'s verdict; a layout given without its recomputation or accumulation matches its chosen variant."""
+        """``layout``'s verdict: the plan's own when it weighed it (a layout given without its recomputation or
+        accumulation matches the variant the plan chose), else :meth:`assess`'s of the layout as given.
+
+        Raises:
+          ValueError: a layout for another number of devices than the cluster's.
+        """
         for candidate in (*self.ranked, *self.rejected):
             if candidate.layout == layout or _base(candidate.layout) == _base(layout) and layout.recompute == "none":
                 return candidate
-        raise ValueError(f"{layout.name} was not weighed: its axes must multiply to {self.cluster.devices} devices "
-                         "and split the model and the batch; see plan.rejected.")  # fmt: skip
+        if layout.devices != self.cluster.devices:
+            raise ValueError(f"{layout.name} uses {layout.devices} devices; this plan is for {self.cluster.devices}.")
+        return self.assess(layout)
 
     def assess(self, layout: Layout) -> Candidate:
         """``layout`` exactly as given (its recomputation and microbatches too), weighed as this plan weighs."""
@@ -75,25 +79,26 @@ class Plan:
         lines = [f"{c.layout.name} on {self.cluster.name}, {c.batch} sequences of {self.model.seq} a step:"]
         if not c.fits:
             return "\n".join([*lines, f"  rejected: {c.rejected}."])
-        rank = self.ranked.index(c) + 1
-        lines.append(f"  rank {rank} of {len(self.ranked)}: MFU {c.mfu:.1%}, {c.time.total:.3f} s a step, "
-                     f"bound by {c.time.binding}")  # fmt: skip
+        rank = 1 + sum(other.mfu > c.mfu for other in self.ranked)  # ties share the better rank
+        where = f"rank {rank} of {len(self.ranked)}" if c in self.ranked else f"would rank {rank} of {len(self.ranked)}"
+        lines.append(f"  {where}: MFU {c.mfu:.1%}, {c.time.total:.3f} s a step, bound by {c.time.binding}")
         split = c.layout.tensor * c.layout.stages
-        micro = c.batch // (c.layout.replicas * c.layout.microbatches)
-        layers = math.ceil(self.model.layers / c.layout.stages)
-        held = in_flight(c.layout.schedule, c.layout.stages, c.layout.microbatches) if not m.logits else 1
-        per_layer = m.activations / (layers * held)
+        act = activations(self.model, c.layout, c.batch, precision=self.precision)
+        stage = "the last stage" if act.last_stage and c.layout.stages > 1 else "the first stage"
+        shared = c.layout.expert * c.layout.context * c.layout.data
         lines += [
             f"  memory {m.total / gb:.1f} GB of {self.cluster.memory_bytes / gb:.0f} GB ({self.reserve:.0%} kept "
             "back):",
             f"    parameters {m.params / gb:.2f} GB, gradients {m.grads / gb:.2f} GB, optimizer "
             f"{m.optimizer / gb:.2f} GB: {name}'s {self.model.params / 1e9:.2f} B parameters over tensor x stages "
-            f"= {split}"
-            + (f", then ZeRO-{c.layout.zero} over {c.layout.data * c.layout.context}" if c.layout.zero else ""),
-            f"    activations {m.activations / gb:.2f} GB: {layers} layers x {held} microbatch(es) of {micro} "
-            f"sequence(s) in flight x {per_layer / gb:.3f} GB a layer (Korthikanti et al.'s accounting, "
-            f"recompute {c.layout.recompute}: memory.layer_activation_bytes)",
-            f"    logits {m.logits / gb:.2f} GB: 4 bytes x {micro} x {self.model.seq // c.layout.context} tokens x "
+            f"= {split}" + (f", then ZeRO-{c.layout.zero} over {shared}" if c.layout.zero else ""),
+            f"    activations {m.activations / gb:.2f} GB"
+            + (f" on {stage}" if c.layout.stages > 1 else "")
+            + f": {act.layers} layers x {act.in_flight} microbatch(es) of {act.micro} sequence(s) in flight x "
+            f"{act.per_layer / gb:.3f} GB a layer (Korthikanti et al.'s accounting, recompute {c.layout.recompute}: "
+            "memory.layer_activation_bytes)"
+            + (f" + {act.rebuilt / gb:.3f} GB for the layer being rebuilt" if act.rebuilt else ""),
+            f"    logits {m.logits / gb:.2f} GB: 4 bytes x {act.micro} x {self.model.seq // c.layout.context} tokens x "
             f"{self.model.vocab} vocabulary / tensor {c.layout.tensor}",
             f"  time: compute {c.time.compute:.3f} s at {self.efficiency:.0%} of the peak, "
             f"bubble {c.time.bubble:.3f} s",
@@ -140,7 +145,9 @@ def plan(
     options = {"precision": precision, "optimizer": optimizer, "efficiency": efficiency, "overlap": overlap,
                "reserve": reserve}  # fmt: skip
     verdicts = [weigh(model, layout, cluster, batch, **options) for layout in layouts(model, cluster.devices, batch)]
-    ranked = tuple(sorted((c for c in verdicts if c.fits), key=lambda c: (-c.mfu, c.memory.total)))
+    ranked = tuple(
+        sorted((c for c in verdicts if c.fits), key=lambda c: (-c.mfu, *simpler_first(c.layout, c.memory.total)))
+    )
     rejected = tuple(sorted((c for c in verdicts if not c.fits), key=lambda c: c.memory.total or float("inf")))
     if not ranked:
         raise ValueError(_nothing_fits(model, cluster, batch, rejected, **options))

@@ -8,7 +8,8 @@ full, and gradient accumulation over more microbatches (each count that splits a
 sequences evenly, fewest first) when the batch does not fit, and keeps the fastest
 variant that fits in ``(1 - reserve)`` of a device's memory; a layout with none that fits is
 kept as rejected, with by how much it misses. The rest are ranked by model FLOPs utilisation
-(MFU: the model's FLOPs a second, over the devices' peak): the same order as tokens a second.
+(MFU: the model's FLOPs a second, over the devices' peak): the same order as tokens a second;
+ties go to the simpler layout (:func:`simpler_first`).
 """
 
 from __future__ import annotations
@@ -39,6 +40,14 @@ class Candidate:
     @property
     def fits(self) -> bool:
         return self.rejected is None
+
+
+def simpler_first(layout: Layout, memory_bytes: float) -> tuple[int, int, float]:
+    """How :func:`~.plan.plan` orders layouts whose predicted MFU ties: fewer accumulation steps, then a lower
+    ZeRO stage, then less memory. Each microbatch and each sharded collective costs launches and smaller
+    operations that the step time leaves out, so among equals the simpler layout goes first.
+    """
+    return layout.accumulate, layout.zero, memory_bytes
 
 
 def divisors(n: int) -> list[int]:

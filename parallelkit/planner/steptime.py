@@ -14,12 +14,14 @@ The assumptions, all of them (each a parameter or a line here):
   (:func:`parallelkit.measure.costmodel.axis_seconds`), all groups at once.
 - **Tensor** parallelism (Megatron): 2 all-reduces of a microbatch's activations per layer
   forward and 2 backward (with sequence parallelism each is a reduce-scatter and an all-gather:
-  the same time), 2 more with full recomputation. The embedding and the loss are not split.
+  the same time), 2 more with full recomputation. The embedding's and the loss's FLOPs are spread
+  like the rest; their own communication is not counted.
 - **Context** parallelism: per layer, keys and values travel ``context - 1`` steps forward and
   their gradients ``context - 1`` back (the ring by permutes, all-gather by gathering and
   reduce-scattering: the same bytes); Ulysses: 4 all-to-alls forward (q, k, v, the output) and 4
   backward. Full recomputation repeats the forward ones.
-- **Experts**: 2 all-to-alls of the routed tokens (``top_k`` copies) forward, 2 backward.
+- **Experts**: 2 all-to-alls of the routed tokens (``top_k`` copies) forward, 2 backward, 2 more
+  with full recomputation.
 - **Pipeline**: one send of a microbatch's activation after each of the ``2 (m + s - 1)``
   forward and backward slots; the bubble makes compute ``(m + s - 1) / m`` times longer.
 - **Gradients** (data, context and expert axes, where the same parameters repeat): an all-reduce
@@ -28,7 +30,7 @@ The assumptions, all of them (each a parameter or a line here):
   gathers the parameters before each microbatch's forward and backward and reduce-scatters its
   gradients. ``overlap="full"`` hides them behind compute (a step takes the longer of the two),
   ``"none"`` adds them; every other collective is on the critical path.
-- The optimizer update, the input pipeline and the embedding's and loss's own traffic cost nothing.
+- The optimizer update and the input pipeline cost nothing.
 """
 
 from __future__ import annotations
