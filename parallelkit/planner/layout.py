@@ -198,7 +198,7 @@ def memory_per_device(
     """
     if reason := check(model, layout, batch):
         raise ValueError(f"{layout.name} cannot train {model.name or 'this model'}: {reason}.")
-    experts = model.layers * model.experts * model.expert_params if model.experts else 0
+    experts = model.routed_params
     split = layout.tensor * layout.stages
     kinds = {"zero": layout.zero, "precision": precision, "optimizer": optimizer}
     dense = state_bytes((model.params - experts) / split, data=layout.expert * layout.context * layout.data, **kinds)

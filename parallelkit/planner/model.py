@@ -123,6 +123,11 @@ class Transformer:
         return self.layers * self.layer_params + self.embedding_params
 
     @property
+    def routed_params(self) -> int:
+        """Every expert's weights in every layer (0 for a dense model): what an expert axis splits."""
+        return self.layers * self.experts * self.expert_params if self.experts else 0
+
+    @property
     def active_params(self) -> int:
         """The parameters one token uses: ``top_k`` experts of each MoE layer, every other weight."""
         if not self.experts:

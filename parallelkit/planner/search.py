@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 
+from ..measure.roofline import flops_utilisation
 from .cluster import Cluster
 from .layout import Layout, check, memory_per_device
 from .memory import CONTEXT_METHODS, RECOMPUTE, SCHEDULES, Memory
@@ -100,11 +101,19 @@ def assess(
     memory = memory_per_device(model, layout, used, precision=precision, optimizer=optimizer)
     budget = (1 - reserve) * cluster.memory_bytes
     if memory.total > budget:
-        over = f"{(memory.total - budget) / 1e9:.1f} GB over the {budget / 1e9:.1f} GB usable"
-        return Candidate(layout, used, memory, rejected=f"needs {memory.total / 1e9:.1f} GB a device: {over}")
+        return Candidate(layout, used, memory, rejected=too_large(memory, budget))
     time = step_time(model, layout, cluster, used, precision=precision, efficiency=efficiency, overlap=overlap)
-    mfu = model.flops_per_token() * used * model.seq / (time.total * cluster.devices * cluster.peak_flops(precision))
-    return Candidate(layout, used, memory, time, mfu)
+    per_device = model.flops_per_token() * used * model.seq / cluster.devices
+    return Candidate(
+        layout, used, memory, time, flops_utilisation(per_device, time.total, cluster.peak_flops(precision))
+    )
+
+
+def too_large(memory: Memory, budget: float, smallest: str = "") -> str:
+    """Why a layout is rejected for its memory; ``smallest``: the variant named, when it is the smallest tried."""
+    at = f" even at its smallest ({smallest})" if smallest else ""
+    return f"needs {memory.total / 1e9:.1f} GB a device{at}: {(memory.total - budget) / 1e9:.1f} GB over the " \
+           f"{budget / 1e9:.1f} GB usable"  # fmt: skip
 
 
 def weigh(model: Transformer, layout: Layout, cluster: Cluster, batch: int, **options) -> Candidate:
@@ -125,8 +134,8 @@ def weigh(model: Transformer, layout: Layout, cluster: Cluster, batch: int, **op
         return best
     if smallest is None:
         return Candidate(layout, batch, Memory(0, 0, 0, 0), rejected=check(model, layout, batch) or "cannot split")
-    needs, over = smallest.rejected.split(": ", 1)
-    return replace(smallest, rejected=f"{needs} even at its smallest ({smallest.layout.name}): {over}")
+    budget = (1 - options["reserve"]) * cluster.memory_bytes
+    return replace(smallest, rejected=too_large(smallest.memory, budget, smallest.layout.name))
 
 
 def _accumulations(layout: Layout, batch: int) -> list[int]:

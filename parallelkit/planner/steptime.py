@@ -130,12 +130,11 @@ def step_time(
     if layout.tensor > 1:
         comm["tensor"] = layers * m * (6 if refwd else 4) * along("tensor", activation, "all-reduce")
     if layout.context > 1:
-        if layout.context_method == "ulysses":
-            kv = 2 * tokens * model.kv_heads_ * model.head_dim * e / layout.tensor
-            q_out = 2 * activation / layout.tensor
-            one_way = along("context", q_out / 2, "all-to-all") * 2 + along("context", kv / 2, "all-to-all") * 2
+        kv = 2 * tokens * model.kv_heads_ * model.head_dim * e / layout.tensor  # K and V
+        if layout.context_method == "ulysses":  # q and the output, k and v: one all-to-all each
+            one_way = 2 * along("context", activation / layout.tensor, "all-to-all")
+            one_way += 2 * along("context", kv / 2, "all-to-all")
         else:
-            kv = 2 * tokens * model.kv_heads_ * model.head_dim * e / layout.tensor  # K and V
             one_way = (layout.context - 1) * along("context", kv, "permute")
         comm["context"] = layers * m * one_way * (3 if refwd else 2)
     if layout.expert > 1:
@@ -158,7 +157,7 @@ def gradient_seconds(model: Transformer, layout: Layout, cluster: Cluster, eleme
     neighbours ``tensor`` apart); the experts' over ``context x data``.
     """
     apart = strides(layout)
-    experts = model.layers * model.experts * model.expert_params if model.experts else 0
+    experts = model.routed_params
     split = layout.tensor * layout.stages
     held = [((model.params - experts) / split, layout.expert * layout.context * layout.data, apart["expert"])]
     if experts:
