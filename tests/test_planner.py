@@ -111,6 +111,22 @@ def test_a_model_that_fits_nowhere_says_by_how_much_and_what_would_fit():
         )
 
 
+@pytest.mark.parametrize(
+    ("options", "match"),
+    [
+        ({"global_batch_tokens": 1.5e6}, r"global_batch_tokens=1500000.0\): the tokens a step, a whole number"),
+        ({"global_batch_tokens": 0}, r"global_batch_tokens=0\)"),
+        ({"reserve": 1.2}, r"reserve=1.2\): the share of memory kept back"),
+        ({"efficiency": 1.5}, r"efficiency in \(0, 1\]"),
+        ({"overlap": "partial"}, r"overlap one of \('none', 'full'\)"),
+        ({"precision": "bf8"}, r"precision and optimizer one of"),
+    ],
+)
+def test_a_plan_with_a_bad_option_names_the_fix(options, match):
+    with pytest.raises(ValueError, match=match):
+        plan(MODELS["gpt2-xl"], Cluster.published("H100 SXM", per_node=8), **({"global_batch_tokens": 2**20} | options))
+
+
 def test_published_and_measured_clusters():
     two = Cluster.published("A100 SXM 80GB", per_node=8, nodes=2)
     assert (two.devices, two.inside.GBps, two.network.GBps, two.peak_flops("bf16")) == (16, 300.0, 200.0, 312e12)

@@ -16,8 +16,10 @@ from dataclasses import dataclass, replace
 
 from .cluster import Cluster
 from .layout import Layout, activations
+from .memory import STATE_BYTES
 from .model import Transformer
 from .search import RESERVE, Candidate, assess, layouts, simpler_first, weigh
+from .steptime import OVERLAP
 
 
 @dataclass(frozen=True)
@@ -141,6 +143,15 @@ def plan(
     Raises:
       ValueError: no layout fits; the message says by how much, and what would make one fit.
     """
+    if isinstance(global_batch_tokens, bool) or not isinstance(global_batch_tokens, int) or global_batch_tokens < 1:
+        raise ValueError(f"plan(global_batch_tokens={global_batch_tokens!r}): the tokens a step, a whole number >= 1, "
+                         f"for example {64 * model.seq} (64 sequences of {model.seq}).")  # fmt: skip
+    if not 0 <= reserve < 1:
+        raise ValueError(f"plan(reserve={reserve!r}): the share of memory kept back, from 0 up to (not) 1, e.g. 0.1.")
+    if overlap not in OVERLAP or not 0 < efficiency <= 1 or (precision, optimizer) not in STATE_BYTES:
+        raise ValueError(f"plan(precision={precision!r}, optimizer={optimizer!r}, efficiency={efficiency!r}, "
+                         f"overlap={overlap!r}): precision and optimizer one of {list(STATE_BYTES)}, efficiency in "
+                         f"(0, 1], overlap one of {OVERLAP}.")  # fmt: skip
     batch = max(1, round(global_batch_tokens / model.seq))
     options = {"precision": precision, "optimizer": optimizer, "efficiency": efficiency, "overlap": overlap,
                "reserve": reserve}  # fmt: skip
