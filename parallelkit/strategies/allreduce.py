@@ -339,21 +339,58 @@ class AllReduce:
         return {"inner": formula[self.algorithm](n, nbytes)}
 
 
-def mean_tree(tree, axis: Axis, allreduce: AllReduce):
-    """The mean over ``axis`` of every leaf of ``tree``, as one all-reduce of one flat vector.
+def bucket_plan(nbytes: Sequence[int], bucket_bytes: int | None) -> list[list[int]]:
+    """Which leaves travel together: lists of indices into ``nbytes`` (each leaf's bytes, in tree order).
 
-    Like a gradient bucket in DDP or XLA's all-reduce combiner: the leaves travel
-    together, so one all-reduce carries the parameter bytes plus the metrics.
+    As in PyTorch's DDP, the leaves are taken last first (the backward pass produces the
+    last layer's gradients first) and a bucket closes when the next leaf would take it past
+    ``bucket_bytes``; a leaf larger than that travels alone. ``None``: one bucket, every leaf.
+
+    >>> bucket_plan([400, 400, 400, 1000], 800)
+    [[3], [2, 1], [0]]
+    >>> bucket_plan([400, 400], None)
+    [[1, 0]]
+    """
+    buckets: list[list[int]] = []
+    filled = 0
+    for i in reversed(range(len(nbytes))):
+        if not buckets or (bucket_bytes is not None and filled + nbytes[i] > bucket_bytes):
+            buckets.append([])
+            filled = 0
+        buckets[-1].append(i)
+        filled += nbytes[i]
+    return buckets
+
+
+def mean_tree(tree, axis: Axis, allreduce: AllReduce | None = None, buckets: Sequence[Sequence[int]] | None = None):
+    """The mean over ``axis`` of every leaf of ``tree``, one float32 all-reduce per bucket.
+
+    ``buckets`` lists which leaves (indices in ``jax.tree.leaves(tree)``) travel together, in
+    the order they are reduced (:func:`bucket_plan`); ``None``: all of them as one, so that
+    one all-reduce carries the parameter bytes plus the metrics. Each bucket's leaves travel
+    as one flat vector, as in a DDP bucket or XLA's all-reduce combiner. ``allreduce`` is the
+    algorithm (None: ``lax.psum``). XLA merges independent all-reduces into one, whatever
+    their size on a CPU (on a GPU up to ``--xla_gpu_all_reduce_combine_threshold_bytes``:
+    XLA's own bucket size), so every bucket after the first carries one value of the one
+    before's result (4 bytes more): the buckets then depend on each other and are reduced
+    one after another, in order, as DDP reduces its buckets on one communication stream.
     """
     leaves, treedef = jax.tree.flatten(tree)
     if not leaves:
         return tree
-    flat = jnp.concatenate([jnp.ravel(x).astype(jnp.float32) for x in leaves])
-    summed = allreduce(flat, axis) / lax.axis_size(axis)
-    out, start = [], 0
-    for x in leaves:
-        out.append(summed[start : start + x.size].reshape(x.shape).astype(x.dtype))
-        start += x.size
+    allreduce = allreduce or AllReduce("psum")
+    out: list = [None] * len(leaves)
+    previous = None
+    for bucket in buckets if buckets is not None else [range(len(leaves))]:
+        bucket = sorted(bucket)  # within a bucket, tree order (one bucket: every leaf in tree order)
+        parts = [jnp.ravel(leaves[i]).astype(jnp.float32) for i in bucket]
+        flat = jnp.concatenate(parts if previous is None else [*parts, previous[:1]])
+        summed = allreduce(flat, axis) / lax.axis_size(axis)
+        start = 0
+        for i in bucket:
+            out[i] = summed[start : start + leaves[i].size].reshape(leaves[i].shape).astype(leaves[i].dtype)
+            start += leaves[i].size
+        previous = summed
     return jax.tree.unflatten(treedef, out)
 
 

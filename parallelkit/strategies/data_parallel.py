@@ -11,14 +11,15 @@ import functools
 from collections.abc import Callable
 
 import jax
+import numpy as np
 
 from ..core.accumulate import Accumulation, check_accumulate
 from ..core.axes import DATA
-from ..core.contract import LossFn
+from ..core.contract import LossFn, PyTree
 from ..core.precision import Precision, check_precision
 from ..core.reports import ExpectedCollective, Sizes, gradient_all_reduce
 from ..core.step import train_step
-from .allreduce import AllReduce, mean_tree
+from .allreduce import AllReduce, bucket_plan, mean_tree
 
 
 def parse_allreduce(allreduce: str | AllReduce | None, replicas: int, who: str) -> AllReduce | None:
@@ -39,26 +40,73 @@ def parse_allreduce(allreduce: str | AllReduce | None, replicas: int, who: str) 
     return chosen
 
 
-def replica_sync(allreduce: AllReduce | None) -> Callable:
-    """How gradients, metrics and model state meet inside a per-device program (``pmap``, ``shard_map``)."""
-    if allreduce is None:
+def parse_bucket_bytes(bucket_bytes: int | None, who: str) -> int | None:
+    """``bucket_bytes`` checked: None (one all-reduce for everything) or a whole number of bytes >= 1.
+
+    Raises:
+      ValueError: anything else.
+    """
+    if bucket_bytes is not None and (isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int)
+                                     or bucket_bytes < 1):  # fmt: skip
+        raise ValueError(
+            f"{who}(bucket_bytes={bucket_bytes!r}): give the most bytes one gradient bucket may hold, a whole "
+            "number >= 1 (PyTorch DDP's default is 25 MB: bucket_bytes=25 * 2**20), or None for one all-reduce."
+        )
+    return bucket_bytes
+
+
+def replica_sync(allreduce: AllReduce | None, bucket_bytes: int | None = None) -> Callable:
+    """How gradients, metrics and model state meet inside a per-device program (``pmap``, ``shard_map``):
+    ``lax.pmean``, one hand-written all-reduce, or one all-reduce per gradient bucket."""
+    if allreduce is None and bucket_bytes is None:
         return functools.partial(jax.lax.pmean, axis_name=DATA)
-    return functools.partial(mean_tree, axis=DATA, allreduce=allreduce)
+
+    def sync(tree: tuple) -> tuple:
+        grads, *rest = tree  # (gradients, metrics, model state): the rest rides in the first bucket
+        count = len(jax.tree.leaves(grads))
+        plan = bucket_plan([4 * x.size for x in jax.tree.leaves(grads)], bucket_bytes)
+        plan[0] = [*plan[0], *range(count, count + len(jax.tree.leaves(rest)))]
+        return mean_tree(tree, DATA, allreduce, plan)
+
+    return sync
 
 
 def replica_step(
-    loss_fn: LossFn, allreduce: AllReduce | None, accumulate: int = 1, precision: Precision | None = None
+    loss_fn: LossFn,
+    allreduce: AllReduce | None,
+    accumulate: int = 1,
+    precision: Precision | None = None,
+    bucket_bytes: int | None = None,
 ) -> Callable:
     """The per-device training step (``pmap``, ``shard_map``): this replica's slice, then one sync.
 
     With ``accumulate > 1`` the slice runs as that many microbatches in a scan on the
     device, and the gradients meet once, after it. With ``precision`` the gradients are
     cast to its ``params`` dtype before they meet (:mod:`parallelkit.core.precision`).
+    With ``bucket_bytes`` they meet in buckets of at most that many bytes, one all-reduce each.
     """
     extra = {} if check_accumulate(accumulate) == 1 else {"accumulate": Accumulation(accumulate)}
     if check_precision(precision) is not None:
         extra["precision"] = precision
-    return functools.partial(train_step, loss_fn, sync=replica_sync(allreduce), replica_key=own_key, **extra)
+    sync = replica_sync(allreduce, bucket_bytes)
+    return functools.partial(train_step, loss_fn, sync=sync, replica_key=own_key, **extra)
+
+
+def gradient_buckets(params: PyTree, bucket_bytes: int | None, metric_bytes: int = 0) -> list[int]:
+    """The bytes of each gradient bucket, in the order they are reduced (the last layers' first).
+
+    The plan of :func:`~parallelkit.strategies.allreduce.bucket_plan` over the parameters'
+    leaves (float32 bytes); the metrics' ``metric_bytes`` travel in the first bucket.
+
+    >>> import numpy as np
+    >>> gradient_buckets({"a": np.zeros(100), "b": np.zeros(300)}, 1000)  # 400 + 1,200 bytes
+    [1200, 400]
+    >>> gradient_buckets({"a": np.zeros(100), "b": np.zeros(300)}, 1000, metric_bytes=8)
+    [1208, 400]
+    """
+    nbytes = [4 * int(np.size(x)) for x in jax.tree.leaves(params)]
+    sizes = [sum(nbytes[i] for i in bucket) for bucket in bucket_plan(nbytes, bucket_bytes)]
+    return [sizes[0] + metric_bytes, *sizes[1:]]
 
 
 def own_key(key: jax.Array) -> jax.Array:
@@ -66,9 +114,10 @@ def own_key(key: jax.Array) -> jax.Array:
     return jax.random.fold_in(key, jax.lax.axis_index(DATA))
 
 
-def mirrored_repr(backend: str, replicas: int, allreduce: AllReduce | None) -> str:
+def mirrored_repr(backend: str, replicas: int, allreduce: AllReduce | None, bucket_bytes: int | None = None) -> str:
     """How ``pk.Mirrored`` prints, whichever backend: ``Mirrored(backend='jit', devices=2)``."""
     how = f", allreduce={allreduce.algorithm!r}" if allreduce else ""
+    how += f", bucket_bytes={bucket_bytes}" if bucket_bytes is not None else ""
     return f"Mirrored(backend={backend!r}, devices={replicas}{how})"
 
 
@@ -77,21 +126,35 @@ def traffic_pattern(replicas: int) -> str:
     return "all-reduce" if replicas > 1 else "local"
 
 
-def expected_collectives(sizes: Sizes, allreduce: AllReduce | None = None) -> tuple[ExpectedCollective, ...]:
+def expected_collectives(
+    sizes: Sizes, allreduce: AllReduce | None = None, bucket_bytes: int | None = None
+) -> tuple[ExpectedCollective, ...]:
     """One step's collectives by the book: the compiler's all-reduce of ``P + M``, or the hand-written one's permutes.
 
     A hand-written all-reduce is ``collective-permute`` instructions; their arrays add
     up to the bytes through the busiest device's link (:attr:`Cost.wire_bytes
     <parallelkit.strategies.allreduce.Cost.wire_bytes>`), of ``P + M`` padded to whole chunks.
-    One replica needs none.
+    In ``k`` buckets (:func:`gradient_buckets`) the all-reduces carry ``P + M + 4(k - 1)``
+    bytes: each bucket after the first carries one float of the one before. One replica needs none.
     """
     if sizes.replicas == 1:
         return ()
+    if allreduce is None and bucket_bytes is not None:
+        k = len(gradient_buckets(sizes.params_tree, bucket_bytes, sizes.metrics))
+        what = f"gradients and metrics, {k} bucket{'s' * (k > 1)}"
+        return (ExpectedCollective("all-reduce", what, sizes.params + sizes.metrics + 4 * (k - 1), "P + M + 4(k-1)"),)
     if allreduce is None:
         return (gradient_all_reduce(sizes),)
     n = sizes.replicas
     multiple = 1 if allreduce.algorithm == "reduce_to_one" else n  # the chunks it cuts
-    elements = -(-(sizes.params + sizes.metrics) // 4 // multiple) * multiple  # float32, padded
-    wire = sum(c.wire_bytes for c in allreduce.cost(n, 4 * elements).values())
+    buckets = (
+        [sizes.params + sizes.metrics]
+        if bucket_bytes is None
+        else gradient_buckets(sizes.params_tree, bucket_bytes, sizes.metrics)
+    )
+    carried = [nbytes + 4 * (i > 0) for i, nbytes in enumerate(buckets)]  # each later one carries 4 bytes more
+    elements = [-(-nbytes // 4 // multiple) * multiple for nbytes in carried]  # float32, padded
+    wire = sum(c.wire_bytes for e in elements for c in allreduce.cost(n, 4 * e).values())
     what = f"gradients and metrics, {allreduce.algorithm} all-reduce"
+    what += f", {len(buckets)} buckets" if len(buckets) > 1 else ""
     return (ExpectedCollective("collective-permute", what, wire, "wire bytes of P + M (padded)"),)

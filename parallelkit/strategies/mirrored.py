@@ -18,6 +18,8 @@ how the gradients meet, as TensorFlow's ``cross_device_ops`` does: by default th
 compiler's own all-reduce (``lax.psum``); ``"ring"``, ``"tree"``, ``"reduce_to_one"``
 or ``AllReduce("hierarchical", group=g)`` run the hand-written algorithms of
 :mod:`parallelkit.strategies.allreduce` instead, inside ``jax.shard_map`` (backend ``"jit"``) or ``pmap``.
+``bucket_bytes`` sends the gradients in buckets of at most that many bytes, one all-reduce
+each, as PyTorch DDP's ``bucket_cap_mb`` and Horovod's tensor fusion do.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from ..core.devices import resolve_devices
 from ..core.mesh import make_mesh
 from ..core.precision import Precision
 from ..core.reports import ExpectedCollective, Sizes
+from ..core.state import TrainState
 from ..core.step import Step
 from . import data_parallel
 from .allreduce import AllReduce
@@ -47,6 +50,7 @@ def Mirrored(  # noqa: N802 (named as the class it returns, as TensorFlow's Mirr
     devices: int | Sequence[jax.Device] | None = None,
     backend: str = "jit",
     allreduce: str | AllReduce | None = None,
+    bucket_bytes: int | None = None,
 ) -> MirroredJit | MirroredPmap:
     """Replicate the model on every device and all-reduce the gradients.
 
@@ -68,13 +72,19 @@ def Mirrored(  # noqa: N802 (named as the class it returns, as TensorFlow's Mirr
         :data:`parallelkit.strategies.allreduce.ALGORITHMS`, or a
         :class:`~parallelkit.strategies.allreduce.AllReduce`. Gradients and metrics travel as one
         float32 vector, the mean taken after the sum.
+      bucket_bytes: ``None`` (the default): every gradient in one all-reduce. A number: the
+        gradients in buckets of at most that many float32 bytes, the last layers' first, one
+        all-reduce each (:func:`~parallelkit.strategies.allreduce.mean_tree`;
+        ``strategy.gradient_buckets(state)`` lists them). PyTorch DDP's default is 25 MB.
 
     Raises:
-      ValueError: an unknown backend, or a hierarchical group that does not divide the devices.
+      ValueError: an unknown backend, a hierarchical group that does not divide the devices,
+        or a ``bucket_bytes`` that is not a whole number >= 1.
     """
     if backend not in BACKENDS:
         raise ValueError(f"Mirrored(backend={backend!r}): choose one of {BACKENDS}.")
-    return (MirroredJit if backend == "jit" else MirroredPmap)(devices, allreduce=allreduce)
+    chosen = MirroredJit if backend == "jit" else MirroredPmap
+    return chosen(devices, allreduce=allreduce, bucket_bytes=bucket_bytes)
 
 
 class MirroredJit(SPMD):
@@ -82,21 +92,29 @@ class MirroredJit(SPMD):
 
     The mesh has one axis, ``data``; the batch's logical axis ``batch`` maps to it and every
     parameter is replicated (the SPMD defaults). With ``allreduce`` the step is the
-    per-device program under ``jax.shard_map``, so that the gradients meet where it says.
+    per-device program under ``jax.shard_map``, so that the gradients meet where it says;
+    with ``bucket_bytes`` too, so that they meet in those buckets.
     """
 
     backend = "jit"
 
-    def __init__(self, devices: int | Sequence[jax.Device] | None = None, *, allreduce: str | AllReduce | None = None):
+    def __init__(
+        self,
+        devices: int | Sequence[jax.Device] | None = None,
+        *,
+        allreduce: str | AllReduce | None = None,
+        bucket_bytes: int | None = None,
+    ):
         chosen = resolve_devices(devices)
         super().__init__(make_mesh(chosen, data=len(chosen)), rules=BATCH_ON_DATA)
         self.allreduce = data_parallel.parse_allreduce(allreduce, len(chosen), "Mirrored")
+        self.bucket_bytes = data_parallel.parse_bucket_bytes(bucket_bytes, "Mirrored")
 
     def step(self, loss_fn: LossFn, accumulate: int = 1, precision: Precision | None = None) -> Step:
-        if self.allreduce is None:
+        if self.allreduce is None and self.bucket_bytes is None:
             return super().step(loss_fn, accumulate, precision)  # the compiler inserts the all-reduce
         body = jax.shard_map(
-            data_parallel.replica_step(loss_fn, self.allreduce, accumulate, precision),
+            data_parallel.replica_step(loss_fn, self.allreduce, accumulate, precision, self.bucket_bytes),
             mesh=self.mesh,
             in_specs=(P(), P(DATA)),
             out_specs=(P(), P()),
@@ -111,9 +129,14 @@ class MirroredJit(SPMD):
         return data_parallel.traffic_pattern(self.num_replicas)
 
     def expected_collectives(self, sizes: Sizes) -> tuple[ExpectedCollective, ...]:
-        """The compiler's all-reduce of ``P + M``, or the hand-written one's permutes
+        """The compiler's all-reduce of ``P + M`` (in buckets, if any), or the hand-written one's permutes
         (:func:`parallelkit.strategies.data_parallel.expected_collectives`)."""
-        return data_parallel.expected_collectives(sizes, self.allreduce)
+        return data_parallel.expected_collectives(sizes, self.allreduce, self.bucket_bytes)
+
+    def gradient_buckets(self, state: TrainState) -> list[int]:
+        """The float32 bytes of each gradient bucket of ``state``'s parameters, in the order they are reduced
+        (:func:`~parallelkit.strategies.data_parallel.gradient_buckets`; the metrics ride in the first)."""
+        return data_parallel.gradient_buckets(self.unreplicate(state.params), self.bucket_bytes)
 
     def __repr__(self) -> str:
-        return data_parallel.mirrored_repr(self.backend, self.num_replicas, self.allreduce)
+        return data_parallel.mirrored_repr(self.backend, self.num_replicas, self.allreduce, self.bucket_bytes)

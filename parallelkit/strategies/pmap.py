@@ -39,13 +39,21 @@ class MirroredPmap(Strategy):
     Args:
       devices: how many devices (the first ``n``), or which; all by default.
       allreduce: as for :func:`~parallelkit.Mirrored`: ``None`` (``lax.pmean``) or a hand-written algorithm.
+      bucket_bytes: as for :func:`~parallelkit.Mirrored`: ``None`` (one all-reduce) or the most bytes of a bucket.
     """
 
     backend = "pmap"
 
-    def __init__(self, devices: int | Sequence[jax.Device] | None = None, *, allreduce: str | AllReduce | None = None):
+    def __init__(
+        self,
+        devices: int | Sequence[jax.Device] | None = None,
+        *,
+        allreduce: str | AllReduce | None = None,
+        bucket_bytes: int | None = None,
+    ):
         super().__init__(devices)
         self.allreduce = data_parallel.parse_allreduce(allreduce, self.num_replicas, "Mirrored")
+        self.bucket_bytes = data_parallel.parse_bucket_bytes(bucket_bytes, "Mirrored")
 
     def init(
         self,
@@ -80,10 +88,11 @@ class MirroredPmap(Strategy):
             raise
 
     def step(self, loss_fn: LossFn, accumulate: int = 1, precision: Precision | None = None) -> Step:
-        """The pmapped step; ``accumulate=K`` scans ``K`` microbatches on each device, then one ``pmean``;
+        """The pmapped step; ``accumulate=K`` scans ``K`` microbatches on each device, then one ``pmean``
+        (or one all-reduce per gradient bucket);
         ``precision`` casts the passes and the gradients before it (:mod:`parallelkit.core.precision`)."""
         fn = jax.pmap(
-            data_parallel.replica_step(loss_fn, self.allreduce, accumulate, precision),
+            data_parallel.replica_step(loss_fn, self.allreduce, accumulate, precision, self.bucket_bytes),
             axis_name=DATA,
             devices=self.devices,
             out_axes=(0, None),  # metrics are equal on every device after pmean: return one copy
@@ -102,9 +111,14 @@ class MirroredPmap(Strategy):
         return data_parallel.traffic_pattern(self.num_replicas)
 
     def expected_collectives(self, sizes: Sizes) -> tuple[ExpectedCollective, ...]:
-        """The compiler's all-reduce of ``P + M``, or the hand-written one's permutes
+        """The compiler's all-reduce of ``P + M`` (in buckets, if any), or the hand-written one's permutes
         (:func:`parallelkit.strategies.data_parallel.expected_collectives`)."""
-        return data_parallel.expected_collectives(sizes, self.allreduce)
+        return data_parallel.expected_collectives(sizes, self.allreduce, self.bucket_bytes)
+
+    def gradient_buckets(self, state: TrainState) -> list[int]:
+        """The float32 bytes of each gradient bucket of ``state``'s parameters, in the order they are reduced
+        (:func:`~parallelkit.strategies.data_parallel.gradient_buckets`; the metrics ride in the first)."""
+        return data_parallel.gradient_buckets(self.unreplicate(state.params), self.bucket_bytes)
 
     def __repr__(self) -> str:
-        return data_parallel.mirrored_repr(self.backend, self.num_replicas, self.allreduce)
+        return data_parallel.mirrored_repr(self.backend, self.num_replicas, self.allreduce, self.bucket_bytes)
