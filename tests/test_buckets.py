@@ -99,6 +99,20 @@ def test_gradient_buckets_sizes_match_the_plan():
     assert gradient_buckets(params, None, metric_bytes=8) == [1608]
 
 
+def test_the_timeline_hides_buckets_behind_the_backward_pass_but_not_their_latency():
+    four = pk.costmodel.Cluster(1, 4, pk.costmodel.Link("test", GBps=10, latency_us=5, source="by hand"))
+    one = pk.costmodel.bucket_timeline(four, [4e6])  # no overlap: everything after the backward pass
+    assert one.exposed_s == pytest.approx(one.communication_s) == pytest.approx(6 * (5e-6 + 1e6 / 10e9))
+    exposed = {n: pk.costmodel.bucket_timeline(four, [4e6 / n] * n, backward_s=1e-3).exposed_s for n in (1, 4, 1000)}
+    assert exposed[4] < exposed[1]  # four buckets: three hidden behind the backward pass
+    assert exposed[1000] > exposed[1]  # a thousand: 6,000 latencies, more than all the bytes
+    assert pk.costmodel.bucket_timeline(four, [4e6 / 4] * 4, backward_s=1e-3).starts[1:] == pytest.approx(
+        (0.5e-3, 0.75e-3, 1e-3)
+    )  # each starts when its gradients exist (the one before is done by then)
+    with pytest.raises(ValueError, match="bytes > 0"):
+        pk.costmodel.bucket_timeline(four, [0.0])
+
+
 @pytest.mark.parametrize("bad", [0, -1, 1.5, True, "25MB"])
 def test_a_bucket_size_that_is_not_a_whole_number_of_bytes_is_refused(bad):
     with pytest.raises(ValueError, match=r"bucket_bytes=.*whole number >= 1.*25 \* 2\*\*20"):

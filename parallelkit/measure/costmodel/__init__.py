@@ -42,15 +42,18 @@ Rabenseifner and Gropp, 2005) applied round by round. Its assumptions, all of th
 >>> round(p.compute_s * 1e3, 1), round(p.communication_s * 1e3, 3), round(p.efficiency, 3)
 (32.0, 0.631, 0.981)
 
-The model lives in four modules, one idea each: :mod:`.links` (a link, a cluster, the rounds
+The model lives in five modules, one idea each: :mod:`.links` (a link, a cluster, the rounds
 of every collective, the one alpha-beta fit), :mod:`.workload` (what a step needs and what a
 pattern is), :mod:`.patterns` (how each family of strategies communicates, the sequence's
-splits among them: :mod:`.sequence`) and :mod:`.estimate` (a step's time and efficiency).
+splits among them: :mod:`.sequence`), :mod:`.estimate` (a step's time and efficiency) and
+:mod:`.buckets` (gradient buckets on one communication stream, hidden behind the backward pass or not).
 Everything is importable from here.
 """
 
 from __future__ import annotations
 
+from .buckets import BucketTimeline as BucketTimeline
+from .buckets import bucket_timeline as bucket_timeline
 from .estimate import LocalVsDistributed as LocalVsDistributed
 from .estimate import communication_seconds as communication_seconds
 from .estimate import local_vs_distributed as local_vs_distributed

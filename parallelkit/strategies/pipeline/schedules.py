@@ -2,9 +2,20 @@
 
 A pipeline cuts the model into ``stages`` (one per device) and the batch into
 ``microbatches``. A schedule is a list of :class:`Slot` rows, ``(stage, microbatch,
-start, end, kind)``, in time units of one stage's forward pass; nothing here needs
+start, end, kind, chunk)``, in time units of one stage's forward pass; nothing here needs
 JAX, so schedules can be drawn (:func:`parallelkit.viz.pipeline_gantt_figure`) and
 checked (:func:`check_schedule`) before any pipeline runs.
+
+Four schedules, in the order the field met them:
+
+- :func:`gpipe_schedule`: every forward pass, then every backward pass;
+- :func:`one_f_one_b_schedule`: forward and backward passes alternate, so a stage holds
+  fewer microbatches at once;
+- :func:`interleaved_schedule`: each stage holds ``virtual`` chunks of layers that are not
+  neighbours (Megatron's virtual stages), so the bubble shrinks ``virtual`` times;
+- :func:`zero_bubble_schedule`: each backward pass split into the input's gradient
+  (``"backward"``, which the stage above waits for) and the weights' (``"weight"``,
+  which nobody waits for), the weight passes moved into the bubbles (ZB-H1).
 
 >>> slots = gpipe_schedule(stages=2, microbatches=2)
 >>> [(s.stage, s.microbatch, s.start, s.end, s.kind) for s in slots[:3]]
@@ -18,17 +29,34 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import NamedTuple
 
-KINDS = ("forward", "backward")
+KINDS = ("forward", "backward", "weight")
 
 
 class Slot(NamedTuple):
-    """One stage busy with one microbatch's forward or backward pass, from ``start`` to ``end``."""
+    """One stage busy with one microbatch's pass, from ``start`` to ``end``.
+
+    ``kind`` is ``"forward"``, ``"backward"`` (the whole backward pass, or only the input's
+    gradient where the schedule has ``"weight"`` passes) or ``"weight"`` (the parameters'
+    gradients). ``chunk`` is which of the stage's chunks of layers ran: always 0 but in an
+    interleaved schedule, whose stage ``s`` runs the model's stages ``s``, ``s + stages``, ...
+    (:func:`model_stage`).
+    """
 
     stage: int
     microbatch: int
     start: float
     end: float
-    kind: str  # "forward" or "backward"
+    kind: str
+    chunk: int = 0
+
+
+def model_stage(stage: int, chunk: int, stages: int) -> int:
+    """Which of the model's ``stages x virtual`` runs of layers chunk ``chunk`` of ``stage`` is.
+
+    >>> [model_stage(s, c, stages=2) for c in (0, 1) for s in (0, 1)]  # device 0: runs 0 and 2
+    [0, 1, 2, 3]
+    """
+    return chunk * stages + stage
 
 
 def _check_counts(stages: int, microbatches: int, forward: float, backward: float) -> None:
@@ -38,16 +66,23 @@ def _check_counts(stages: int, microbatches: int, forward: float, backward: floa
         raise ValueError(f"Pass durations above 0, got forward={forward} and backward={backward}.")
 
 
-def depends_on(kind: str, stage: int, microbatch: int, stages: int) -> tuple[str, int, int] | None:
-    """The ``(kind, stage, microbatch)`` pass that must end before this one starts (None: the first forward).
+def depends_on(
+    kind: str, stage: int, microbatch: int, stages: int, chunk: int = 0, virtual: int = 1
+) -> tuple[str, int, int, int] | None:
+    """The ``(kind, stage, microbatch, chunk)`` pass whose output this one receives (None: none).
 
-    Activations flow down (forward ``s`` after forward ``s - 1``), gradients flow up
-    (backward ``s`` after backward ``s + 1``), and the last stage's backward follows its
-    own forward.
+    Activations flow down the model's stages (a forward after the forward above), gradients
+    flow up (a backward after the backward below), and the model's last stage starts its
+    backward from its own forward. A ``"weight"`` pass receives nothing: it follows its own
+    stage's backward pass of the same microbatch, which :func:`check_schedule` checks.
     """
-    if kind == "forward":
-        return None if stage == 0 else ("forward", stage - 1, microbatch)
-    return ("forward", stage, microbatch) if stage == stages - 1 else ("backward", stage + 1, microbatch)
+    k, last = model_stage(stage, chunk, stages), stages * virtual - 1
+    if kind == "weight" or (kind == "forward" and k == 0):
+        return None
+    if kind == "backward" and k == last:
+        return ("forward", stage, microbatch, chunk)
+    k += -1 if kind == "forward" else 1
+    return (kind, k % stages, microbatch, k // stages)
 
 
 def gpipe_schedule(stages: int, microbatches: int, forward: float = 1, backward: float = 2) -> list[Slot]:
@@ -107,44 +142,162 @@ def one_f_one_b_schedule(stages: int, microbatches: int, forward: float = 1, bac
     orders = []
     for s in range(stages):
         warmup = min(stages - 1 - s, microbatches)
-        order = [("forward", m) for m in range(warmup)]
+        order = [("forward", m, 0) for m in range(warmup)]
         for m in range(microbatches - warmup):
-            order += [("forward", warmup + m), ("backward", m)]
-        orders.append(order + [("backward", m) for m in range(microbatches - warmup, microbatches)])
-    ends: dict[tuple[str, int, int], float] = {}
+            order += [("forward", warmup + m, 0), ("backward", m, 0)]
+        orders.append(order + [("backward", m, 0) for m in range(microbatches - warmup, microbatches)])
+    return timed(orders, {"forward": forward, "backward": backward})
+
+
+def interleaved_schedule(
+    stages: int, microbatches: int, virtual: int = 2, forward: float = 1, backward: float = 2
+) -> list[Slot]:
+    """Interleaved 1F1B (Narayanan et al., 2021; Megatron-LM's virtual pipeline stages).
+
+    The model is cut into ``stages x virtual`` runs of layers and stage ``s`` holds runs
+    ``s, s + stages, s + 2 stages, ...`` (its ``virtual`` chunks), so a microbatch crosses every
+    stage ``virtual`` times and each pass of a chunk takes ``1 / virtual`` of a stage's pass.
+    The fill and drain then take ``virtual`` times less time, and the bubble falls from
+    1F1B's ``(stages - 1) / (microbatches + stages - 1)`` to ``(stages - 1) / (virtual x
+    microbatches + stages - 1)``, at the price of ``virtual`` times as many hand-overs
+    between stages. Each stage runs Megatron's order: microbatches in groups of ``stages``,
+    each group through chunk 0, then chunk 1, ...; ``(stages - 1 - s) x 2 + (virtual - 1) x
+    stages`` forward passes as its warm-up, then one forward and one backward in turn.
+
+    Args:
+      stages, microbatches, forward, backward: as :func:`gpipe_schedule`, the durations those
+        of a whole stage (each chunk takes ``1 / virtual`` of them).
+      virtual: chunks per stage, >= 1 (1 is :func:`one_f_one_b_schedule`).
+
+    Raises:
+      ValueError: as :func:`gpipe_schedule`, or ``virtual`` below 1, or (with ``virtual > 1``)
+        microbatches that are not a multiple of ``stages`` (as Megatron requires).
+
+    >>> slots = interleaved_schedule(2, 4, virtual=2)
+    >>> sorted({(s.stage, s.chunk) for s in slots})  # each stage runs two chunks
+    [(0, 0), (0, 1), (1, 0), (1, 1)]
+    >>> round(bubble_fraction(slots), 4), round(1 / (2 * 4 + 1), 4)
+    (0.1111, 0.1111)
+    """
+    _check_counts(stages, microbatches, forward, backward)
+    if not (isinstance(virtual, int) and virtual >= 1):
+        raise ValueError(f"interleaved_schedule(virtual={virtual!r}): chunks per stage, a whole number >= 1.")
+    if virtual == 1:
+        return one_f_one_b_schedule(stages, microbatches, forward, backward)
+    if microbatches % stages:
+        raise ValueError(
+            f"An interleaved schedule takes microbatches in groups of stages: {microbatches} microbatches "
+            f"over {stages} stages leave a group short. Use a multiple of {stages} microbatches."
+        )
+    group, total = stages * virtual, microbatches * virtual  # passes of each kind per stage
+
+    def chunk(k: int, kind: str) -> int:
+        c = (k % group) // stages
+        return c if kind == "forward" else virtual - 1 - c
+
+    def numbered(kind: str, k: int) -> tuple[str, int, int]:
+        return (kind, (k // group) * stages + k % stages, chunk(k, kind))
+
+    orders = []
+    for s in range(stages):
+        warmup = min((stages - 1 - s) * 2 + (virtual - 1) * stages, total)
+        order = [numbered("forward", k) for k in range(warmup)]
+        for j in range(total - warmup):
+            order += [numbered("forward", warmup + j), numbered("backward", j)]
+        orders.append(order + [numbered("backward", j) for j in range(total - warmup, total)])
+    return timed(orders, {"forward": forward / virtual, "backward": backward / virtual}, virtual)
+
+
+def zero_bubble_schedule(stages: int, microbatches: int, forward: float = 1, backward: float = 2) -> list[Slot]:
+    """ZB-H1 (Qi et al., 2023, "Zero Bubble Pipeline Parallelism"): a third of 1F1B's bubble.
+
+    Each backward pass is split in two, each taking half of ``backward``: ``"backward"``,
+    the gradient of the stage's input, which the stage above waits for, and ``"weight"``,
+    the gradient of its parameters, which nobody waits for. Stage ``s`` runs 1F1B's order
+    with the input's gradient as its backward pass, and the weight pass of microbatch
+    ``j - s`` after the backward pass of microbatch ``j``: the later the stage, the longer
+    it defers them, so the weight passes fill the gaps where 1F1B's stages wait for the
+    gradients from below; the ones left run at the end. With ``microbatches >= stages`` the
+    idle time per stage is ``(stages - 1) x forward`` where 1F1B's is ``(stages - 1) x
+    (forward + backward)``. The price is memory: a microbatch's activations are held until
+    its weight pass, so every stage holds up to ``stages`` microbatches at once, the most
+    1F1B holds on its first stage only.
+
+    Args and Raises: as :func:`gpipe_schedule`.
+
+    >>> slots = zero_bubble_schedule(4, 8)
+    >>> round(bubble_fraction(slots), 3), round(3 / (3 * 8 + 3), 3)  # (stages - 1) / (3 m + stages - 1)
+    (0.111, 0.111)
+    >>> round(bubble_fraction(one_f_one_b_schedule(4, 8)), 3)
+    0.273
+    >>> peak_in_flight(slots), peak_in_flight(one_f_one_b_schedule(4, 8))
+    ({0: 4, 1: 4, 2: 4, 3: 4}, {0: 4, 1: 3, 2: 2, 3: 1})
+    """
+    _check_counts(stages, microbatches, forward, backward)
+    orders = []
+    for s in range(stages):
+        warmup = min(stages - 1 - s, microbatches)
+        order, weights = [("forward", m, 0) for m in range(warmup)], 0
+        for j in range(microbatches):
+            if warmup + j < microbatches:
+                order.append(("forward", warmup + j, 0))
+            order.append(("backward", j, 0))
+            if j - s >= weights:  # the weight pass of microbatch j - s
+                order.append(("weight", weights, 0))
+                weights += 1
+        orders.append(order + [("weight", m, 0) for m in range(weights, microbatches)])
+    return timed(orders, {"forward": forward, "backward": backward / 2, "weight": backward / 2})
+
+
+def timed(
+    orders: Sequence[Sequence[tuple[str, int, int]]], durations: dict[str, float], virtual: int = 1
+) -> list[Slot]:
+    """Each stage's passes in its ``(kind, microbatch, chunk)`` order, each as early as it can start.
+
+    A pass starts when its stage is free and the pass it receives from (:func:`depends_on`)
+    has ended; it lasts ``durations[kind]``.
+
+    Raises:
+      ValueError: orders that wait on each other forever (no stage can start its next pass).
+    """
+    stages = len(orders)
+    ends: dict[tuple[str, int, int, int], float] = {}
     free, position, slots = [0.0] * stages, [0] * stages, []
-    while len(slots) < 2 * stages * microbatches:
+    while len(slots) < sum(len(order) for order in orders):
         progressed = False
         for s in range(stages):
             if position[s] == len(orders[s]):
                 continue
-            kind, m = orders[s][position[s]]
-            after = depends_on(kind, s, m, stages)
+            kind, m, c = orders[s][position[s]]
+            after = depends_on(kind, s, m, stages, c, virtual)
             if after is not None and after not in ends:
                 continue  # waits for another stage
-            ready = 0.0 if after is None else ends[after]
-            start = max(free[s], ready)
-            end = start + (forward if kind == "forward" else backward)
-            slots.append(Slot(s, m, start, end, kind))
-            ends[kind, s, m], free[s], position[s], progressed = end, end, position[s] + 1, True
-        assert progressed, "1F1B order deadlocked"  # cannot happen: each wait is on an earlier pass
-    return sorted(slots, key=lambda x: (KINDS.index(x.kind), x.stage, x.microbatch))
+            start = max(free[s], 0.0 if after is None else ends[after])
+            end = start + durations[kind]
+            slots.append(Slot(s, m, start, end, kind, c))
+            ends[kind, s, m, c], free[s], position[s], progressed = end, end, position[s] + 1, True
+        if not progressed:
+            raise ValueError(f"These orders deadlock: every stage waits on another ({[o[:4] for o in orders]}...).")
+    return sorted(slots, key=lambda x: (KINDS.index(x.kind), x.chunk, x.stage, x.microbatch))
 
 
 def peak_in_flight(schedule: Sequence[Slot]) -> dict[int, int]:
-    """Per stage, the most microbatches whose forward pass has ended and backward pass has not.
+    """Per stage, the most microbatches (of any chunk) whose forward pass has ended and whose last pass has not.
 
-    Each such microbatch's activations are held for its backward pass, so this counts the
-    activation memory a stage needs, in microbatches: ``microbatches`` for GPipe, at most
-    ``stages - stage`` for 1F1B.
+    Each such microbatch's activations are held until its backward pass, or its weight pass
+    where the schedule splits the backward: this counts the activation memory a stage needs,
+    in microbatches: ``microbatches`` for GPipe, at most ``stages - stage`` for 1F1B and ZB-H1.
 
     >>> peak_in_flight(gpipe_schedule(2, 4)), peak_in_flight(one_f_one_b_schedule(2, 4))
     ({0: 4, 1: 4}, {0: 2, 1: 1})
     """
+    last = "weight" if any(slot.kind == "weight" for slot in schedule) else "backward"
     peaks = {}
     for stage in sorted({s.stage for s in schedule}):
         events = sorted(
-            (slot.end, 1) if slot.kind == "forward" else (slot.end, -1) for slot in schedule if slot.stage == stage
+            (slot.end, 1 if slot.kind == "forward" else -1)
+            for slot in schedule
+            if slot.stage == stage and slot.kind in ("forward", last)
         )
         held = peak = 0
         for _, change in events:
@@ -154,18 +307,25 @@ def peak_in_flight(schedule: Sequence[Slot]) -> dict[int, int]:
     return peaks
 
 
-def stage_orders(schedule: Sequence[Slot]) -> list[list[tuple[str, int]]]:
+def stage_orders(schedule: Sequence[Slot]) -> list[list[tuple]]:
     """Per stage, its passes in the order they run: ``[[(kind, microbatch), ...], ...]``.
 
-    What an executor needs from a schedule (:class:`parallelkit.Pipeline` runs each
-    stage's list in turn); also how an executed timeline is compared with the plan.
+    Where the schedule interleaves chunks, each pass also names its chunk: ``(kind,
+    microbatch, chunk)``. What an executor needs from a schedule (:class:`parallelkit.Pipeline`
+    runs each stage's list in turn); also how an executed timeline is compared with the plan.
 
     >>> stage_orders(one_f_one_b_schedule(2, 2))[0]
     [('forward', 0), ('forward', 1), ('backward', 0), ('backward', 1)]
+    >>> stage_orders(interleaved_schedule(2, 2, virtual=2))[1][:3]
+    [('forward', 0, 0), ('forward', 1, 0), ('forward', 0, 1)]
     """
     stages = 1 + max(s.stage for s in schedule)
+    chunked = any(s.chunk for s in schedule)
     return [
-        [(s.kind, s.microbatch) for s in sorted((x for x in schedule if x.stage == stage), key=lambda x: x.start)]
+        [
+            (s.kind, s.microbatch, s.chunk) if chunked else (s.kind, s.microbatch)
+            for s in sorted((x for x in schedule if x.stage == stage), key=lambda x: x.start)
+        ]
         for stage in range(stages)
     ]
 
@@ -178,8 +338,9 @@ def makespan(schedule: Sequence[Slot]) -> float:
 def bubble_fraction(schedule: Sequence[Slot]) -> float:
     """The share of stage-time spent idle: ``1 - busy / (stages x makespan)``.
 
-    For GPipe this is ``(stages - 1) / (microbatches + stages - 1)``: more microbatches,
-    smaller bubble.
+    For GPipe and 1F1B this is ``(stages - 1) / (microbatches + stages - 1)``: more
+    microbatches, smaller bubble; interleaving ``v`` chunks makes it ``(stages - 1) / (v x
+    microbatches + stages - 1)``.
     """
     stages = len({s.stage for s in schedule})
     busy = sum(s.end - s.start for s in schedule)
@@ -189,31 +350,35 @@ def bubble_fraction(schedule: Sequence[Slot]) -> float:
 def check_schedule(schedule: Sequence[Slot]) -> None:
     """Raise a ValueError if the schedule could not run.
 
-    A valid schedule has one forward and one backward slot per (stage, microbatch), no
-    two slots overlapping on a stage, forward ``(s, m)`` after forward ``(s - 1, m)``
-    (activations flow down), backward ``(s, m)`` after backward ``(s + 1, m)`` (gradients
-    flow up), and the last stage's backward after its own forward.
+    A valid schedule has one forward and one backward slot per (stage, chunk, microbatch),
+    and one weight slot each too if it has any; no two slots overlapping on a stage; a
+    forward after the forward above in the model (activations flow down), a backward after
+    the backward below (gradients flow up), the model's last stage's backward after its own
+    forward, and a weight pass after its own backward pass.
     """
     slots = {}
     for slot in schedule:
         if slot.kind not in KINDS:
             raise ValueError(f"{slot}: kind must be one of {KINDS}.")
-        key = (slot.kind, slot.stage, slot.microbatch)
+        key = (slot.kind, slot.stage, slot.microbatch, slot.chunk)
         if key in slots:
             raise ValueError(f"{slot}: a second {slot.kind} pass of microbatch {slot.microbatch} on stage {slot.stage}")
         slots[key] = slot
     stages = 1 + max(s.stage for s in schedule)
     micro = 1 + max(s.microbatch for s in schedule)
-    missing = [(k, s, m) for k in KINDS for s in range(stages) for m in range(micro) if (k, s, m) not in slots]
+    virtual = 1 + max(s.chunk for s in schedule)
+    kinds = KINDS if any(s.kind == "weight" for s in schedule) else KINDS[:2]
+    wanted = [(k, s, m, c) for k in kinds for s in range(stages) for m in range(micro) for c in range(virtual)]
+    missing = [key for key in wanted if key not in slots]
     if missing:
-        raise ValueError(f"Missing (kind, stage, microbatch) slots: {missing[:4]}.")
+        raise ValueError(f"Missing (kind, stage, microbatch, chunk) slots: {missing[:4]}.")
     for s in range(stages):
         mine = sorted((x for x in schedule if x.stage == s), key=lambda x: x.start)
         for a, b in zip(mine, mine[1:], strict=False):
             if b.start < a.end:
                 raise ValueError(f"Stage {s} runs {a} and {b} at once.")
-    for (kind, s, m), slot in slots.items():
-        after = depends_on(kind, s, m, stages)
+    for (kind, s, m, c), slot in slots.items():
+        after = ("backward", s, m, c) if kind == "weight" else depends_on(kind, s, m, stages, c, virtual)
         before = None if after is None else slots[after]
         if before is not None and slot.start < before.end:
             raise ValueError(f"{slot} starts before {before} ends, which it depends on.")

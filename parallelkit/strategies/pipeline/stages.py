@@ -12,6 +12,9 @@ schedule: a schedule changes only the order in which they are called.
   the stage below. The forward pass is recomputed here from the stage's input, so
   between its forward and backward pass a microbatch costs its stage only that input
   (GPipe's re-materialisation, Huang et al. 2019);
+- :func:`backward_unreduced`: :func:`backward` where a stage has several ``data`` devices:
+  each adds its own slice's gradients to its own sum, nothing all-reduced until
+  :func:`reduce_unreduced` does it once a step;
 - :func:`update`: one optimizer update of the stage's own parameters (and :func:`next_step`,
   the step counter).
 """
@@ -25,7 +28,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import optax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
+from ...core.axes import DATA
 from ...core.contract import Batch, PyTree, loss_with_aux
 from ...core.precision import Precision, all_finite, cast_floating, select, unscale
 
@@ -112,6 +118,21 @@ def forward(params, x, batch, *, layers, head_loss, first, last, precision=None)
     return (out[0], out[1][0]) if last else out
 
 
+def _pullback(params, x, batch, cotangent, *, layers, head_loss, first, last, precision):
+    """The stage's forward pass recomputed under :func:`jax.vjp`: ``(parameter gradients, input gradient)``."""
+
+    def output(p, inputs):
+        out = _stage_output(layers, head_loss, first, last, p, inputs, batch, precision)
+        return out[0] if last else out
+
+    if first:
+        _, pullback = jax.vjp(lambda p: output(p, None), params)
+        (param_grads,) = pullback(cotangent)
+        return param_grads, None
+    _, pullback = jax.vjp(output, params, x)
+    return pullback(cotangent)
+
+
 @partial(jax.jit, static_argnames=_STATIC, donate_argnames=("grads",))
 def backward(params, x, batch, cotangent, grads, *, layers, head_loss, first, last, precision=None):
     """Recompute the stage's forward pass under ``jax.vjp``; return ``(grads + this microbatch's, input gradient)``.
@@ -121,18 +142,41 @@ def backward(params, x, batch, cotangent, grads, *, layers, head_loss, first, la
     mean of the microbatches' losses), times the loss scale where there is one. The first
     stage returns no input gradient (its input is the batch).
     """
-
-    def output(p, inputs):
-        out = _stage_output(layers, head_loss, first, last, p, inputs, batch, precision)
-        return out[0] if last else out
-
-    if first:
-        _, pullback = jax.vjp(lambda p: output(p, None), params)
-        (param_grads,), input_grad = pullback(cotangent), None
-    else:
-        _, pullback = jax.vjp(output, params, x)
-        param_grads, input_grad = pullback(cotangent)
+    statics = dict(layers=layers, head_loss=head_loss, first=first, last=last, precision=precision)
+    param_grads, input_grad = _pullback(params, x, batch, cotangent, **statics)
     return jax.tree.map(jnp.add, grads, param_grads), input_grad
+
+
+@partial(jax.jit, static_argnames=(*_STATIC, "mesh"), donate_argnames=("grads",))
+def backward_unreduced(params, x, batch, cotangent, grads, *, mesh, layers, head_loss, first, last, precision=None):
+    """:func:`backward` on each of the stage's ``data`` devices alone, with no collective.
+
+    Each device takes its slice of the microbatch and adds its slice's parameter gradients
+    to its own running sum: ``grads`` has a leading axis of ``data``, one row per device, split
+    over the stage's ``mesh``. The rows add up to the microbatches' gradients;
+    :func:`reduce_unreduced` all-reduces them once a step. On the last stage each device's
+    loss is the mean over its slice, so its seed is ``cotangent / data``.
+    """
+    statics = dict(layers=layers, head_loss=head_loss, first=first, last=last, precision=precision)
+
+    def local(params, x, batch, cotangent, grads):
+        # Per-device ("varying") parameters: else autodiff would transpose their broadcast into a psum.
+        params = jax.tree.map(lambda p: jax.lax.pcast(p, DATA, to="varying"), params)
+        if last:
+            cotangent = jax.lax.pcast(cotangent / jax.lax.axis_size(DATA), DATA, to="varying")
+        param_grads, input_grad = _pullback(params, x, batch, cotangent, **statics)
+        return jax.tree.map(lambda g, new: g + new[None], grads, param_grads), input_grad
+
+    split, whole = P(DATA), P()
+    specs = (whole, split, split, whole if last else split, split)
+    return jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=(split, split))(params, x, batch, cotangent, grads)
+
+
+@partial(jax.jit, static_argnames=("where",))
+def reduce_unreduced(grads, *, where: NamedSharding):
+    """The rows of :func:`backward_unreduced`'s running sums added up, a copy on each of the stage's devices
+    (``where``): one all-reduce of the stage's gradients."""
+    return jax.tree.map(lambda g: jax.lax.with_sharding_constraint(g.sum(axis=0), where), grads)
 
 
 @partial(jax.jit, donate_argnums=0)

@@ -54,7 +54,9 @@ class Pipeline(Strategy):
     ``"gpipe"`` runs every forward pass, then every backward pass; ``"1f1b"`` alternates
     them, so a stage holds the inputs of at most ``stages - stage`` microbatches instead
     of all ``m``. With ``data > 1`` each stage is a group of ``data`` devices that split
-    every microbatch, their gradients all-reduced inside the stage's backward program.
+    every microbatch; each device adds up its own slices' gradients, and the stage
+    all-reduces them once a step, after its last backward pass (as DDP's ``no_sync`` does
+    for accumulated microbatches), not once per microbatch.
 
     What a pipeline here does not do, each refused with an error that says so:
 
@@ -273,9 +275,11 @@ class Pipeline(Strategy):
         - device<->device, at each boundary between stages ``s`` and ``s + 1``: the activations
           down and their gradients up, ``m x A_s / d`` each, so ``2 x m x A_s / d`` in all;
         - with ``d > 1``, the collectives each stage's programs run, read from their compiled
-          HLO and counted once per call (``m`` calls a step): the backward program all-reduces
-          each microbatch's parameter gradients (``m x P_s``, ``P_s`` the stage's parameter
-          bytes), and the last stage's forward program its loss and metrics (``m x M``).
+          HLO and counted once per call: each device adds its slices' gradients up over the
+          microbatches, and the stage all-reduces them once a step (``P_s``, the stage's
+          parameter bytes; not once per microbatch, ``m x P_s``, as an all-reduce inside each
+          backward pass would), and the last stage's forward program all-reduces its loss and
+          metrics once per microbatch (``m x M``).
 
         Returns:
           A :class:`~parallelkit.measure.traffic.StepTraffic`; ``print(traffic.table())`` shows it.
@@ -301,7 +305,7 @@ class Pipeline(Strategy):
                                   "arrays handed over"))  # fmt: skip
         found = step.stage_collectives(state, microbatches[0]) if d > 1 else []
         flows += _collective_flows(found, m, metric_bytes, state, self)
-        every_call = [c for _, _, c in found for _ in range(m)]
+        every_call = [c for _, kind, c in found for _ in range(m if CALLS[kind] == "m" else 1)]
         return StepTraffic(repr(self), self.traffic_pattern, d, _nbytes(state.params), metric_bytes, tuple(flows),
                            bus_bytes=bus_bytes(every_call))  # fmt: skip
 
@@ -325,19 +329,24 @@ def _nbytes(tree: Any) -> int:
     return sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
 
 
+CALLS = {"forward": "m", "backward": "m", "reduce": "1"}  # how often a step calls each program of a stage
+
+
 def _collective_flows(
     found: Sequence[tuple[int, str, Collective]], m: int, metric_bytes: int, state: TrainState, pipe: Pipeline
 ) -> list[Flow]:
-    """The stages' collectives as flows, ``m`` calls each: gradient all-reduces, the metrics', and any other."""
+    """The stages' collectives as flows, each counted as often as its program runs a step (:data:`CALLS`):
+    each stage's one gradient all-reduce, the last stage's metrics', and any other."""
     stage_params, last = pipe.stage_params(state.params), pipe.stages - 1
     totals: dict[tuple[int, str, str], int] = {}
     for s, kind, c in found:
-        totals[s, kind, c.op] = totals.get((s, kind, c.op), 0) + m * c.bytes
+        calls = m if CALLS[kind] == "m" else 1
+        totals[s, kind, c.op] = totals.get((s, kind, c.op), 0) + calls * c.bytes
     flows = []
     for s in range(pipe.stages if found else 0):
-        measured = totals.pop((s, "backward", "all-reduce"), 0)
-        flows.append(Flow(D2D, f"gradients of stage {s} (all-reduce)", measured, m * _nbytes(stage_params[s]),
-                          f"m x P_{s}", "compiled HLO, x m calls"))  # fmt: skip
+        measured = totals.pop((s, "reduce", "all-reduce"), 0)
+        flows.append(Flow(D2D, f"gradients of stage {s} (all-reduce)", measured, _nbytes(stage_params[s]),
+                          f"P_{s}", "compiled HLO, once a step"))  # fmt: skip
     if found:
         measured = totals.pop((last, "forward", "all-reduce"), 0)
         flows.append(Flow(D2D, f"loss and metrics, stage {last} (all-reduce)", measured, m * metric_bytes, "m x M",
@@ -439,7 +448,7 @@ class PipelineStep(Step):
         """
         pipe, statics = self.pipeline, self.statics
         last = pipe.stages - 1
-        grads = [jax.tree.map(jnp.zeros_like, p) for p in params]
+        grads = [self._zero_grads(s, p) for s, p in enumerate(params)]
         stash: list[dict[int, Any]] = [{} for _ in range(pipe.stages)]  # each stage's inputs kept for its backward
         outputs: dict[int, tuple] = {}  # microbatch -> (loss, aux) on the last stage
         moved: list[tuple[str, int, int, int]] = []
@@ -465,9 +474,8 @@ class PipelineStep(Step):
             else:
                 x, batch = stash[stage].pop(m)
                 cotangent = seed if stage == last else received
-                grads[stage], out = programs.backward(
-                    params[stage], x, batch, cotangent, grads[stage], **statics[stage]
-                )
+                program, arguments = self._backward(stage)
+                grads[stage], out = program(params[stage], x, batch, cotangent, grads[stage], **arguments)
                 if stage > 0:
                     out = send("gradients", out, stage - 1, m)  # gradients move back up
             jax.block_until_ready((out, grads[stage]))
@@ -479,7 +487,26 @@ class PipelineStep(Step):
         watched = [pipe.stage_devices(s)[0] for s in range(pipe.stages)]  # whose own memory reading is kept
         timeline = execute(self.orders, task, stashed_bytes, watched)
         timeline.moved = sorted(moved)
+        if pipe.data > 1:  # each device's own sums, all-reduced once a step
+            grads = [programs.reduce_unreduced(g, where=pipe.replicated(s)) for s, g in enumerate(grads)]
         return grads, [outputs[m] for m in range(pipe.microbatches)], timeline
+
+    def _zero_grads(self, stage: int, params: PyTree) -> PyTree:
+        """A stage's running sum of gradients at zero: like its parameters, or with ``data > 1`` one row per device."""
+        pipe = self.pipeline
+        if pipe.data == 1:
+            return jax.tree.map(jnp.zeros_like, params)
+        rows = jax.tree.map(lambda p: jnp.zeros((pipe.data, *p.shape), p.dtype), params)
+        return jax.device_put(rows, pipe.split(stage))
+
+    def _backward(self, stage: int) -> tuple[Any, dict]:
+        """Stage ``stage``'s backward program and its static arguments: the gradients all-reduced in it, or with
+        ``data > 1`` kept per device (:func:`~parallelkit.strategies.pipeline.stages.backward_unreduced`) until
+        the step's one all-reduce."""
+        pipe = self.pipeline
+        if pipe.data == 1:
+            return programs.backward, self.statics[stage]
+        return programs.backward_unreduced, dict(self.statics[stage], mesh=pipe.stage_meshes[stage])
 
     def output_shapes(self, params: list[list[PyTree]], microbatch: Batch) -> list[Any]:
         """Per stage, the shapes of its forward pass's output for one microbatch (``(loss, aux)`` on the last).
@@ -494,10 +521,11 @@ class PipelineStep(Step):
         return shapes
 
     def stage_collectives(self, state: TrainState, microbatch: Batch) -> list[tuple[int, str, Collective]]:
-        """``(stage, "forward" or "backward", collective)`` for each collective in each stage's compiled programs.
+        """``(stage, program, collective)`` for each collective in each stage's compiled programs.
 
-        Each program is lowered for one microbatch as the step places it, and compiled; each
-        collective runs once per call, so ``microbatches`` times a step.
+        The programs are ``"forward"`` and ``"backward"``, lowered for one microbatch as the step
+        places it and called ``microbatches`` times a step, and with ``data > 1`` ``"reduce"``,
+        the gradients' one all-reduce, called once a step.
         """
         pipe = self.pipeline
         params, last = pipe.stage_params(state.params), pipe.stages - 1
@@ -511,10 +539,13 @@ class PipelineStep(Step):
             x = None if s == 0 else on(shapes[s - 1], pipe.split(s))
             batch = on(jax.eval_shape(lambda b: b, microbatch), pipe.split(s)) if s in (0, last) else None
             cotangent = on(jnp.float32(0), pipe.replicated(s)) if s == last else on(shapes[s], pipe.split(s))
+            grads, (backward, backward_statics) = self._zero_grads(s, params[s]), self._backward(s)
             lowered = {
                 "forward": programs.forward.lower(params[s], x, batch, **statics),
-                "backward": programs.backward.lower(params[s], x, batch, cotangent, params[s], **statics),
+                "backward": backward.lower(params[s], x, batch, cotangent, grads, **backward_statics),
             }
+            if pipe.data > 1:
+                lowered["reduce"] = programs.reduce_unreduced.lower(grads, where=pipe.replicated(s))
             for kind, program in lowered.items():
                 found += [(s, kind, c) for c in parse_collectives(program.compile().as_text())]
         return found

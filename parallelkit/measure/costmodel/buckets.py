@@ -1,0 +1,87 @@
+"""Gradient buckets in the alpha-beta model: how big a bucket should be.
+
+Data parallelism all-reduces its gradients in buckets (PyTorch DDP's ``bucket_cap_mb``,
+25 MB by default; Horovod's tensor fusion, a 64 MB buffer by default; XLA's all-reduce combiner,
+``--xla_gpu_all_reduce_combine_threshold_bytes`` on a GPU). The backward pass produces the
+gradients last layer first; a bucket's all-reduce can start once its gradients exist and
+the bucket before it is done (one communication stream), while the backward pass goes
+on. Two costs pull against each other:
+
+- every all-reduce pays the latency of its rounds, so many small buckets are
+  latency-bound;
+- a bucket starts only when it is full, so one big bucket waits for the whole backward
+  pass and hides nothing; the last bucket's all-reduce is never hidden.
+
+:func:`bucket_timeline` plays this out: bucket ``k`` is ready when the backward pass has
+produced its bytes (at an even rate per byte over ``backward_s``), starts when it is ready
+and the one before has finished, and takes :func:`~.links.allreduce_seconds`. What runs past
+the end of the backward pass is exposed: the step waits for it. With ``backward_s=0`` (no
+overlap, as on XLA's CPU backend, which runs collectives and compute one after another)
+everything is exposed: the sum of the buckets' all-reduces.
+
+>>> from parallelkit.measure.costmodel import Cluster, Link
+>>> four = Cluster(1, 4, Link("test", GBps=10, latency_us=5, source="by hand"))
+>>> one = bucket_timeline(four, [4e6], backward_s=1e-3)           # one bucket, ready at the end
+>>> many = bucket_timeline(four, [1e6] * 4, backward_s=1e-3)      # four, the first ready at 1/4
+>>> round(one.exposed_s * 1e6), round(many.exposed_s * 1e6)       # us the step waits after the backward pass
+(630, 180)
+>>> round(bucket_timeline(four, [4e3] * 1000, backward_s=1e-3).exposed_s * 1e3, 1)  # latency-bound
+29.6
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from .links import Cluster, allreduce_seconds
+
+
+@dataclass(frozen=True)
+class BucketTimeline:
+    """When each bucket's all-reduce starts and ends (seconds from the start of the backward pass)."""
+
+    starts: tuple[float, ...]
+    ends: tuple[float, ...]
+    backward_s: float
+
+    @property
+    def communication_s(self) -> float:
+        """Every bucket's all-reduce, added up: the time on the wire, hidden or not."""
+        return sum(end - start for start, end in zip(self.starts, self.ends, strict=True))
+
+    @property
+    def exposed_s(self) -> float:
+        """What the step waits for after the backward pass: the all-reduces not hidden behind it."""
+        return max(0.0, (self.ends[-1] if self.ends else 0.0) - self.backward_s)
+
+
+def bucket_timeline(
+    cluster: Cluster, bucket_bytes: Sequence[float], backward_s: float = 0.0, algorithm: str = "ring"
+) -> BucketTimeline:
+    """Play the buckets (bytes each, in the order they are reduced) over one communication stream.
+
+    Args:
+      cluster: the devices and their links; every bucket is all-reduced over all of them.
+      bucket_bytes: each bucket's bytes, the first reduced first (the last layers').
+      backward_s: the backward pass's seconds, during which the gradients appear at an even
+        rate per byte; 0: no overlap (every all-reduce after the backward pass).
+      algorithm: the all-reduce's (:func:`~.links.allreduce_seconds`).
+
+    Raises:
+      ValueError: a bucket of no bytes or less, or a negative backward time.
+    """
+    if any(not b > 0 for b in bucket_bytes) or backward_s < 0:
+        raise ValueError(
+            f"bucket_timeline: every bucket needs bytes > 0 (got {list(bucket_bytes)}) and the backward pass "
+            f"seconds >= 0 (got {backward_s})."
+        )
+    total, produced, free = sum(bucket_bytes), 0.0, 0.0
+    starts, ends = [], []
+    for nbytes in bucket_bytes:
+        produced += nbytes
+        start = max(backward_s * produced / total, free)
+        free = start + allreduce_seconds(cluster, nbytes, algorithm)
+        starts.append(start)
+        ends.append(free)
+    return BucketTimeline(tuple(starts), tuple(ends), backward_s)
