@@ -202,6 +202,75 @@ def test_traffic_measures_what_the_stages_hand_over_beside_the_formulas(stages, 
     state, _ = pipe.step(pk.models.cross_entropy)(state, batch)  # the report left the state as it was
 
 
+@pytest.fixture(scope="module")
+def eight_layers(digits):
+    """The kit's MLP as eight layers (64 -> 32 x 7 -> 10): enough for 4 stages x 2 chunks."""
+    return pk.models.as_layers(pk.models.MLP(64, (32,) * 7, digits.num_classes, rngs=nnx.Rngs(0)))
+
+
+@pytest.mark.parametrize(("stages", "data"), [(2, 1), (2, 2), (4, 1), (4, 2)])
+@pytest.mark.parametrize(("schedule", "virtual"), [("interleaved", 2), ("zb-h1", 1)])
+def test_interleaved_and_zero_bubble_pipelines_equal_one_device(schedule, virtual, stages, data, eight_layers, digits):
+    layers, params = eight_layers
+    batches = list(pk.data.batches(digits, 64, steps=2))
+    pipe = pk.Pipeline(layers, stages, 4, schedule, virtual=virtual, data=data, devices=jax.devices()[: stages * data])
+    state, step = pipe.init(params, optax.adam(1e-3)), pipe.step(pk.models.cross_entropy)
+    single = pk.SingleDevice()
+    expected = single.init(params, optax.adam(1e-3))
+    one = single.step(pk.pipeline.sequential_loss(layers, pk.models.cross_entropy))
+    for batch in batches:
+        state, _ = step(state, batch)
+        expected, _ = one(expected, batch)
+    tree_allclose(state.params, expected.params)
+    assert step.timeline.orders() == stage_orders(pipe.planned())  # the executed order is the plan's
+    runs = {(s.stage, s.chunk) for s in step.timeline.slots}
+    assert runs == {(s, c) for s in range(stages) for c in range(virtual)}
+
+
+def test_zero_bubbles_backward_and_weight_passes_add_up_to_the_fused_backward(deep_mlp, batch):
+    """B (the input's gradient) and W (the parameters') of ZB-H1, two jax.vjp calls, equal the one fused pass."""
+    from parallelkit.strategies.pipeline import stages as programs
+
+    layers, params = deep_mlp
+    statics = dict(layers=tuple(layers[1:3]), head_loss=pk.models.cross_entropy, first=False, last=False)
+    x = pk.pipeline.run_layers(layers[:1], params[:1], batch)
+    out = programs.forward(params[1:3], x, None, **statics)
+    cotangent = jax.random.normal(jax.random.key(0), out.shape)
+    zeros = jax.tree.map(np.zeros_like, params[1:3])
+    fused_grads, fused_input = programs.backward(params[1:3], x, None, cotangent, zeros, **statics)
+    input_grad = programs.backward_input(params[1:3], x, None, cotangent, **statics)
+    zeros = jax.tree.map(np.zeros_like, params[1:3])
+    weight_grads, none = programs.backward(params[1:3], x, None, cotangent, zeros, wrt="params", **statics)
+    assert none is None
+    tree_allclose(input_grad, fused_input)
+    tree_allclose(weight_grads, fused_grads)
+
+
+def test_zero_bubble_holds_each_microbatch_until_its_weight_pass(deep_mlp, batch):
+    layers, params = deep_mlp
+    held = {}
+    for schedule in ("1f1b", "zb-h1"):
+        pipe = pk.Pipeline(layers, 2, 4, schedule, devices=jax.devices()[:2])
+        state, step = pipe.init(params, optax.sgd(0.1)), pipe.step(pk.models.cross_entropy)
+        step(state, batch)
+        held[schedule] = step.timeline.peak_stashed_bytes()
+        assert step.timeline.peak_in_flight() == peak_in_flight(pipe.planned())
+    assert held["zb-h1"][1] > held["1f1b"][1]  # the last stage: 1 microbatch under 1F1B, 2 under ZB-H1
+
+
+def test_interleaving_hands_over_at_every_boundary_between_runs_of_layers(eight_layers, batch):
+    """Stages 2, virtual 2: four runs of layers, three boundaries that cross devices, against 1F1B's one."""
+    layers, params = eight_layers
+    handed = {}
+    for schedule, virtual in (("1f1b", 1), ("interleaved", 2)):
+        pipe = pk.Pipeline(layers, 2, 4, schedule, virtual=virtual, devices=jax.devices()[:2])
+        traffic = pipe.traffic(pk.models.cross_entropy, pipe.init(params, optax.sgd(0.1)), batch)
+        assert all(f.measured == f.expected for f in traffic.flows), traffic.table()
+        handed[schedule] = [f.measured for f in traffic.flows if f.what.startswith("activations")]
+    assert len(handed["1f1b"]) == 1 and len(handed["interleaved"]) == 3  # (stages x virtual - 1) boundaries
+    assert sum(handed["interleaved"]) == 3 * sum(handed["1f1b"])  # every layer's output is 32 floats wide
+
+
 def test_the_optimizer_probe_refuses_global_norm_clipping_and_accepts_per_parameter_norms(deep_mlp, digits):
     layers, params = deep_mlp
     pipe = pk.Pipeline(layers, 2, microbatches=2, devices=jax.devices()[:2])
@@ -276,6 +345,14 @@ class TestBadInput:
         sizes = {"stages": 2, "microbatches": 2, "data": 1} | {field: 0}
         with pytest.raises(ValueError, match=f"{field}=0"):
             pk.Pipeline(deep_mlp[0], **sizes)
+
+    def test_virtual_chunks_need_an_interleaved_schedule_and_whole_groups(self, deep_mlp):
+        with pytest.raises(ValueError, match="only an interleaved schedule runs several chunks"):
+            pk.Pipeline(deep_mlp[0], 2, 4, "1f1b", virtual=2)
+        with pytest.raises(ValueError, match="multiple of 2 microbatches"):
+            pk.Pipeline(deep_mlp[0], 2, 3, "interleaved", virtual=2)
+        with pytest.raises(ValueError, match="needs at least 8 layers"):
+            pk.Pipeline(deep_mlp[0], 4, 4, "interleaved", virtual=2)
 
     def test_an_unknown_schedule_and_a_bad_split(self, deep_mlp):
         with pytest.raises(ValueError, match="Unknown schedule 'zigzag'"):

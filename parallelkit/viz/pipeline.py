@@ -26,7 +26,8 @@ from ..strategies.pipeline.schedules import Slot, bubble_fraction, makespan
 from ..strategies.pipeline.stages import HeadLoss, Layer
 from ..widgets.dashboard import in_notebook
 
-COLORS = {"forward": "tab:blue", "backward": "tab:orange"}
+COLORS = {"forward": "tab:blue", "backward": "tab:orange", "weight": "tab:green"}
+HATCHES = ("", "//", "..", "xx")  # a stage's chunks of layers (an interleaved schedule's), told apart
 
 
 def pipeline_gantt_figure(schedule: Sequence[Slot], title: str = "", *, measured: bool = False) -> Figure:
@@ -34,8 +35,9 @@ def pipeline_gantt_figure(schedule: Sequence[Slot], title: str = "", *, measured
 
     Args:
       schedule: :class:`~parallelkit.strategies.pipeline.schedules.Slot` rows, ``(stage, microbatch, start,
-        end, kind)``, e.g. from :func:`parallelkit.strategies.pipeline.schedules.gpipe_schedule`, or a pipeline
-        step's measured ``step.timeline.slots``.
+        end, kind, chunk)``, e.g. from :func:`parallelkit.strategies.pipeline.schedules.gpipe_schedule`, or a
+        pipeline step's measured ``step.timeline.slots``; a weight pass (zero bubble) is drawn green and a
+        stage's later chunks of layers (an interleaved schedule's) hatched.
       title: drawn above the chart (by default the bubble fraction).
       measured: the times are seconds measured from a real run, drawn in milliseconds
         (by default they are in units of one forward pass).
@@ -46,13 +48,14 @@ def pipeline_gantt_figure(schedule: Sequence[Slot], title: str = "", *, measured
       microbatch number.
     """
     scale = 1000 if measured else 1
-    schedule = [Slot(s[0], s[1], s[2] * scale, s[3] * scale, s[4]) for s in schedule]
+    schedule = [s._replace(start=s.start * scale, end=s.end * scale) for s in map(Slot._make, schedule)]
     stages = 1 + max(s.stage for s in schedule)
     width = 10 if measured else min(3 + 0.35 * makespan(schedule), 14)
     fig = Figure(figsize=(width, 1.2 + 0.45 * stages), layout="constrained")
     ax = fig.add_subplot()
     for s in schedule:
-        ax.barh(s.stage, s.end - s.start, left=s.start, height=0.8, color=COLORS[s.kind], edgecolor="white")
+        ax.barh(s.stage, s.end - s.start, left=s.start, height=0.8, color=COLORS[s.kind], edgecolor="white",
+                hatch=HATCHES[s.chunk % len(HATCHES)])  # fmt: skip
         ax.text((s.start + s.end) / 2, s.stage, str(s.microbatch), ha="center", va="center", fontsize=7, color="white")
     ax.set_yticks(range(stages), [f"stage {s}" for s in range(stages)], fontsize=8)
     ax.invert_yaxis()  # stage 0 on top, as the data flows down
@@ -60,7 +63,8 @@ def pipeline_gantt_figure(schedule: Sequence[Slot], title: str = "", *, measured
         "measured time (ms)" if measured else "time (one forward pass of one microbatch on one stage = 1)", fontsize=8
     )
     ax.set_xlim(min(s.start for s in schedule), max(s.end for s in schedule))
-    fig.legend([Patch(color=c) for c in COLORS.values()], list(COLORS), fontsize=7, loc="outside right upper")
+    kinds = [k for k in COLORS if any(s.kind == k for s in schedule)]
+    fig.legend([Patch(color=COLORS[k]) for k in kinds], kinds, fontsize=7, loc="outside right upper")
     micro = 1 + max(s.microbatch for s in schedule)
     ax.set_title(
         title
@@ -124,7 +128,7 @@ class PipelineExplorer:
             stages = w.IntSlider(min(2, self.max_stages), 1, self.max_stages, description="stages")
             micro = w.SelectionSlider(options=self.microbatch_choices, value=self.microbatch_choices[-1])
             micro.description = "microbatches"
-            schedule = w.ToggleButtons(options=["gpipe", "1f1b"], value="gpipe", description="schedule")
+            schedule = w.ToggleButtons(options=["gpipe", "1f1b", "zb-h1"], value="gpipe", description="schedule")
             label = w.HTML().add_class("pk-pipeline-label")
             image = w.Image(format="png").add_class("pk-pipeline-image")
 

@@ -24,7 +24,7 @@ from typing import Any
 
 import jax
 
-from .schedules import Slot, bubble_fraction, depends_on, peak_in_flight, stage_orders
+from .schedules import Slot, bubble_fraction, depends_on, model_stage, peak_in_flight, stage_orders
 
 # task(kind, stage, microbatch, received) -> what the next pass needs; returns once the device is done.
 Task = Callable[[str, int, int, Any], Any]
@@ -58,7 +58,7 @@ class Timeline:
     in_use: list[tuple[float, int, int]] = field(default_factory=list)
     moved: list[tuple[str, int, int, int]] = field(default_factory=list)
 
-    def orders(self) -> list[list[tuple[str, int]]]:
+    def orders(self) -> list[list[tuple]]:
         """Per stage, the passes in the order they ran (compare with :func:`~.schedules.stage_orders`)."""
         return stage_orders(self.slots)
 
@@ -93,30 +93,36 @@ def device_bytes_in_use(device: jax.Device) -> int | None:
 
 
 def execute(
-    orders: Sequence[Sequence[tuple[str, int]]],
+    orders: Sequence[Sequence[tuple]],
     task: Task,
     stashed_bytes: Callable[[int], int],
     devices: Sequence[jax.Device] | None = None,
+    virtual: int = 1,
 ) -> Timeline:
     """Run every stage's passes in its given order, one thread per stage; return the timeline.
 
     Args:
-      orders: per stage, ``(kind, microbatch)`` in the order to run (from
-        :func:`~.schedules.stage_orders`).
-      task: runs one pass and blocks until it is done; it receives what the pass it depends
-        on returned (None for a first-stage forward pass) and returns what to hand on.
+      orders: per stage, ``(kind, microbatch)`` or ``(kind, microbatch, chunk)`` in the order
+        to run (from :func:`~.schedules.stage_orders`).
+      task: runs one pass and blocks until it is done. It is called as ``task(kind,
+        model_stage, microbatch, received)``: the run of layers (chunk ``c`` of stage ``s`` is
+        run ``c x stages + s``, :func:`~.schedules.model_stage`; with one chunk per stage, the
+        stage), and what the pass it depends on returned (None for the model's first forward
+        pass and for a weight pass); it returns what to hand on.
       stashed_bytes: ``stashed_bytes(stage)``, the bytes the stage's stash keeps after a pass,
         for :attr:`Timeline.stashed`.
       devices: each stage's first device, whose own memory reading goes into
         :attr:`Timeline.in_use` after every pass (where its backend reports one).
+      virtual: chunks of layers per stage (an interleaved schedule's).
 
     Raises:
       Whatever a pass raised: the other stages stop at their next wait instead of hanging.
     """
     stages = len(orders)
+    passes = [[(item[0], item[1], item[2] if len(item) > 2 else 0) for item in order] for order in orders]
     # Each hand-over is a box emptied by its reader, so no array outlives its use here.
-    handed: dict[tuple[str, int, int], Future] = {
-        (kind, s, m): Future() for s, order in enumerate(orders) for kind, m in order
+    handed: dict[tuple[str, int, int, int], Future] = {
+        (kind, s, m, c): Future() for s, order in enumerate(passes) for kind, m, c in order if kind != "weight"
     }
     timeline = Timeline()
     start_of_step = time.perf_counter()
@@ -124,18 +130,20 @@ def execute(
 
     def run_stage(stage: int) -> None:
         try:
-            for kind, microbatch in orders[stage]:
-                after = depends_on(kind, stage, microbatch, stages)
+            for kind, microbatch, chunk in passes[stage]:
+                after = depends_on(kind, stage, microbatch, stages, chunk, virtual)
                 received = None if after is None else handed[after].result().pop()
                 start = time.perf_counter() - start_of_step
-                out = task(kind, stage, microbatch, received)
+                out = task(kind, model_stage(stage, chunk, stages), microbatch, received)
                 end = time.perf_counter() - start_of_step
-                timeline.slots.append(Slot(stage, microbatch, start, end, kind))  # list.append is thread-safe
+                timeline.slots.append(Slot(stage, microbatch, start, end, kind, chunk))  # list.append is thread-safe
                 timeline.stashed.append((end, stage, stashed_bytes(stage)))
                 if devices is not None and (in_use := device_bytes_in_use(devices[stage])) is not None:
                     timeline.in_use.append((end, stage, in_use))
+                if kind == "weight":  # nothing waits for a weight pass
+                    continue
                 try:
-                    handed[kind, stage, microbatch].set_result([out])
+                    handed[kind, stage, microbatch, chunk].set_result([out])
                 except InvalidStateError:  # another stage failed and closed every box: stop here
                     return
         except BaseException as err:

@@ -12,6 +12,8 @@ schedule: a schedule changes only the order in which they are called.
   the stage below. The forward pass is recomputed here from the stage's input, so
   between its forward and backward pass a microbatch costs its stage only that input
   (GPipe's re-materialisation, Huang et al. 2019);
+- :func:`backward_input`: a zero-bubble schedule's backward pass, the input's gradient
+  alone; its weight pass is :func:`backward` with ``wrt="params"``;
 - :func:`backward_unreduced`: :func:`backward` where a stage has several ``data`` devices:
   each adds its own slice's gradients to its own sum, nothing all-reduced until
   :func:`reduce_unreduced` does it once a step;
@@ -118,37 +120,60 @@ def forward(params, x, batch, *, layers, head_loss, first, last, precision=None)
     return (out[0], out[1][0]) if last else out
 
 
-def _pullback(params, x, batch, cotangent, *, layers, head_loss, first, last, precision):
-    """The stage's forward pass recomputed under :func:`jax.vjp`: ``(parameter gradients, input gradient)``."""
+def _pullback(params, x, batch, cotangent, *, wrt, layers, head_loss, first, last, precision):
+    """The stage's forward pass recomputed under :func:`jax.vjp`: ``(parameter gradients, input gradient)``.
+
+    ``wrt`` says which: ``"both"``, ``"params"`` (the input's gradient None) or ``"input"``
+    (the parameters' None). The first stage's input is the batch: it has no input gradient.
+    """
 
     def output(p, inputs):
         out = _stage_output(layers, head_loss, first, last, p, inputs, batch, precision)
         return out[0] if last else out
 
-    if first:
-        _, pullback = jax.vjp(lambda p: output(p, None), params)
-        (param_grads,) = pullback(cotangent)
-        return param_grads, None
+    if wrt == "input":
+        if first:
+            return None, None
+        _, pullback = jax.vjp(lambda inputs: output(params, inputs), x)
+        return None, pullback(cotangent)[0]
+    if first or wrt == "params":
+        _, pullback = jax.vjp(lambda p: output(p, x), params)
+        return pullback(cotangent)[0], None
     _, pullback = jax.vjp(output, params, x)
     return pullback(cotangent)
 
 
-@partial(jax.jit, static_argnames=_STATIC, donate_argnames=("grads",))
-def backward(params, x, batch, cotangent, grads, *, layers, head_loss, first, last, precision=None):
+_BACKWARD = (*_STATIC, "wrt")
+
+
+@partial(jax.jit, static_argnames=_BACKWARD, donate_argnames=("grads",))
+def backward(params, x, batch, cotangent, grads, *, layers, head_loss, first, last, precision=None, wrt="both"):
     """Recompute the stage's forward pass under ``jax.vjp``; return ``(grads + this microbatch's, input gradient)``.
 
     ``cotangent`` is the gradient of the step's loss with respect to the stage's output:
     from the stage below, or on the last stage ``1 / microbatches`` (the step's loss is the
     mean of the microbatches' losses), times the loss scale where there is one. The first
-    stage returns no input gradient (its input is the batch).
+    stage returns no input gradient (its input is the batch). With ``wrt="params"`` it is a
+    zero-bubble schedule's weight pass: the parameters' gradients only (no input gradient);
+    :func:`backward_input` is the other half.
     """
     statics = dict(layers=layers, head_loss=head_loss, first=first, last=last, precision=precision)
-    param_grads, input_grad = _pullback(params, x, batch, cotangent, **statics)
+    param_grads, input_grad = _pullback(params, x, batch, cotangent, wrt=wrt, **statics)
     return jax.tree.map(jnp.add, grads, param_grads), input_grad
 
 
-@partial(jax.jit, static_argnames=(*_STATIC, "mesh"), donate_argnames=("grads",))
-def backward_unreduced(params, x, batch, cotangent, grads, *, mesh, layers, head_loss, first, last, precision=None):
+@partial(jax.jit, static_argnames=_STATIC)
+def backward_input(params, x, batch, cotangent, *, layers, head_loss, first, last, precision=None):
+    """A zero-bubble schedule's backward pass: the gradient of the stage's input alone (None on the first
+    stage), which the stage above waits for; the parameters' gradients wait for the weight pass."""
+    statics = dict(layers=layers, head_loss=head_loss, first=first, last=last, precision=precision)
+    return _pullback(params, x, batch, cotangent, wrt="input", **statics)[1]
+
+
+@partial(jax.jit, static_argnames=(*_BACKWARD, "mesh"), donate_argnames=("grads",))
+def backward_unreduced(
+    params, x, batch, cotangent, grads, *, mesh, layers, head_loss, first, last, precision=None, wrt="both"
+):
     """:func:`backward` on each of the stage's ``data`` devices alone, with no collective.
 
     Each device takes its slice of the microbatch and adds its slice's parameter gradients
@@ -164,7 +189,7 @@ def backward_unreduced(params, x, batch, cotangent, grads, *, mesh, layers, head
         params = jax.tree.map(lambda p: jax.lax.pcast(p, DATA, to="varying"), params)
         if last:
             cotangent = jax.lax.pcast(cotangent / jax.lax.axis_size(DATA), DATA, to="varying")
-        param_grads, input_grad = _pullback(params, x, batch, cotangent, **statics)
+        param_grads, input_grad = _pullback(params, x, batch, cotangent, wrt=wrt, **statics)
         return jax.tree.map(lambda g, new: g + new[None], grads, param_grads), input_grad
 
     split, whole = P(DATA), P()

@@ -31,9 +31,11 @@ from . import stages as programs
 from .executor import Timeline, execute
 from .stages import HeadLoss, Layer, split_layers
 
-SCHEDULES: dict[str, Callable[[int, int], list[schedules.Slot]]] = {
+SCHEDULES: dict[str, Callable[..., list[schedules.Slot]]] = {
     "gpipe": schedules.gpipe_schedule,
     "1f1b": schedules.one_f_one_b_schedule,
+    "interleaved": schedules.interleaved_schedule,
+    "zb-h1": schedules.zero_bubble_schedule,
 }
 
 
@@ -53,10 +55,15 @@ class Pipeline(Strategy):
     are copied between the stages' devices. ``schedule`` decides only the order:
     ``"gpipe"`` runs every forward pass, then every backward pass; ``"1f1b"`` alternates
     them, so a stage holds the inputs of at most ``stages - stage`` microbatches instead
-    of all ``m``. With ``data > 1`` each stage is a group of ``data`` devices that split
-    every microbatch; each device adds up its own slices' gradients, and the stage
-    all-reduces them once a step, after its last backward pass (as DDP's ``no_sync`` does
-    for accumulated microbatches), not once per microbatch.
+    of all ``m``; ``"interleaved"`` gives each stage ``virtual`` chunks of layers that are
+    not neighbours (stage ``s`` runs the model's runs ``s``, ``s + stages``, ...), which
+    shrinks the bubble ``virtual`` times for ``virtual`` times the hand-overs; ``"zb-h1"``
+    splits each backward pass into the input's gradient and the weights', and runs the
+    weights' later, in the gaps (:mod:`~parallelkit.strategies.pipeline.schedules`).
+    With ``data > 1`` each stage is a group of ``data`` devices that split every microbatch;
+    each device adds up its own slices' gradients, and the stage all-reduces them once a
+    step, after its last backward pass (as DDP's ``no_sync`` does for accumulated
+    microbatches), not once per microbatch.
 
     What a pipeline here does not do, each refused with an error that says so:
 
@@ -79,14 +86,19 @@ class Pipeline(Strategy):
         :func:`parallelkit.models.as_layers` gives the kit's MLP and transformer in this form.
       stages: how many stages (groups of devices) the layers are cut into, at most ``L``.
       microbatches: how many microbatches the global batch is cut into; it must divide the batch.
-      schedule: ``"gpipe"``, ``"1f1b"``, or a function ``(stages, microbatches) -> list[Slot]``.
+      schedule: ``"gpipe"``, ``"1f1b"``, ``"interleaved"``, ``"zb-h1"``, or a function
+        ``(stages, microbatches) -> list[Slot]`` (with ``virtual > 1``, ``(stages, microbatches, virtual)``).
+      virtual: chunks of layers per stage (the model is cut into ``stages x virtual`` runs),
+        for an interleaved schedule; 1 otherwise.
       data: devices per stage that split each microbatch (data parallelism on a second axis).
-      layers_per_stage: how many layers each stage runs (as even as possible by default).
+      layers_per_stage: how many layers each of the model's ``stages x virtual`` runs holds (as
+        even as possible by default).
       devices: ``stages x data`` devices; the first ``stages x data`` by default. Stage ``s``
         gets the ``stage = s`` column of the ``data x stage`` mesh.
 
     Raises:
-      ValueError: counts below 1, an unknown schedule, more stages than layers.
+      ValueError: counts below 1, an unknown schedule, more runs of layers than layers, or
+        ``virtual > 1`` with a schedule that does not interleave.
       DeviceCountError: devices that are not ``stages x data`` in number.
 
     Warns:
@@ -98,19 +110,31 @@ class Pipeline(Strategy):
         layers: Sequence[Layer],
         stages: int,
         microbatches: int = 1,
-        schedule: str | Callable[[int, int], list[schedules.Slot]] = "gpipe",
+        schedule: str | Callable[..., list[schedules.Slot]] = "gpipe",
         *,
+        virtual: int = 1,
         data: int = 1,
         layers_per_stage: Sequence[int] | None = None,
         devices: Sequence[jax.Device] | None = None,
     ):
-        for name, size in (("stages", stages), ("microbatches", microbatches), ("data", data)):
+        for name, size in (("stages", stages), ("microbatches", microbatches), ("virtual", virtual), ("data", data)):
             if not is_count(size):
                 raise ValueError(f"Pipeline({name}={size!r}): it must be a whole number >= 1.")
         if not callable(schedule) and schedule not in SCHEDULES:
             raise ValueError(f"Unknown schedule {schedule!r}: use one of {sorted(SCHEDULES)} or a schedule function.")
-        self.layers = tuple(layers)
-        self.stage_layers = split_layers(len(self.layers), stages, layers_per_stage)
+        if virtual > 1 and schedule in ("gpipe", "1f1b", "zb-h1"):
+            raise ValueError(
+                f"Pipeline(schedule={schedule!r}, virtual={virtual}): only an interleaved schedule runs several "
+                "chunks of layers per stage. Use schedule='interleaved', or virtual=1."
+            )
+        self.layers, self.virtual = tuple(layers), virtual
+        if virtual > 1 and stages * virtual > len(self.layers):
+            raise ValueError(
+                f"Pipeline(stages={stages}, virtual={virtual}) cuts the model into {stages * virtual} runs of layers "
+                f"and needs at least {stages * virtual} layers, but the model has {len(self.layers)}. Use fewer "
+                "stages or chunks, or split the model into more layers."
+            )
+        self.stage_layers = split_layers(len(self.layers), stages * virtual, layers_per_stage)
         # The first layer reads the batch: a batch it cannot read or fit raises a clear error.
         self.layers = (_guarded(self.layers[0]), *self.layers[1:])
         wanted = stages * data
@@ -128,9 +152,17 @@ class Pipeline(Strategy):
         self.microbatches, self.data = microbatches, data
         self.schedule_name = schedule if isinstance(schedule, str) else getattr(schedule, "__name__", "custom")
         self.schedule = SCHEDULES[schedule] if isinstance(schedule, str) else schedule
+        self.planned()  # a schedule that cannot run these counts says so now, not at the first step
 
     @property
     def stages(self) -> int:
+        """How many stages (groups of ``data`` devices) the pipeline has."""
+        return len(self.stage_layers) // self.virtual
+
+    @property
+    def model_stages(self) -> int:
+        """How many runs of layers the model is cut into: ``stages x virtual``. Run ``k`` lives on stage
+        ``k % stages``; every method that takes a ``stage`` takes such a run (with ``virtual=1`` the same)."""
         return len(self.stage_layers)
 
     @property
@@ -143,25 +175,29 @@ class Pipeline(Strategy):
         return [Mesh(self.mesh.devices[:, s], (DATA,)) for s in range(self.stages)]
 
     def stage_devices(self, stage: int) -> list[jax.Device]:
-        """Stage ``stage``'s devices (the ``stage`` column of the ``data x stage`` mesh)."""
-        return list(self.mesh.devices[:, stage])
+        """Run ``stage``'s devices: its stage's column of the ``data x stage`` mesh."""
+        return list(self.mesh.devices[:, stage % self.stages])
 
     def replicated(self, stage: int) -> NamedSharding:
-        """Where stage ``stage``'s parameters and optimizer state live: a full copy on each of its devices."""
-        return NamedSharding(self.stage_meshes[stage], P())
+        """Where run ``stage``'s parameters and optimizer state live: a full copy on each of its devices."""
+        return NamedSharding(self.stage_meshes[stage % self.stages], P())
 
     def split(self, stage: int) -> NamedSharding:
-        """Where stage ``stage``'s microbatches and activations live: split over its devices along the batch."""
-        return NamedSharding(self.stage_meshes[stage], P(DATA))
+        """Where run ``stage``'s microbatches and activations live: split over its devices along the batch."""
+        return NamedSharding(self.stage_meshes[stage % self.stages], P(DATA))
 
     def planned(self) -> list[schedules.Slot]:
         """The computed schedule this pipeline runs (in units of one forward pass), checked."""
-        plan = self.schedule(self.stages, self.microbatches)
+        chunked = () if self.virtual == 1 else (self.virtual,)
+        plan = self.schedule(self.stages, self.microbatches, *chunked)
         schedules.check_schedule(plan)
+        if 1 + max(slot.chunk for slot in plan) != self.virtual:
+            raise ValueError(f"{self!r}: its schedule runs {1 + max(s.chunk for s in plan)} chunks per stage, not "
+                             f"virtual={self.virtual}.")  # fmt: skip
         return plan
 
     def stage_params(self, params: Sequence[PyTree]) -> list[list[PyTree]]:
-        """The per-layer parameter list cut into per-stage lists."""
+        """The per-layer parameter list cut into per-run lists (one per model stage)."""
         return [list(params[i] for i in layers) for layers in self.stage_layers]
 
     @staticmethod
@@ -205,7 +241,8 @@ class Pipeline(Strategy):
             )
         check_update_splits(
             tx, params, self.stage_params, self.layer_params, strategy=repr(self),
-            how=f"runs the optimizer on each of its {self.stages} stages separately",
+            how=f"runs the optimizer on each of its {self.model_stages} "
+            f"{'stages' if self.virtual == 1 else 'runs of layers'} separately",
             layout=("pipeline", tuple((r.start, r.stop) for r in self.stage_layers)),
             what_to_do="Use an optimizer that updates each parameter from its own gradient (optax.sgd, momentum, "
             "adam, adamw), or train pk.pipeline.sequential_loss(layers, head_loss) with SingleDevice, Mirrored "
@@ -216,7 +253,7 @@ class Pipeline(Strategy):
             expected = [jax.eval_shape(tx.init, p) for p in per_stage]
             check_same_tree(expected, list(opt_state), what="opt_state", against="[tx.init(stage params), ...]")
         placed, opt_states = [], []
-        for s in range(self.stages):
+        for s in range(self.model_stages):
             where = self.replicated(s)
             stage = _placed_copy(per_stage[s], where)
             placed.append(stage)
@@ -289,7 +326,7 @@ class Pipeline(Strategy):
         moved: dict[tuple[str, int], int] = {}
         for what, stage, _, nbytes in step.passes(self.stage_params(state.params), microbatches)[2].moved:
             moved[what, stage] = moved.get((what, stage), 0) + nbytes
-        m, d, last = self.microbatches, self.data, self.stages - 1
+        m, d, last = self.microbatches, self.data, self.model_stages - 1
         outputs = step.output_shapes(self.stage_params(state.params), microbatches[0])
         metric_bytes = _nbytes(outputs[last])
         total = sum(np.asarray(x).nbytes for x in jax.tree.leaves(batch))
@@ -316,6 +353,7 @@ class Pipeline(Strategy):
 
     def __repr__(self) -> str:
         data = f", data={self.data}" if self.data > 1 else ""
+        data = f", virtual={self.virtual}{data}" if self.virtual > 1 else data
         schedule = f"schedule={self.schedule_name!r}"
         return f"Pipeline(stages={self.stages}, microbatches={self.microbatches}, {schedule}{data})"
 
@@ -337,13 +375,13 @@ def _collective_flows(
 ) -> list[Flow]:
     """The stages' collectives as flows, each counted as often as its program runs a step (:data:`CALLS`):
     each stage's one gradient all-reduce, the last stage's metrics', and any other."""
-    stage_params, last = pipe.stage_params(state.params), pipe.stages - 1
+    stage_params, last = pipe.stage_params(state.params), pipe.model_stages - 1
     totals: dict[tuple[int, str, str], int] = {}
     for s, kind, c in found:
         calls = m if CALLS[kind] == "m" else 1
         totals[s, kind, c.op] = totals.get((s, kind, c.op), 0) + calls * c.bytes
     flows = []
-    for s in range(pipe.stages if found else 0):
+    for s in range(pipe.model_stages if found else 0):
         measured = totals.pop((s, "reduce", "all-reduce"), 0)
         flows.append(Flow(D2D, f"gradients of stage {s} (all-reduce)", measured, _nbytes(stage_params[s]),
                           f"P_{s}", "compiled HLO, once a step"))  # fmt: skip
@@ -377,8 +415,10 @@ class PipelineStep(Step):
     def __init__(self, pipeline: Pipeline, head_loss: HeadLoss, precision: Precision | None = None):
         super().__init__(self._run, pipeline.place_batch, pipeline, precision)
         self.pipeline, self.head_loss = pipeline, head_loss
-        self.orders = schedules.stage_orders(pipeline.planned())
-        last = pipeline.stages - 1
+        plan = pipeline.planned()
+        self.orders = schedules.stage_orders(plan)
+        self.split_backward = any(slot.kind == "weight" for slot in plan)  # zb-h1: backward and weight passes
+        last = pipeline.model_stages - 1
         # The static arguments of each stage's programs: its layers, and whether it is first or last.
         self.statics = [
             dict(layers=tuple(pipeline.layers[i] for i in layers), head_loss=head_loss, first=s == 0, last=s == last)
@@ -397,7 +437,10 @@ class PipelineStep(Step):
         metrics = {"loss": jnp.mean(jnp.stack(losses)), **jax.tree.map(lambda *v: jnp.mean(jnp.stack(v)), *auxes)}
         if scale is None:
             new_params, opt_states = zip(
-                *(programs.update(params[s], state.opt_state[s], grads[s], tx=state.tx) for s in range(pipe.stages)),
+                *(
+                    programs.update(params[s], state.opt_state[s], grads[s], tx=state.tx)
+                    for s in range(pipe.model_stages)
+                ),
                 strict=True,
             )
         else:
@@ -414,7 +457,7 @@ class PipelineStep(Step):
         Returns ``(params, opt_states, finite)``, ``finite`` on stage 0's devices (where the scale lives).
         """
         pipe = self.pipeline
-        stages = range(pipe.stages)
+        stages = range(pipe.model_stages)
         unscaled = [
             programs.unscaled(grads[s], jax.device_put(scale, pipe.replicated(s)), precision=self.precision)
             for s in stages
@@ -447,9 +490,10 @@ class PipelineStep(Step):
           per microbatch, ``(loss, aux)`` from the last stage; and what the passes recorded.
         """
         pipe, statics = self.pipeline, self.statics
-        last = pipe.stages - 1
+        last = pipe.model_stages - 1
         grads = [self._zero_grads(s, p) for s, p in enumerate(params)]
-        stash: list[dict[int, Any]] = [{} for _ in range(pipe.stages)]  # each stage's inputs kept for its backward
+        stash: list[dict[int, Any]] = [{} for _ in range(pipe.model_stages)]  # each run's inputs, kept for its backward
+        held: list[dict[int, Any]] = [{} for _ in range(pipe.model_stages)]  # zb-h1: kept from backward to weight
         outputs: dict[int, tuple] = {}  # microbatch -> (loss, aux) on the last stage
         moved: list[tuple[str, int, int, int]] = []
         seed = jnp.float32(1 / pipe.microbatches)
@@ -471,21 +515,33 @@ class PipelineStep(Step):
                     outputs[m] = out
                 else:
                     out = send("activations", out, stage + 1, m)  # activations move to the next stage
+            elif kind == "weight":  # zb-h1: the parameters' gradients, from what the backward pass kept
+                program, arguments = self._backward(stage, wrt="params")
+                x, batch, cotangent = held[stage].pop(m)
+                grads[stage], out = program(params[stage], x, batch, cotangent, grads[stage], **arguments)
             else:
                 x, batch = stash[stage].pop(m)
                 cotangent = seed if stage == last else received
-                program, arguments = self._backward(stage)
-                grads[stage], out = program(params[stage], x, batch, cotangent, grads[stage], **arguments)
+                if self.split_backward:  # the input's gradient now; keep what the weight pass needs
+                    held[stage][m] = (x, batch, cotangent)
+                    out = programs.backward_input(params[stage], x, batch, cotangent, **statics[stage])
+                else:
+                    program, arguments = self._backward(stage)
+                    grads[stage], out = program(params[stage], x, batch, cotangent, grads[stage], **arguments)
                 if stage > 0:
                     out = send("gradients", out, stage - 1, m)  # gradients move back up
             jax.block_until_ready((out, grads[stage]))
             return out
 
-        def stashed_bytes(stage: int) -> int:
-            return per_replica_bytes(list(stash[stage].values()), pipe.stage_devices(stage))
+        def stashed_bytes(device_stage: int) -> int:
+            """What the executor keeps for the runs of layers on one stage's devices: the inputs kept for the
+            backward passes, and (zb-h1) what a backward pass keeps for its weight pass."""
+            mine = range(device_stage, pipe.model_stages, pipe.stages)
+            kept = [v for k in mine for v in (*stash[k].values(), *held[k].values())]
+            return per_replica_bytes(kept, pipe.stage_devices(device_stage))
 
         watched = [pipe.stage_devices(s)[0] for s in range(pipe.stages)]  # whose own memory reading is kept
-        timeline = execute(self.orders, task, stashed_bytes, watched)
+        timeline = execute(self.orders, task, stashed_bytes, watched, virtual=pipe.virtual)
         timeline.moved = sorted(moved)
         if pipe.data > 1:  # each device's own sums, all-reduced once a step
             grads = [programs.reduce_unreduced(g, where=pipe.replicated(s)) for s, g in enumerate(grads)]
@@ -499,14 +555,15 @@ class PipelineStep(Step):
         rows = jax.tree.map(lambda p: jnp.zeros((pipe.data, *p.shape), p.dtype), params)
         return jax.device_put(rows, pipe.split(stage))
 
-    def _backward(self, stage: int) -> tuple[Any, dict]:
-        """Stage ``stage``'s backward program and its static arguments: the gradients all-reduced in it, or with
-        ``data > 1`` kept per device (:func:`~parallelkit.strategies.pipeline.stages.backward_unreduced`) until
-        the step's one all-reduce."""
+    def _backward(self, stage: int, wrt: str = "both") -> tuple[Any, dict]:
+        """Run ``stage``'s backward program (``wrt="params"``: its weight pass) and its static arguments: the
+        gradients all-reduced in it, or with ``data > 1`` kept per device
+        (:func:`~parallelkit.strategies.pipeline.stages.backward_unreduced`) until the step's one all-reduce."""
         pipe = self.pipeline
         if pipe.data == 1:
-            return programs.backward, self.statics[stage]
-        return programs.backward_unreduced, dict(self.statics[stage], mesh=pipe.stage_meshes[stage])
+            return programs.backward, dict(self.statics[stage], wrt=wrt)
+        mesh = pipe.stage_meshes[stage % pipe.stages]
+        return programs.backward_unreduced, dict(self.statics[stage], mesh=mesh, wrt=wrt)
 
     def output_shapes(self, params: list[list[PyTree]], microbatch: Batch) -> list[Any]:
         """Per stage, the shapes of its forward pass's output for one microbatch (``(loss, aux)`` on the last).
@@ -515,7 +572,7 @@ class PipelineStep(Step):
         """
         shapes, x = [], None
         for s, statics in enumerate(self.statics):
-            batch = microbatch if s in (0, self.pipeline.stages - 1) else None
+            batch = microbatch if s in (0, self.pipeline.model_stages - 1) else None
             x = jax.eval_shape(partial(programs.forward, **statics), params[s], x, batch)
             shapes.append(x)
         return shapes
@@ -528,7 +585,7 @@ class PipelineStep(Step):
         the gradients' one all-reduce, called once a step.
         """
         pipe = self.pipeline
-        params, last = pipe.stage_params(state.params), pipe.stages - 1
+        params, last = pipe.stage_params(state.params), pipe.model_stages - 1
         shapes = self.output_shapes(params, microbatch)
 
         def on(tree: Any, sharding: NamedSharding) -> Any:
