@@ -13,8 +13,11 @@
 2. **Predicted on this machine.** ``pk.planner.Cluster.measured()`` fits the alpha-beta
    link to this machine's measured all-reduces; ``pk.costmodel.bucket_timeline`` plays
    each plan's buckets over it with no overlap (XLA's CPU backend runs collectives and
-   compute one after another), and the one-bucket step's measured time less its predicted
-   all-reduce is taken as the compute: predicted step = compute + the buckets' all-reduces.
+   compute one after another), and the one-bucket step's (``bucket_bytes=10**9``, the same
+   program as the others with one bucket) measured time less its predicted all-reduce is
+   taken as the compute: predicted step = compute + the buckets' all-reduces.
+   ``bucket_bytes=None`` is the default step: ``lax.pmean`` of the gradients' tree, which XLA
+   combines into one all-reduce of many arrays, not one flat vector.
 3. **Predicted on GPUs.** The same model for GPT-2 XL's gradients (1.56 billion float32
    parameters, 6.2 GB; ``pk.planner.MODELS``) on one machine of 8 H100s
    (``pk.planner.Cluster.published("H100 SXM")``: NVLink's datasheet bandwidth), equal buckets
@@ -42,7 +45,7 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from flax import nnx  # noqa: E402
 
-CAPS = (None, 1_000, 30_000, 300_000, 1_000_000)  # bytes per bucket; None: one all-reduce
+CAPS = (None, 1_000, 30_000, 300_000, 1_000_000, 10**9)  # bytes per bucket; None: pmean, 10**9: one bucket
 GPU_CAPS_MB = (1, 4, 16, 25, 64, 256, 1024)
 TOKENS, EFFICIENCY = 1024, 0.4  # per GPU per step, and the share of the bf16 peak, in the GPU model (stated)
 DDP_MB, HOROVOD_MB = 25, 64
@@ -99,7 +102,7 @@ def measured(args: argparse.Namespace) -> tuple[dict, int]:
 def predicted_here(rows: dict) -> dict:
     """The model's step per cap on this machine's fitted link, no overlap, compute from the one-bucket step."""
     cluster = pk.planner.Cluster.measured()
-    single = rows["bucket_bytes=None"]
+    single = rows[f"bucket_bytes={CAPS[-1]}"]
     compute_s = single["median_ms"] / 1e3 - pk.costmodel.bucket_timeline(cluster, single["allreduce_bytes"]).exposed_s
     for row in rows.values():
         timeline = pk.costmodel.bucket_timeline(cluster, row["allreduce_bytes"])
