@@ -110,9 +110,9 @@ class PipelineExplorer:
         self.microbatch_choices = [m for m in range(1, max_microbatches + 1) if size % m == 0]
         self._widgets = None
 
-    def run(self, stages: int, microbatches: int, schedule: str) -> tuple[Pipeline, Timeline]:
+    def run(self, stages: int, microbatches: int, schedule: str, virtual: int = 1) -> tuple[Pipeline, Timeline]:
         """A pipeline of this shape, and the timeline of its second step (the first compiles)."""
-        pipe = Pipeline(self.layers, stages, microbatches, schedule, devices=jax.devices()[:stages])
+        pipe = Pipeline(self.layers, stages, microbatches, schedule, virtual=virtual, devices=jax.devices()[:stages])
         step, state = pipe.step(self.head_loss), pipe.init(self.params, self.tx)
         for _ in range(2):
             state, _ = step(state, self.batch)
