@@ -10,7 +10,10 @@ and cool-down do not fit it well, and the order in which passes really ran canno
 observed from outside. Driven from the host, a schedule is just the list each stage works
 through, any schedule runs unchanged, and the start and end of every pass can be
 recorded from real execution. The price is a host round trip per pass, which small
-models on CPU feel (the timeline shows it).
+models on CPU feel (the timeline shows it). The one-program design is here too, for a model
+of repeated blocks: :func:`circular_pipeline` (:mod:`parallelkit.strategies.pipeline.circular`)
+loops the blocks around a ``stage`` mesh axis inside one ``jit``, MaxText's way, and its
+module docstring sets what each design can and cannot do side by side.
 
 >>> import parallelkit as pk
 >>> loss_fn = pk.pipeline.sequential_loss([lambda p, b: b["x"] * p], lambda y, b: y)
@@ -18,6 +21,7 @@ models on CPU feel (the timeline shows it).
 6.0
 """
 
+from .circular import circular_pipeline as circular_pipeline
 from .executor import Timeline as Timeline
 from .executor import execute as execute
 from .stages import run_layers as run_layers

@@ -1,0 +1,147 @@
+"""A pipeline in one program: the circular (looping) pipeline, in ``jax.shard_map`` with ``lax.ppermute``.
+
+:class:`~parallelkit.Pipeline` drives its stages from the host: one thread per stage calls
+compiled programs in any order a schedule gives (1F1B and zero bubble included). This module
+writes a pipeline the other way, as MaxText does: the whole forward pass is **one** compiled
+program over a ``stage`` mesh axis, its backward pass is JAX's own derivative of it, and the
+hand-overs are ``lax.ppermute`` instructions that the compiled HLO shows.
+
+The model is ``L = stages x virtual`` repeats of one block, ``block(params_k, x) -> x`` (the
+same shapes in and out, as a transformer's layers are), with the repeats' parameters stacked
+on a leading axis. Repeat ``k`` lives on stage ``k % stages``: each stage holds ``virtual``
+chunks, the circular layout of interleaved 1F1B. Each of the ``virtual x microbatches +
+stages - 1`` iterations of a ``lax.scan``, every stage runs its block on what it holds, then
+passes the result one stage on around the ring (the last stage's output goes back to stage 0
+for its next chunk; stage 0 keeps it until that chunk's turn). Stage ``s`` is busy in
+``virtual x microbatches`` of the iterations, so the bubble is ``(stages - 1) / (virtual x
+microbatches + stages - 1)``, as the interleaved schedule's; in its idle iterations a stage
+computes on zeros that nothing reads (an SPMD program runs the same code everywhere).
+
+What each design can do: the host-driven executor runs any order (1F1B's early backward
+passes, zero bubble's split ones) and any layers, and pays a host round trip per pass; this
+one compiles to one program, the compiler sees every collective, and nothing runs on the host
+between passes, but its backward pass is the forward loop reversed (GPipe's order: every
+microbatch's activations are kept until the loop runs backward) and every repeat must have
+the same shapes.
+
+>>> import jax, jax.numpy as jnp
+>>> mesh = jax.sharding.Mesh(jax.devices()[:2], ("stage",))
+>>> block = lambda w, x: jnp.tanh(x @ w)
+>>> stacked = jnp.stack([jnp.eye(3) * (k + 1) for k in range(4)])  # 4 repeats: 2 stages x 2 chunks
+>>> x = jnp.ones((4, 3))
+>>> y = circular_pipeline(block, stacked, x, mesh=mesh, microbatches=2)
+>>> bool(jnp.allclose(y, sequential(block, stacked, x), atol=1e-6))
+True
+>>> round(bubble_fraction(stages=2, microbatches=2, virtual=2), 3)  # 1 / (2 x 2 + 1)
+0.2
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+Block = Callable[[Any, jax.Array], jax.Array]
+
+
+def sequential(block: Block, stacked: Any, x: jax.Array) -> jax.Array:
+    """Every repeat of ``block`` in turn, on one device: what :func:`circular_pipeline` computes."""
+
+    def one(h, params):
+        return block(params, h), None
+
+    return lax.scan(one, x, stacked)[0]
+
+
+def bubble_fraction(stages: int, microbatches: int, virtual: int = 1) -> float:
+    """The share of the loop's iterations a stage idles: ``(stages - 1) / (virtual x microbatches + stages - 1)``."""
+    return (stages - 1) / (virtual * microbatches + stages - 1)
+
+
+def circular_pipeline(
+    block: Block,
+    stacked: Any,
+    x: jax.Array,
+    *,
+    mesh: Mesh,
+    microbatches: int,
+    axis: str = "stage",
+    data_axis: str | None = None,
+) -> jax.Array:
+    """``block`` repeated over ``stacked``'s leading axis, as a circular pipeline over ``mesh``'s ``axis``.
+
+    Args:
+      block: ``block(params_k, h) -> h``, one repeat; ``h`` keeps its shape.
+      stacked: the repeats' parameters, each leaf with a leading axis of ``stages x virtual``
+        (repeat ``k`` first applied ``k``-th). ``virtual`` is that length over the axis's size.
+      x: the batch, its leading axis cut into ``microbatches``.
+      mesh: a mesh with ``axis`` (its size is the number of stages), its axes Auto
+        (``jax.sharding.Mesh``, ``pk.mesh.make_mesh``).
+      microbatches: how many microbatches; at least the number of stages (so that a microbatch
+        back at stage 0 waits for its next chunk instead of colliding with a new one).
+      axis: the mesh axis the stages lie along.
+      data_axis: a second mesh axis that splits every microbatch's rows (data parallelism beside
+        the pipeline); the parameters' gradients are then summed over it by JAX's autodiff.
+
+    Returns:
+      The last repeat's output for the whole batch, on every device.
+
+    Raises:
+      ValueError: a leading axis that is not a multiple of the stages, too few microbatches, or
+        a batch that does not split into them.
+    """
+    stages = mesh.shape[axis]
+    repeats = {leaf.shape[0] for leaf in jax.tree.leaves(stacked)}
+    if len(repeats) != 1 or next(iter(repeats)) % stages:
+        raise ValueError(
+            f"circular_pipeline: every parameter needs one leading axis of repeats, a multiple of the {stages} "
+            f"stages; got leading axes {sorted(repeats)}."
+        )
+    virtual = next(iter(repeats)) // stages
+    if microbatches < stages or x.shape[0] % microbatches:
+        raise ValueError(
+            f"circular_pipeline: {microbatches} microbatches of a batch of {x.shape[0]} over {stages} stages: use "
+            f"at least {stages} microbatches that divide the batch."
+        )
+    # repeat k = chunk c x stages + stage s: shape (virtual, stages, ...), the stage axis split over the mesh
+    chunked = jax.tree.map(lambda p: p.reshape(virtual, stages, *p.shape[1:]), stacked)
+    micro = x.reshape(microbatches, x.shape[0] // microbatches, *x.shape[1:])
+    ring = [(s, (s + 1) % stages) for s in range(stages)]
+
+    def per_stage(params, micro):
+        params = jax.tree.map(lambda p: p[:, 0], params)  # this stage's chunks: (virtual, ...)
+        s = lax.axis_index(axis)
+        zero = jnp.zeros_like(micro[0])
+
+        def iteration(carry, t):
+            held, waiting, outputs = carry  # from the stage before; stage 0's returned microbatches; results
+            u = t - s  # the work reaching this stage now: chunk u // m of microbatch u % m
+            valid = (u >= 0) & (u < virtual * microbatches)
+            chunk, i = jnp.clip(u // microbatches, 0, virtual - 1), jnp.clip(u, 0) % microbatches
+            start = jnp.where(chunk == 0, micro[i], waiting[i])  # stage 0: a new microbatch, or one come round
+            h = block(jax.tree.map(lambda p: p[chunk], params), jnp.where(s == 0, start, held))
+            done = valid & (s == stages - 1) & (chunk == virtual - 1)
+            outputs = outputs.at[i].set(jnp.where(done, h, outputs[i]))
+            passed = lax.ppermute(h, axis, ring)  # every stage hands its result one stage on
+            back = t - (stages - 1)  # what stage 0 receives: the last stage's work of this iteration
+            more = (back >= 0) & (back < (virtual - 1) * microbatches)  # a microbatch with chunks to go
+            j = jnp.clip(back, 0) % microbatches
+            waiting = waiting.at[j].set(jnp.where((s == 0) & more, passed, waiting[j]))
+            return (passed, waiting, outputs), None
+
+        # The carry differs from stage to stage ("varying" over the axis), so its zeros are marked so too.
+        start = jax.tree.map(
+            lambda a: lax.pcast(a, axis, to="varying"), (zero, jnp.zeros_like(micro), jnp.zeros_like(micro))
+        )
+        (_, _, outputs), _ = lax.scan(iteration, start, jnp.arange(virtual * microbatches + stages - 1))
+        return lax.psum(jnp.where(s == stages - 1, outputs, 0), axis)  # the last stage's results, everywhere
+
+    params_spec, rows = jax.tree.map(lambda _: P(None, axis), chunked), P(None, data_axis)
+    out = jax.shard_map(per_stage, mesh=mesh, in_specs=(params_spec, rows), out_specs=rows)(chunked, micro)
+    return out.reshape(x.shape[0], *out.shape[2:])
