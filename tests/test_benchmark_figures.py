@@ -508,6 +508,7 @@ def _h100() -> list[str]:
         f"measured {roofline['measured_s'] * 1e6:,.0f} us per step in `pk.fit`, a FLOPs utilisation of "
         f"{roofline['implied_efficiency'] * 100:.4f} %",
         f"{passed} passed, {failed} failed, the four in `tests/test_profile.py`",
+        f"a machine with an NVIDIA H200: {tests['later']['summary'].split(' in ')[0]}",
     ]
 
 
