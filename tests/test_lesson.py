@@ -96,3 +96,32 @@ def test_an_output_widget_shows_its_outputs():
     states = {"out": {"model_name": "OutputModel", "state": {"outputs": [{"output_type": "stream", "text": "a < b"}]}}}
     nb = course.snapshot_widgets(_notebook_with_widgets(states, "out"))
     assert "<pre>a &lt; b</pre>" in nb.cells[0].outputs[0].data["text/html"]
+
+
+THREE_STAGE_1F1B = [
+    [("forward", 0), ("forward", 1), ("forward", 2), ("backward", 0), ("forward", 3), ("backward", 1),
+     ("backward", 2), ("backward", 3)],
+    [("forward", 0), ("forward", 1), ("backward", 0), ("forward", 2), ("backward", 1), ("forward", 3),
+     ("backward", 2), ("backward", 3)],
+    [("forward", 0), ("backward", 0), ("forward", 1), ("backward", 1), ("forward", 2), ("backward", 2),
+     ("forward", 3), ("backward", 3)],
+]  # fmt: skip
+
+
+def test_check_orders_accepts_1f1b_and_says_what_is_wrong_with_anything_else(capsys):
+    """The 1F1B exercise's checker: the solution passes, the stub and every wrong order are refused in a sentence."""
+    from parallelkit.strategies.pipeline.schedules import gpipe_schedule, one_f_one_b_schedule, stage_orders
+
+    assert stage_orders(one_f_one_b_schedule(3, 4)) == THREE_STAGE_1F1B  # the exercise's solution is 1F1B's plan
+    assert pk.lesson.check_orders(THREE_STAGE_1F1B, 3, 4) is True
+    assert pk.lesson.check_orders(None, 3, 4) is None
+    assert "write each stage's order" in capsys.readouterr().out.splitlines()[-1]
+    wrong = {
+        "holds 4 microbatches at once, where 1F1B holds 3": stage_orders(gpipe_schedule(3, 4)),
+        "deadlock": [list(reversed(order)) for order in THREE_STAGE_1F1B],
+        "Missing": [order[:-1] for order in THREE_STAGE_1F1B],
+        "one order for each of the 3 stages": THREE_STAGE_1F1B[:2],
+    }
+    for message, orders in wrong.items():
+        assert pk.lesson.check_orders(orders, 3, 4) is False
+        assert message in capsys.readouterr().out, message

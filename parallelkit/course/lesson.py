@@ -5,7 +5,8 @@ papermill can override them) and then calls :func:`setup`, which refuses values 
 lesson cannot run with, in words that say what to change: every value before JAX starts,
 except the batch, whose check needs the device count.
 Exercises ask the learner to predict a number, measure it, and :func:`check` says how
-close the prediction was.
+close the prediction was; or to write something, which a checker runs:
+:func:`check_orders` plays a pipeline order the learner wrote.
 """
 
 from __future__ import annotations
@@ -116,3 +117,50 @@ def _is_number(x: Any) -> bool:
 
 def _show(x: Any) -> str:
     return f"{x:.4g}" if _is_number(x) else repr(x)
+
+
+def check_orders(orders: Any, stages: int, microbatches: int) -> bool | None:
+    """Play a learner's per-stage pipeline order and say, in one sentence, whether it is a 1F1B order.
+
+    ``orders[s]`` lists stage ``s``'s passes in the order it runs them, each ``("forward", m)``
+    or ``("backward", m)``. The order is played with a forward pass of 1 and a backward pass
+    of 2 (:func:`~parallelkit.strategies.pipeline.schedules.timed`) and must run every pass
+    once, never wait forever, take no longer than 1F1B and hold no more microbatches on any
+    stage than 1F1B does. ``None`` means not written yet.
+
+    >>> from parallelkit.strategies.pipeline.schedules import gpipe_schedule, stage_orders
+    >>> check_orders(stage_orders(gpipe_schedule(2, 2)), 2, 2)
+    not yet: stage 1 holds 2 microbatches at once, where 1F1B holds 1
+    False
+    """
+    from ..strategies.pipeline import schedules
+
+    if orders is None:
+        print("write each stage's order in the list above, then run the cell again")
+        return None
+    target = schedules.one_f_one_b_schedule(stages, microbatches)
+    try:
+        played = schedules.timed(
+            [[(kind, m, 0) for kind, m in order] for order in orders], {"forward": 1, "backward": 2}
+        )
+        schedules.check_schedule(played)
+    except (ValueError, TypeError, KeyError) as err:
+        print(f"not yet: {err}")
+        return False
+    if len(orders) != stages or {s.microbatch for s in played} != set(range(microbatches)):
+        print(
+            f"not yet: write one order for each of the {stages} stages, covering microbatches 0 to {microbatches - 1}"
+        )
+        return False
+    held, most = schedules.peak_in_flight(played), schedules.peak_in_flight(target)
+    over = [s for s in range(stages) if held[s] > most[s]]
+    if over:
+        print(f"not yet: stage {over[0]} holds {held[over[0]]} microbatches at once, where 1F1B holds {most[over[0]]}")
+        return False
+    if schedules.makespan(played) > schedules.makespan(target):
+        print(f"not yet: it takes {schedules.makespan(played):g} where 1F1B takes {schedules.makespan(target):g}")
+        return False
+    print(
+        f"right: {schedules.makespan(played):g} time units, at most {list(held.values())} microbatches held per stage"
+    )
+    return True
