@@ -37,6 +37,10 @@ bench: setup
 	$(BIN)/python benchmarks/experts.py
 	$(BIN)/python benchmarks/roofline.py
 	$(BIN)/python benchmarks/context.py
+	$(BIN)/python benchmarks/precision.py
+	$(BIN)/python benchmarks/planner.py
+	$(BIN)/python benchmarks/buckets.py
+	$(BIN)/python benchmarks/pipeline.py
 
 course: setup
 	$(BIN)/python -m parallelkit course --out build/course

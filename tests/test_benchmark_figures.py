@@ -583,3 +583,9 @@ def test_a_notebooks_quoted_run_time_is_its_recorded_one(name):
     quoted = [int(s) for s in NOTEBOOK_TIME.findall(re.sub(r"\s+", " ", source))]
     assert len(quoted) <= 1, f"{name} quotes its run time more than once"
     assert quoted in ([], [round(load("notebooks.json")["seconds"][name])])
+
+
+def test_make_bench_runs_every_benchmark_but_the_notebooks():
+    """ "`make bench` runs the scripts below, all but `notebooks.py`" (interleaved.py is their shared module)."""
+    scripts = {p.name for p in (ROOT / "benchmarks").glob("*.py")} - {"notebooks.py", "interleaved.py"}
+    assert set(re.findall(r"benchmarks/(\w+\.py)", (ROOT / "Makefile").read_text())) == scripts
