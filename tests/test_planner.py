@@ -81,7 +81,7 @@ def test_a_plan_ranks_by_mfu_within_memory_and_says_why():
     for c in p.ranked[:20]:
         expected = MODELS["llama3-8b"].flops_per_token() * c.batch * 8192 / (c.time.total * 8 * 989.5e12)
         assert c.mfu == pytest.approx(expected)
-    assert p.best.name in p.table(3) and "3 layouts" not in p.table(3)
+    assert p.best.name in p.table(3) and "(3 layouts" not in p.table(3)  # the footer counts all, not the rows shown
     assert "rank 1 of" in p.explain(p.best) and "activations" in p.explain(p.best)
     closest = p.rejected[0].layout  # asked for without the recomputation and accumulation the planner tried
     plain = dataclasses.replace(
@@ -97,7 +97,7 @@ def test_every_kind_of_axis_is_weighed():
         assert any(getattr(layout, axis) == 8 for layout in seen), axis
     assert {layout.zero for layout in seen} == {0, 1, 2, 3}
     assert {layout.context_method for layout in seen if layout.context > 1} == {"allgather", "ring", "ulysses"}
-    assert {layout.schedule for layout in seen if layout.stages > 1} == {"gpipe", "1f1b"}
+    assert {layout.schedule for layout in seen if layout.stages > 1} == {"gpipe", "1f1b", "zb-h1"}
     assert any(layout.sequence_parallel for layout in seen)
 
 

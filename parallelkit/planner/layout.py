@@ -158,8 +158,8 @@ def activations(model: Transformer, layout: Layout, batch: int, *, precision: st
 
     One layer's (:func:`.memory.layer_activation_bytes`) for a microbatch of ``batch / (replicas
     x microbatches)`` sequences, times the layers of a stage, times the microbatches in flight
-    (:func:`.memory.in_flight` on the first stage; one under 1F1B and every one under GPipe on the
-    last), and under full recomputation one layer more, rebuilt in the backward pass with its
+    (:func:`.memory.in_flight`: on the first stage, and on the last, where 1F1B holds one, ZB-H1
+    ``stages`` and GPipe every one), and under full recomputation one layer more, rebuilt in the backward pass with its
     attention computed block by block (FlashAttention: no ``s x s`` scores). The last stage also
     holds one microbatch's float32 logits (``4 s b V / tensor``). The first stages hold
     ``ceil(layers / stages)`` layers each, the last what is left.
@@ -178,7 +178,7 @@ def activations(model: Transformer, layout: Layout, batch: int, *, precision: st
     if layout.stages == 1:
         return replace(first, logits=logits, last_stage=True)
     last_layers = max(model.layers - (layout.stages - 1) * stage_layers, 0)
-    held = layout.microbatches if layout.schedule == "gpipe" else 1
+    held = in_flight(layout.schedule, layout.stages, layout.microbatches, stage=layout.stages - 1)
     last = Activations(last_layers, held, micro, per_layer, rebuilt, logits, True)
     return first if first.total >= last.total + last.logits else last
 

@@ -22,7 +22,8 @@ float32 logits, ``4 s b V`` bytes for a vocabulary of ``V`` (over ``t``: a vocab
 loss, as Megatron's); the embedding's own activations are left out.
 
 A pipeline stage holds ``layers / stages`` layers' activations for every microbatch in flight:
-all ``m`` under GPipe, at most ``stages`` on the first stage under 1F1B.
+all ``m`` under GPipe, at most ``stages`` on the first stage under 1F1B, at most ``stages`` on
+every stage under ZB-H1 (each microbatch held until its weight pass).
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ STATE_BYTES = {
 }
 ELEMENT_BYTES = {"bf16": 2, "fp32": 4}  # a stored activation, by the training precision
 RECOMPUTE = ("none", "selective", "full")
-SCHEDULES = ("gpipe", "1f1b")
+SCHEDULES = ("gpipe", "1f1b", "zb-h1")
 CONTEXT_METHODS = ("allgather", "ring", "ulysses")
 
 
@@ -140,17 +141,22 @@ def layer_activation_bytes(
     return outer / outer_split + (attention + mlp + scores + received) / tensor
 
 
-def in_flight(schedule: str, stages: int, microbatches: int) -> int:
-    """Microbatches whose activations the first pipeline stage holds at once under ``schedule``.
+def in_flight(schedule: str, stages: int, microbatches: int, stage: int = 0) -> int:
+    """Microbatches whose activations pipeline stage ``stage`` holds at once under ``schedule``.
 
-    Without a pipeline (one stage) the microbatches are accumulation steps, run one after
-    another: one is in flight.
+    GPipe: all of them; 1F1B: ``stages - stage``; ZB-H1: ``stages`` on every stage (a
+    microbatch is held until its weight pass); never more than the microbatches. Without a
+    pipeline (one stage) the microbatches are accumulation steps, run one after another: one
+    is in flight.
 
     >>> in_flight("gpipe", 4, 8), in_flight("1f1b", 4, 8), in_flight("1f1b", 4, 2), in_flight("gpipe", 1, 8)
     (8, 4, 2, 1)
+    >>> in_flight("1f1b", 4, 8, stage=3), in_flight("zb-h1", 4, 8, stage=3)
+    (1, 4)
     """
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule={schedule!r}: one of {SCHEDULES}.")
     if stages == 1:
         return 1
-    return microbatches if schedule == "gpipe" else min(stages, microbatches)
+    held = {"gpipe": microbatches, "1f1b": stages - stage, "zb-h1": stages}[schedule]
+    return min(held, microbatches)

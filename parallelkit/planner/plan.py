@@ -7,7 +7,7 @@
 >>> print(answer.table(1))  # doctest: +NORMALIZE_WHITESPACE
   #  layout                                        GB/dev   step s    MFU  binds
   1  context 8, ZeRO-1, allgather, accumulate 128    68.3   16.970  47.7%  compute
-(340 layouts fit, 438 do not: plan.rejected)
+(483 layouts fit, 619 do not: plan.rejected)
 """
 
 from __future__ import annotations

@@ -23,7 +23,9 @@ The assumptions, all of them (each a parameter or a line here):
 - **Experts**: 2 all-to-alls of the routed tokens (``top_k`` copies) forward, 2 backward, 2 more
   with full recomputation.
 - **Pipeline**: one send of a microbatch's activation after each of the ``2 (m + s - 1)``
-  forward and backward slots; the bubble makes compute ``(m + s - 1) / m`` times longer.
+  forward and backward slots; the bubble makes compute ``(m + s - 1) / m`` times longer (GPipe,
+  1F1B), ``(3m + s - 1) / 3m`` under ZB-H1 (a third of the idle time, forward, backward and
+  weight passes taken as equal).
 - **Gradients** (data, context and expert axes, where the same parameters repeat): an all-reduce
   (ZeRO 0, 1: a reduce-scatter and an all-gather, the same time) once a step, in the
   training precision; ZeRO-2 reduce-scatters each microbatch's and all-gathers once; ZeRO-3
@@ -114,7 +116,9 @@ def step_time(
     attention = per_token - 6 * model.active_params
     extra = {"none": 0.0, "selective": attention / 3, "full": per_token / 3}[layout.recompute]
     compute = (per_token + extra) * batch * model.seq / (layout.devices * efficiency * cluster.peak_flops(precision))
-    bubble = compute * (stages - 1) / m
+    # idle: (stages - 1) microbatches' forward and backward passes (GPipe, 1F1B); ZB-H1 idles only their
+    # forward passes, a third of that (its weight passes fill the rest), for passes of equal length
+    bubble = compute * (stages - 1) / m / (3 if layout.schedule == "zb-h1" else 1)
 
     apart = strides(layout)
     micro = batch // (layout.replicas * m)
