@@ -271,6 +271,20 @@ def test_interleaving_hands_over_at_every_boundary_between_runs_of_layers(eight_
     assert sum(handed["interleaved"]) == 3 * sum(handed["1f1b"])  # every layer's output is 32 floats wide
 
 
+def test_zero_bubbles_traffic_reads_the_programs_it_runs_and_syncs_once(deep_mlp, batch):
+    """With data = 2, ZB-H1's input-gradient and weight programs move no gradients: one all-reduce a step."""
+    layers, params = deep_mlp
+    pipe = pk.Pipeline(layers, 2, 4, "zb-h1", data=2, devices=jax.devices()[:4])
+    traffic = pipe.traffic(pk.models.cross_entropy, pipe.init(params, optax.sgd(0.1)), batch)
+    assert all(f.measured == f.expected for f in traffic.flows), traffic.table()
+    all_reduces = [f for f in traffic.flows if f.what.startswith("gradients of stage")]
+    assert sum(f.measured for f in all_reduces) == pk.models.param_bytes(params)
+    assert not [f for f in traffic.flows if f.what.startswith("other collectives")], traffic.table()
+    kinds = {kind for _, kind, _ in pipe.step(pk.models.cross_entropy).stage_collectives(
+        pipe.init(params, optax.sgd(0.1)), pipe.place_batch(batch)[0])}  # fmt: skip
+    assert kinds <= {"forward", "reduce"}  # the backward and weight passes themselves hold no collective
+
+
 def test_the_optimizer_probe_refuses_global_norm_clipping_and_accepts_per_parameter_norms(deep_mlp, digits):
     layers, params = deep_mlp
     pipe = pk.Pipeline(layers, 2, microbatches=2, devices=jax.devices()[:2])

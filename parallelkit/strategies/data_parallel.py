@@ -139,20 +139,20 @@ def expected_collectives(
     """
     if sizes.replicas == 1:
         return ()
-    if allreduce is None and bucket_bytes is not None:
-        k = len(gradient_buckets(sizes.params_tree, bucket_bytes, sizes.metrics))
-        what = f"gradients and metrics, {k} bucket{'s' * (k > 1)}"
-        return (ExpectedCollective("all-reduce", what, sizes.params + sizes.metrics + 4 * (k - 1), "P + M + 4(k-1)"),)
-    if allreduce is None:
+    if allreduce is None and bucket_bytes is None:
         return (gradient_all_reduce(sizes),)
-    n = sizes.replicas
-    multiple = 1 if allreduce.algorithm == "reduce_to_one" else n  # the chunks it cuts
     buckets = (
         [sizes.params + sizes.metrics]
         if bucket_bytes is None
         else gradient_buckets(sizes.params_tree, bucket_bytes, sizes.metrics)
     )
     carried = [nbytes + 4 * (i > 0) for i, nbytes in enumerate(buckets)]  # each later one carries 4 bytes more
+    if allreduce is None:
+        k = len(buckets)
+        return (ExpectedCollective("all-reduce", f"gradients and metrics, {k} bucket{'s' * (k > 1)}", sum(carried),
+                                   "P + M + 4(k-1)"),)  # fmt: skip
+    n = sizes.replicas
+    multiple = 1 if allreduce.algorithm == "reduce_to_one" else n  # the chunks it cuts
     elements = [-(-nbytes // 4 // multiple) * multiple for nbytes in carried]  # float32, padded
     wire = sum(c.wire_bytes for e in elements for c in allreduce.cost(n, 4 * e).values())
     what = f"gradients and metrics, {allreduce.algorithm} all-reduce"

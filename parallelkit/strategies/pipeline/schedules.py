@@ -139,14 +139,18 @@ def one_f_one_b_schedule(stages: int, microbatches: int, forward: float = 1, bac
       The slots, forwards first (by stage, then microbatch), then backwards likewise.
     """
     _check_counts(stages, microbatches, forward, backward)
-    orders = []
-    for s in range(stages):
-        warmup = min(stages - 1 - s, microbatches)
-        order = [("forward", m, 0) for m in range(warmup)]
-        for m in range(microbatches - warmup):
-            order += [("forward", warmup + m, 0), ("backward", m, 0)]
-        orders.append(order + [("backward", m, 0) for m in range(microbatches - warmup, microbatches)])
+    orders = [_one_f_one_b_order(stages, microbatches, s) for s in range(stages)]
     return timed(orders, {"forward": forward, "backward": backward})
+
+
+def _one_f_one_b_order(stages: int, microbatches: int, s: int) -> list[tuple[str, int, int]]:
+    """Stage ``s``'s 1F1B order: ``stages - 1 - s`` forward passes, then one forward and one backward in turn,
+    then the backward passes left; ``(kind, microbatch, chunk 0)`` each."""
+    warmup = min(stages - 1 - s, microbatches)
+    order = [("forward", m, 0) for m in range(warmup)]
+    for m in range(microbatches - warmup):
+        order += [("forward", warmup + m, 0), ("backward", m, 0)]
+    return order + [("backward", m, 0) for m in range(microbatches - warmup, microbatches)]
 
 
 def interleaved_schedule(
@@ -236,16 +240,12 @@ def zero_bubble_schedule(stages: int, microbatches: int, forward: float = 1, bac
     _check_counts(stages, microbatches, forward, backward)
     orders = []
     for s in range(stages):
-        warmup = min(stages - 1 - s, microbatches)
-        order, weights = [("forward", m, 0) for m in range(warmup)], 0
-        for j in range(microbatches):
-            if warmup + j < microbatches:
-                order.append(("forward", warmup + j, 0))
-            order.append(("backward", j, 0))
-            if j - s >= weights:  # the weight pass of microbatch j - s
-                order.append(("weight", weights, 0))
-                weights += 1
-        orders.append(order + [("weight", m, 0) for m in range(weights, microbatches)])
+        order = []
+        for kind, m, chunk in _one_f_one_b_order(stages, microbatches, s):
+            order.append((kind, m, chunk))
+            if kind == "backward" and m >= s:  # the weight pass of microbatch m - s
+                order.append(("weight", m - s, chunk))
+        orders.append(order + [("weight", m, 0) for m in range(max(microbatches - s, 0), microbatches)])
     return timed(orders, {"forward": forward, "backward": backward / 2, "weight": backward / 2})
 
 

@@ -122,7 +122,7 @@ class Pipeline(Strategy):
                 raise ValueError(f"Pipeline({name}={size!r}): it must be a whole number >= 1.")
         if not callable(schedule) and schedule not in SCHEDULES:
             raise ValueError(f"Unknown schedule {schedule!r}: use one of {sorted(SCHEDULES)} or a schedule function.")
-        if virtual > 1 and schedule in ("gpipe", "1f1b", "zb-h1"):
+        if virtual > 1 and isinstance(schedule, str) and schedule != "interleaved":
             raise ValueError(
                 f"Pipeline(schedule={schedule!r}, virtual={virtual}): only an interleaved schedule runs several "
                 "chunks of layers per stage. Use schedule='interleaved', or virtual=1."
@@ -342,7 +342,7 @@ class Pipeline(Strategy):
                                   "arrays handed over"))  # fmt: skip
         found = step.stage_collectives(state, microbatches[0]) if d > 1 else []
         flows += _collective_flows(found, m, metric_bytes, state, self)
-        every_call = [c for _, kind, c in found for _ in range(m if CALLS[kind] == "m" else 1)]
+        every_call = [c for _, kind, c in found for _ in range(_calls(kind, m))]
         return StepTraffic(repr(self), self.traffic_pattern, d, _nbytes(state.params), metric_bytes, tuple(flows),
                            bus_bytes=bus_bytes(every_call))  # fmt: skip
 
@@ -367,19 +367,20 @@ def _nbytes(tree: Any) -> int:
     return sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
 
 
-CALLS = {"forward": "m", "backward": "m", "reduce": "1"}  # how often a step calls each program of a stage
+def _calls(program: str, m: int) -> int:
+    """How often a step calls a stage's program: the gradients' reduce once, every other once per microbatch."""
+    return 1 if program == "reduce" else m
 
 
 def _collective_flows(
     found: Sequence[tuple[int, str, Collective]], m: int, metric_bytes: int, state: TrainState, pipe: Pipeline
 ) -> list[Flow]:
-    """The stages' collectives as flows, each counted as often as its program runs a step (:data:`CALLS`):
+    """The stages' collectives as flows, each counted as often as its program runs a step (:func:`_calls`):
     each stage's one gradient all-reduce, the last stage's metrics', and any other."""
     stage_params, last = pipe.stage_params(state.params), pipe.model_stages - 1
     totals: dict[tuple[int, str, str], int] = {}
     for s, kind, c in found:
-        calls = m if CALLS[kind] == "m" else 1
-        totals[s, kind, c.op] = totals.get((s, kind, c.op), 0) + calls * c.bytes
+        totals[s, kind, c.op] = totals.get((s, kind, c.op), 0) + _calls(kind, m) * c.bytes
     flows = []
     for s in range(pipe.model_stages if found else 0):
         measured = totals.pop((s, "reduce", "all-reduce"), 0)
@@ -580,9 +581,9 @@ class PipelineStep(Step):
     def stage_collectives(self, state: TrainState, microbatch: Batch) -> list[tuple[int, str, Collective]]:
         """``(stage, program, collective)`` for each collective in each stage's compiled programs.
 
-        The programs are ``"forward"`` and ``"backward"``, lowered for one microbatch as the step
-        places it and called ``microbatches`` times a step, and with ``data > 1`` ``"reduce"``,
-        the gradients' one all-reduce, called once a step.
+        The programs are ``"forward"``, ``"backward"`` and, under zb-h1, ``"weight"``, lowered for
+        one microbatch as the step places it and called ``microbatches`` times a step, and with
+        ``data > 1`` ``"reduce"``, the gradients' one all-reduce, called once a step.
         """
         pipe = self.pipeline
         params, last = pipe.stage_params(state.params), pipe.model_stages - 1
@@ -596,11 +597,15 @@ class PipelineStep(Step):
             x = None if s == 0 else on(shapes[s - 1], pipe.split(s))
             batch = on(jax.eval_shape(lambda b: b, microbatch), pipe.split(s)) if s in (0, last) else None
             cotangent = on(jnp.float32(0), pipe.replicated(s)) if s == last else on(shapes[s], pipe.split(s))
-            grads, (backward, backward_statics) = self._zero_grads(s, params[s]), self._backward(s)
-            lowered = {
-                "forward": programs.forward.lower(params[s], x, batch, **statics),
-                "backward": backward.lower(params[s], x, batch, cotangent, grads, **backward_statics),
-            }
+            grads = self._zero_grads(s, params[s])
+            lowered = {"forward": programs.forward.lower(params[s], x, batch, **statics)}
+            if self.split_backward:  # zb-h1 runs the input's gradient and the weight pass, not the fused backward
+                lowered["backward"] = programs.backward_input.lower(params[s], x, batch, cotangent, **statics)
+                weight, weight_statics = self._backward(s, wrt="params")
+                lowered["weight"] = weight.lower(params[s], x, batch, cotangent, grads, **weight_statics)
+            else:
+                backward, backward_statics = self._backward(s)
+                lowered["backward"] = backward.lower(params[s], x, batch, cotangent, grads, **backward_statics)
             if pipe.data > 1:
                 lowered["reduce"] = programs.reduce_unreduced.lower(grads, where=pipe.replicated(s))
             for kind, program in lowered.items():
