@@ -42,7 +42,7 @@ DEVICES = 8  # every simulated device: the bench's child asks for as many as the
 class ScatterGatherMirrored(Strategy):
     """Replicated state; the gradients and metrics, flattened into one vector, reduce-scattered then all-gathered."""
 
-    traffic_pattern = "all-reduce"  # what TopologyModel times: a ring all-reduce is these two halves
+    pattern = "mirrored"  # how the cost model and TopologyModel time it: a ring all-reduce is these two halves
 
     def __init__(self, devices: int):
         super().__init__(DEVICES)
@@ -80,7 +80,7 @@ class ScatterGatherMirrored(Strategy):
 @pytest.fixture
 def registered():
     entry = catalog.register(
-        catalog.Entry(NAME, ScatterGatherMirrored, None, "dist.reduce_scatter_tensor", "all-reduce", "mirrored")
+        catalog.Entry(NAME, ScatterGatherMirrored, None, "dist.reduce_scatter_tensor", ScatterGatherMirrored.pattern)
     )
     try:
         yield entry
@@ -121,7 +121,7 @@ def test_it_appears_in_the_traffic_table_and_the_topology_model(registered):
         strategy = entry.make(DEVICES)
         traffics.append(strategy.traffic(loss, strategy.init(params, optax.sgd(0.1)), batch))
     ours = traffics[1]
-    assert ours.pattern == registered.traffic_pattern and ours.strategy == repr(registered.make(DEVICES))
+    assert ours.pattern == registered.pattern and ours.strategy == repr(registered.make(DEVICES))
     for what, op in (("gradients", "reduce-scatter"), ("averaged", "all-gather")):  # measured in the compiled HLO
         flow = ours.flow(what)
         assert op in flow.what and flow.measured == flow.expected > 0, flow
@@ -146,13 +146,13 @@ def test_the_catalog_refuses_a_second_entry_of_one_name_and_names_what_it_holds(
         catalog.get("nothing")
 
 
-def test_every_entry_builds_a_strategy_whose_traffic_pattern_it_states():
+def test_every_entry_builds_a_strategy_whose_pattern_it_states():
     layers = pk.models.as_layers(pk.models.MLP(64, (32,), 10, rngs=nnx.Rngs(0)))
     for entry in catalog.entries():
         strategy = entry.make(DEVICES, layers.apply) if entry.layers else entry.make(DEVICES)
         assert isinstance(strategy, StrategyProtocol), entry.name
-        assert strategy.traffic_pattern == entry.traffic_pattern, entry.name
-        assert entry.cost_pattern in costmodel.PATTERNS, entry.name
+        assert strategy.pattern == entry.pattern, entry.name
+        assert entry.pattern in costmodel.PATTERNS, entry.name
 
 
 def test_every_entrys_rosetta_names_are_in_the_rosetta():

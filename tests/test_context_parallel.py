@@ -85,7 +85,7 @@ def test_parameters_replicated_or_by_rules():
 def test_construction_and_repr():
     strategy = pk.ContextParallel(seq=4, method="ulysses")
     assert repr(strategy) == "ContextParallel(seq=4, method='ulysses', data=2)"
-    assert strategy.traffic_pattern == "context"
+    assert strategy.pattern == "context_ulysses"
     with pytest.warns(pk.DeviceSubsetWarning, match="runs on 2 of the 8"):
         pk.ContextParallel(seq=2, data=1)
 
@@ -119,7 +119,7 @@ def test_traffic_reads_the_batch_slice_and_the_rings_permutes(corpus):
     strategy = pk.ContextParallel(seq=4, data=2)
     batch = next(pk.data.batches(corpus, 4, steps=1))
     traffic = strategy.traffic(loss_fn, strategy.init(params, OPTIMIZER), batch)
-    assert traffic.pattern == "context" and traffic.replicas == 2
+    assert traffic.pattern == "context_ring" and traffic.replicas == 2
     sliced = traffic.flow("batch slice")
     assert sliced.measured == sliced.expected == 2 * 4 * LENGTH * 4 / 8  # x and y, int32, over data x seq
     assert traffic.flow("other collectives (collective-permute)").measured > 0

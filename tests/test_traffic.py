@@ -59,7 +59,7 @@ def test_every_measured_flow_equals_its_formula(traffic, name):
 
 def test_single_device_moves_only_its_batch(traffic):
     t = traffic["SingleDevice"]
-    assert (t.replicas, t.pattern) == (1, "local")
+    assert (t.replicas, t.pattern) == (1, "single")
     assert (t.host_to_device, t.device_to_host, t.between_devices) == (B, 0, 0)
 
 
@@ -204,7 +204,7 @@ def test_a_strategy_of_ones_own_reports_its_traffic(mlp, batch):
     loss_fn, params = mlp
     strategy = Custom(1)
     t = pk.traffic.step_traffic(strategy, loss_fn, strategy.init(params, optax.sgd(0.1)), batch)
-    assert (t.host_to_device, t.between_devices, t.pattern) == (B, 0, "local")
+    assert (t.host_to_device, t.between_devices, t.pattern) == (B, 0, "single")
 
 
 def test_bus_bytes_follow_nccls_convention():
@@ -275,3 +275,11 @@ def test_async_parameter_servers_say_what_to_measure_instead(mlp, batch):
     strategy = pk.ParameterServer(2, mode="async", devices=2)
     with pytest.raises(ValueError, match=r"measured for a synchronous step.*ParameterServer\(2, devices=...\)"):
         strategy.traffic(loss_fn, strategy.init(params, optax.sgd(0.1)), batch)
+
+
+def test_topology_model_speaks_the_cost_models_pattern_names_only():
+    assert set(pk.traffic.TOPOLOGY) <= set(pk.costmodel.PATTERNS)
+    with pytest.raises(ValueError, match=r"'all-reduce' is not one of the cost model's patterns"):
+        pk.traffic.register_topology("all-reduce", lambda model, t: 0.0)
+    with pytest.raises(ValueError, match="already models the pattern 'mirrored'"):
+        pk.traffic.register_topology("mirrored", lambda model, t: 0.0)

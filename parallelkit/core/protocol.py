@@ -37,14 +37,16 @@ class StrategyProtocol(Protocol):
     - ``place_batch(batch)``: the global host batch, placed as the step takes it;
     - ``unreplicate(tree)``: one host copy; ``logical_shape(leaf)``: a leaf's single-device shape;
     - ``describe(state)``: where every leaf lives;
-    - ``traffic(loss_fn, state, batch)``, ``expected_collectives(sizes)``, ``traffic_pattern``:
-      the bytes one step moves, the collectives its formulas expect, and the pattern
-      (:class:`parallelkit.measure.traffic.TopologyModel`) its traffic follows;
+    - ``traffic(loss_fn, state, batch)``, ``expected_collectives(sizes)``: the bytes one step moves and
+      the collectives its formulas expect;
+    - ``pattern``: how it communicates, in the cost model's names (a key of ``pk.costmodel.PATTERNS``,
+      by which :func:`~parallelkit.measure.costmodel.predict` and
+      :class:`~parallelkit.measure.traffic.TopologyModel` time it);
     - ``checkpoint_refusal()``: why a checkpoint could not resume its run exactly (None: it can).
     """
 
     devices: Sequence[jax.Device]
-    traffic_pattern: str
+    pattern: str
 
     @property
     def num_replicas(self) -> int: ...

@@ -69,7 +69,7 @@ class StepTraffic:
     """
 
     strategy: str
-    pattern: str  # "local", "all-reduce", "central", "sharded", "all-to-all", ... (a strategy's traffic_pattern)
+    pattern: str  # the strategy's pattern: "single", "mirrored", "central_storage", ... (pk.costmodel.PATTERNS)
     replicas: int
     param_bytes: int  # P
     metric_bytes: int  # M: the scalar metrics one replica reports

@@ -61,7 +61,7 @@ from ..core.reports import Flow as Flow
 from ..core.reports import Sizes as Sizes
 from ..core.reports import StepTraffic as StepTraffic
 from ..core.reports import gradient_all_reduce as gradient_all_reduce
-from .costmodel import Cluster, Link, allreduce_seconds, alltoall_rounds
+from .costmodel import PATTERNS, Cluster, Link, allreduce_seconds, alltoall_rounds
 from .inspect import Collective, collectives, sent_bytes
 
 if TYPE_CHECKING:
@@ -180,7 +180,7 @@ def compiled_traffic(strategy: Strategy, loss_fn: LossFn, state: TrainState, bat
     others = [Flow(D2D, f"other collectives ({op})", b, 0 if known else None, "0" if known else "no formula",
                    "compiled HLO") for op, b in measured.items()]  # fmt: skip
     flows += others or ([Flow(D2D, "other collectives", 0, 0, "0", "compiled HLO")] if known else [])
-    return StepTraffic(repr(strategy), strategy.traffic_pattern, size.replicas, size.params, size.metrics,
+    return StepTraffic(repr(strategy), strategy.pattern, size.replicas, size.params, size.metrics,
                        tuple(flows), bus_bytes=bus_bytes(found))  # fmt: skip
 
 
@@ -327,8 +327,8 @@ class TopologyModel:
         return max(extra_latency / cheaper, 0.0)
 
 
-# How TopologyModel times each traffic pattern (a strategy's ``traffic_pattern``, the catalog's
-# ``traffic_pattern``): from a measured step's parameter bytes, replicas and owners.
+# How TopologyModel times each pattern (a strategy's ``pattern``, one of the cost model's names): from a
+# measured step's parameter bytes, replicas and owners.
 TOPOLOGY: dict[str, Callable[[TopologyModel, StepTraffic], float]] = {}
 
 
@@ -336,23 +336,27 @@ def register_topology(pattern: str, seconds: Callable[[TopologyModel, StepTraffi
     """Let :meth:`TopologyModel.seconds` time steps of ``pattern`` as ``seconds(model, traffic)`` says.
 
     Raises:
-      ValueError: ``pattern`` has a model already.
+      ValueError: ``pattern`` has a model already, or is not one of the cost model's patterns
+        (``pk.costmodel.PATTERNS``: one vocabulary for both models).
     """
     if pattern in TOPOLOGY:
-        raise ValueError(f"TopologyModel already models the traffic pattern {pattern!r}.")
+        raise ValueError(f"TopologyModel already models the pattern {pattern!r}.")
+    if pattern not in PATTERNS:
+        raise ValueError(f"{pattern!r} is not one of the cost model's patterns {list(PATTERNS)}: register_pattern it.")
     TOPOLOGY[pattern] = seconds
 
 
-register_topology("local", lambda model, t: 0.0)
-register_topology("all-reduce", lambda model, t: model.mirrored_seconds(t.param_bytes, t.replicas))
-register_topology("central", lambda model, t: model.central_seconds(t.param_bytes, t.replicas))
+register_topology("single", lambda model, t: 0.0)
+register_topology("mirrored", lambda model, t: model.mirrored_seconds(t.param_bytes, t.replicas))
+register_topology("central_storage", lambda model, t: model.central_seconds(t.param_bytes, t.replicas))
 register_topology(
-    "all-to-all",
+    "expert",
     lambda model, t: (
         model.mirrored_seconds(t.param_bytes, t.replicas)
         + sum(model.alltoall_seconds(f.measured, t.replicas) for f in t.flows if "(all-to-all)" in f.what)
     ),
 )
 register_topology(
-    "sharded", lambda model, t: model.parameter_server_seconds(t.param_bytes, t.replicas, len(t.owner_bytes))
+    "parameter_server",
+    lambda model, t: model.parameter_server_seconds(t.param_bytes, t.replicas, len(t.owner_bytes)),
 )

@@ -95,9 +95,10 @@ class Strategy(abc.ABC):
         """Why a checkpoint of this strategy's state could not resume its run exactly (None: it can)."""
         return None
 
-    # The pattern its traffic follows, as StepTraffic.pattern: TopologyModel times the patterns
-    # of parallelkit.measure.traffic.TOPOLOGY ("local", "all-reduce", "central", "sharded"), no others.
-    traffic_pattern = "local"
+    # How it communicates, in the cost model's names (a key of pk.costmodel.PATTERNS): the catalog
+    # names it for pk.costmodel.predict, StepTraffic.pattern carries it, and TopologyModel times the
+    # patterns of parallelkit.measure.traffic.TOPOLOGY.
+    pattern = "single"
 
     def traffic(self, loss_fn: LossFn, state: TrainState, batch: Batch) -> StepTraffic:
         """The bytes one step moves (per replica), measured, beside this strategy's formulas.

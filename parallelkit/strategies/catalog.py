@@ -2,17 +2,16 @@
 
 Each :class:`Entry` names a strategy for the tables (the tour, the bench), says how to
 build it for a device count, gives its Rosetta names (``docs/rosetta.md``), the pattern
-its traffic follows (:class:`parallelkit.measure.traffic.TopologyModel`) and the cost model's
-pattern for it (:func:`parallelkit.measure.costmodel.predict`), and the flags the tools read.
-The tour and the bench build their rows from it, and :func:`parallelkit.measure.costmodel.predict`
-takes its names (:func:`register` names each for the cost model); the traffic report asks the
-strategy itself (``strategy.traffic``), and :class:`~parallelkit.measure.traffic.TopologyModel`
-times it by the pattern the entry names. No tool asks which class a strategy is. A new
-strategy joins them all through :func:`register`:
+its communication follows (the class's ``pattern``, read here, never written again), and the
+flags the tools read. The tour and the bench build their rows from it, and
+:func:`parallelkit.measure.costmodel.predict` takes its names (:func:`register` names each for the
+cost model); the traffic report asks the strategy itself (``strategy.traffic``), and
+:class:`~parallelkit.measure.traffic.TopologyModel` times it by the same pattern. No tool asks
+which class a strategy is. A new strategy joins them all through :func:`register`:
 
 >>> entry = get("Mirrored(jit)")
->>> entry.cost_pattern, entry.traffic_pattern, entry.tensorflow
-('mirrored', 'all-reduce', 'tf.distribute.MirroredStrategy')
+>>> entry.pattern, entry.tensorflow
+('mirrored', 'tf.distribute.MirroredStrategy')
 >>> [e.name for e in entries(tour=True)][:3]
 ['SingleDevice', 'Mirrored(jit)', 'Mirrored(pmap)']
 """
@@ -30,10 +29,11 @@ from .context_parallel import ContextParallel
 from .expert_parallel import ExpertParallel
 from .fully_sharded import FullySharded
 from .hybrid import Hybrid
-from .mirrored import Mirrored
+from .mirrored import Mirrored, MirroredJit
 from .multiworker import MultiWorkerMirrored
 from .offdevice import CentralStorage, ParameterServer
 from .pipeline import Pipeline
+from .pmap import MirroredPmap
 from .single import SingleDevice
 from .tensor import TensorParallel
 
@@ -51,8 +51,7 @@ class Entry:
     make: Callable[..., StrategyProtocol]
     tensorflow: str | None  # the Rosetta's TensorFlow counterpart (None: none built in)
     pytorch: str | None  # the Rosetta's PyTorch counterpart
-    traffic_pattern: str  # its StepTraffic.pattern (TopologyModel times those in parallelkit.measure.traffic.TOPOLOGY)
-    cost_pattern: str  # the cost model's pattern: pk.costmodel.predict(..., strategy=cost_pattern)
+    pattern: str  # the class's (SingleDevice.pattern, TensorParallel.pattern_for(...)): a key of pk.costmodel.PATTERNS
     meant_to_differ: bool = False  # differs from SingleDevice by design (asynchronous updates)
     min_devices: int = 1  # the fewest devices it is built for (a d x k mesh needs 4 to show both axes)
     layers: bool = False  # built from the model's layers (a pipeline): make(n, apply)
@@ -71,7 +70,7 @@ def register(entry: Entry) -> Entry:
     """
     if entry.name in _ENTRIES:
         raise ValueError(f"The catalog already holds a strategy named {entry.name!r}; unregister it first.")
-    costmodel.name_strategy(entry.name, entry.cost_pattern)  # checks the pattern exists
+    costmodel.name_strategy(entry.name, entry.pattern)  # checks the pattern exists
     _ENTRIES[entry.name] = entry
     return entry
 
@@ -108,38 +107,38 @@ def _built_in() -> None:
     mirrored_tf, mirrored_torch = "tf.distribute.MirroredStrategy", "DistributedDataParallel"
     ps_tf, ps_torch = "tf.distribute.ParameterServerStrategy", "torch.distributed.rpc"
     for entry in (
-        Entry("SingleDevice", lambda n: SingleDevice(), "tf.device", "x.to", "local", "single"),
-        Entry("Mirrored(jit)", lambda n: Mirrored(n, backend="jit"), mirrored_tf, mirrored_torch, "all-reduce",
-              "mirrored"),
-        Entry("Mirrored(pmap)", lambda n: Mirrored(n, backend="pmap"), mirrored_tf, mirrored_torch, "all-reduce",
-              "mirrored"),
+        Entry("SingleDevice", lambda n: SingleDevice(), "tf.device", "x.to", SingleDevice.pattern),
+        Entry("Mirrored(jit)", lambda n: Mirrored(n, backend="jit"), mirrored_tf, mirrored_torch,
+              MirroredJit.pattern),
+        Entry("Mirrored(pmap)", lambda n: Mirrored(n, backend="pmap"), mirrored_tf, mirrored_torch,
+              MirroredPmap.pattern),
         Entry("Mirrored(ring)", lambda n: Mirrored(n, allreduce="ring"), "tf.distribute.NcclAllReduce",
-              "dist.all_reduce", "all-reduce", "mirrored", tour=False),
+              "dist.all_reduce", MirroredJit.pattern, tour=False),
         Entry("CentralStorage", lambda n: CentralStorage(n),
-              "tf.distribute.experimental.CentralStorageStrategy", None, "central", "central_storage"),
-        Entry("PS(2 shards)", lambda n: ParameterServer(2, devices=n), ps_tf, ps_torch, "sharded", "parameter_server"),
+              "tf.distribute.experimental.CentralStorageStrategy", None, CentralStorage.pattern),
+        Entry("PS(2 shards)", lambda n: ParameterServer(2, devices=n), ps_tf, ps_torch, ParameterServer.pattern),
         Entry("TensorParallel", lambda n: TensorParallel(n, devices=jax.devices()[:n]), None, "ColwiseParallel",
-              "tensor", "tensor"),
-        Entry("FullySharded(3)", lambda n: FullySharded(3, n), None, "FullyShardedDataParallel", "fully-sharded",
-              "fully_sharded"),
+              TensorParallel.pattern_for()),
+        Entry("FullySharded(3)", lambda n: FullySharded(3, n), None, "FullyShardedDataParallel",
+              FullySharded.pattern),
         Entry("Hybrid(data x 2)", lambda n: Hybrid(n // 2, 2, devices=jax.devices()[: n // 2 * 2]), None,
-              "HYBRID_SHARD", "hybrid", "hybrid", min_devices=4, tour=False),
+              "HYBRID_SHARD", Hybrid.pattern, min_devices=4, tour=False),
         Entry("Pipeline(2 stages)", lambda n, apply: Pipeline(apply, 2, microbatches=4, data=n // 2,
-              devices=jax.devices()[: n // 2 * 2]), None, "torch.distributed.pipelining", "pipeline", "pipeline",
+              devices=jax.devices()[: n // 2 * 2]), None, "torch.distributed.pipelining", Pipeline.pattern,
               min_devices=2, layers=True, tour=False),
         Entry("MultiWorkerMirrored", lambda n: MultiWorkerMirrored(jax.devices()[:n]),
-              "MultiWorkerMirroredStrategy", mirrored_torch, "all-reduce", "mirrored", bench=False),
-        Entry("PS(2, async)", lambda n: ParameterServer(2, mode="async", devices=n), ps_tf, ps_torch, "sharded",
-              "parameter_server", meant_to_differ=True, bench=False),
+              "MultiWorkerMirroredStrategy", mirrored_torch, MultiWorkerMirrored.pattern, bench=False),
+        Entry("PS(2, async)", lambda n: ParameterServer(2, mode="async", devices=n), ps_tf, ps_torch,
+              ParameterServer.pattern, meant_to_differ=True, bench=False),
         # Not in the tour or the bench: they train a classifier without experts, on which ExpertParallel is data
         # parallelism over all its devices (no parameter declares `expert`); its all-to-alls need MoE layers.
         Entry("ExpertParallel", lambda n: ExpertParallel(expert=n, devices=jax.devices()[:n]), None,
-              "--expert-model-parallel-size", "all-to-all", "expert", tour=False, bench=False),
+              "--expert-model-parallel-size", ExpertParallel.pattern, tour=False, bench=False),
         # Splitting the sequence needs a model that names its sequence axes (pk.models.GPT); the tour and the
         # bench train the digits MLP, whose inputs have no token axis: in neither table.
         Entry("TensorParallel(SP)", lambda n: TensorParallel(n, sequence_parallel=True, devices=jax.devices()[:n]),
-              None, "SequenceParallel", "tensor", "sequence_parallel", tour=False, bench=False),
-        *(Entry(f"ContextParallel({method})", _context(method), None, torch, "context", f"context_{method}",
+              None, "SequenceParallel", TensorParallel.pattern_for(sequence_parallel=True), tour=False, bench=False),
+        *(Entry(f"ContextParallel({method})", _context(method), None, torch, ContextParallel.pattern_for(method),
                 min_devices=2, tour=False, bench=False) for method, torch in _CONTEXT_ROSETTA),
     ):  # fmt: skip
         register(entry)

@@ -149,7 +149,14 @@ class ContextParallel(SPMD):
     def replica_tracing(self) -> contextlib.AbstractContextManager:
         return _with_method(super().replica_tracing(), self.method)
 
-    traffic_pattern = "context"
+    @staticmethod
+    def pattern_for(method: str = "ring") -> str:
+        """The cost model's pattern of context parallelism by ``method`` (``context_ring``, ...)."""
+        return f"context_{method}"
+
+    @property
+    def pattern(self) -> str:
+        return self.pattern_for(self.method)
 
     def traffic(self, loss_fn: LossFn, state: TrainState, batch: Batch) -> StepTraffic:
         """The compiled step's traffic (:func:`parallelkit.measure.traffic.compiled_traffic`), with the batch

@@ -121,11 +121,6 @@ def mirrored_repr(backend: str, replicas: int, allreduce: AllReduce | None, buck
     return f"Mirrored(backend={backend!r}, devices={replicas}{how})"
 
 
-def traffic_pattern(replicas: int) -> str:
-    """The traffic pattern of replicated data parallelism: an all-reduce, or nothing on one device."""
-    return "all-reduce" if replicas > 1 else "local"
-
-
 def expected_collectives(
     sizes: Sizes, allreduce: AllReduce | None = None, bucket_bytes: int | None = None
 ) -> tuple[ExpectedCollective, ...]:

@@ -104,7 +104,7 @@ class ExpertParallel(SPMD):
     # Its step's own collectives are all-to-alls of the dispatched tokens (TopologyModel times them as pairwise
     # exchanges); their payload depends on the layers' capacity, which the traffic's sizes do not hold, so
     # expected_collectives gives no formula and the measured all-to-alls are reported as they are.
-    traffic_pattern = "all-to-all"
+    pattern = "expert"
 
     def __repr__(self) -> str:
         return f"ExpertParallel(expert={self.mesh.shape[EXPERT]}, data={self.mesh.shape[DATA]})"

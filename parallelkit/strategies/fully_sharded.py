@@ -99,7 +99,7 @@ class FullySharded(SPMD):
         """Stage 1 all-reduces whole gradients; stages 2 and 3 keep each device's shard only."""
         return self.partition_specs(params) if self.stage == 1 else self.sharded_specs(params)
 
-    traffic_pattern = "fully-sharded"
+    pattern = "fully_sharded"
 
     def expected_collectives(self, sizes: Sizes) -> tuple[ExpectedCollective, ...]:
         """ZeRO's collectives by the book, payloads per device (``S``: bytes of the sharded leaves).

@@ -89,7 +89,7 @@ class Hybrid(SPMD):
             partition.check_specs(params, specs, self.mesh)
         return specs
 
-    traffic_pattern = "hybrid"
+    pattern = "hybrid"
 
     def expected_collectives(self, sizes) -> None:
         """No formula: activation all-reduces over ``model`` and gradient ones over ``data`` mix in one

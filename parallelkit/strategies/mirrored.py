@@ -124,9 +124,7 @@ class MirroredJit(SPMD):
         fn = jax.jit(body, in_shardings=(state, batch), out_shardings=(state, state), donate_argnums=0)
         return Step(fn, accumulated_placement(self.place_batch, accumulate, self.num_replicas), self, precision)
 
-    @property
-    def traffic_pattern(self) -> str:
-        return data_parallel.traffic_pattern(self.num_replicas)
+    pattern = "mirrored"
 
     def expected_collectives(self, sizes: Sizes) -> tuple[ExpectedCollective, ...]:
         """The compiler's all-reduce of ``P + M`` (in buckets, if any), or the hand-written one's permutes

@@ -89,9 +89,7 @@ class MultiWorkerMirrored(SPMD):
         host arrays (NumPy) come back as they are."""
         return jax.tree.map(lambda x: np.asarray(x.addressable_data(0) if isinstance(x, jax.Array) else x), tree)
 
-    @property
-    def traffic_pattern(self) -> str:
-        return data_parallel.traffic_pattern(self.num_replicas)
+    pattern = "mirrored"
 
     def expected_collectives(self, sizes: Sizes) -> tuple[ExpectedCollective, ...]:
         """The gradients and the scalar metrics, all-reduced: ``P + M`` bytes (XLA fuses them into one)."""

@@ -106,9 +106,7 @@ class MirroredPmap(Strategy):
     def logical_shape(self, leaf: jax.Array) -> tuple[int, ...]:
         return tuple(leaf.shape[1:])
 
-    @property
-    def traffic_pattern(self) -> str:
-        return data_parallel.traffic_pattern(self.num_replicas)
+    pattern = "mirrored"
 
     def expected_collectives(self, sizes: Sizes) -> tuple[ExpectedCollective, ...]:
         """The compiler's all-reduce of ``P + M`` (in buckets, if any), or the hand-written one's permutes

@@ -21,7 +21,7 @@ class SingleDevice(SPMD):
       device: the device to use; JAX's first device by default.
     """
 
-    traffic_pattern = "local"
+    pattern = "single"
 
     def __init__(self, device: jax.Device | None = None):
         chosen = resolve_devices([device] if device is not None else 1)

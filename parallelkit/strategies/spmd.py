@@ -241,7 +241,7 @@ class SPMD(Strategy):
         place = accumulated_placement(self.place_batch, accumulate, self.fed_replicas)
         return Step(_CompiledOnFirstCall(self, loss_fn, accumulate, precision), place, self, precision)
 
-    traffic_pattern = "spmd"
+    pattern = "spmd"  # rules of the user's own: no one pattern of the cost model (its presets name theirs)
 
     def expected_collectives(self, sizes) -> None:
         """No formula: what moves depends on the rules; the measured payloads are reported as they are."""

@@ -107,7 +107,14 @@ class TensorParallel(SPMD):
     def partition_specs(self, params: PyTree) -> PyTree:
         return model_specs(params, self.rules, self.mesh)
 
-    traffic_pattern = "tensor"
+    @staticmethod
+    def pattern_for(sequence_parallel: bool = False) -> str:
+        """The cost model's pattern of tensor parallelism, with or without Megatron's sequence parallelism."""
+        return "sequence_parallel" if sequence_parallel else "tensor"
+
+    @property
+    def pattern(self) -> str:
+        return self.pattern_for(self.sequence_parallel)
 
     def expected_collectives(self, sizes: Sizes) -> tuple[ExpectedCollective, ...] | None:
         """Megatron's all-reduces of activations (:func:`megatron_mlp_allreduces`) for the kit's

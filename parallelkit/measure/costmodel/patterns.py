@@ -120,7 +120,7 @@ PATTERNS: dict[str, Pattern] = {  # by name; register_pattern adds more
 def register_pattern(name: str, pattern: Pattern) -> Pattern:
     """Let :func:`predict` take ``name``: a strategy family whose step communicates as ``pattern`` says.
 
-    A strategy in :mod:`parallelkit.strategies.catalog` names its pattern (``cost_pattern``).
+    A strategy class names its pattern (``pattern``); the catalog hands it to :func:`name_strategy`.
 
     Raises:
       ValueError: a pattern of that name exists.
@@ -154,12 +154,12 @@ def name_strategy(strategy: str, pattern: str | None) -> None:
 
 
 def pattern_of(strategy: str) -> Pattern:
-    """The pattern ``strategy`` names: a pattern's own name, or a named strategy's (the catalog's ``cost_pattern``)."""
+    """The pattern ``strategy`` names: a pattern's own name, or a named strategy's (its catalog entry's ``pattern``)."""
     return PATTERNS[pattern_name(strategy)]
 
 
 def pattern_name(strategy: str) -> str:
-    """The name of the pattern ``strategy`` names: a pattern's own name, or a catalog name's ``cost_pattern``.
+    """The name of the pattern ``strategy`` names: a pattern's own name, or a catalog name's ``pattern``.
 
     >>> pattern_name("Mirrored(jit)"), pattern_name("mirrored")
     ('mirrored', 'mirrored')

@@ -42,7 +42,7 @@ class OffDeviceStrategy(Strategy):
         """Send each slice of the global batch to its worker (a clear error when it does not split)."""
         return put_batch(batch, self.batch_sharding, self.num_replicas)
 
-    traffic_pattern = "central"
+    pattern = "central_storage"
     pull_label, push_label, formula = "parameters (pull)", "gradients (push to the storage device)", "P"
 
     def owner_loads(self, rows: ReplicaRows) -> tuple[int, ...]:
@@ -88,5 +88,5 @@ class OffDeviceStrategy(Strategy):
             Flow(D2H, "state out (owner -> host memory)", sum(m[1] for m in moved), expected, formula,
                  source.format("results")),
         )  # fmt: skip
-        return StepTraffic(repr(self), self.traffic_pattern, size.replicas, size.params, size.metrics, flows,
+        return StepTraffic(repr(self), self.pattern, size.replicas, size.params, size.metrics, flows,
                            self.owner_loads(rows), bus_bytes(found), owner_flows)  # fmt: skip

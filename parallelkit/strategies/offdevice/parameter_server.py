@@ -148,7 +148,7 @@ class ParameterServer(OffDeviceStrategy):
         if devices is None:
             warn_if_shared(num_shards, self.devices, f"ParameterServer(num_shards={num_shards})", "shards")
 
-    traffic_pattern = "sharded"
+    pattern = "parameter_server"
     formula = "P = P_1 + ... + P_k"
 
     @property

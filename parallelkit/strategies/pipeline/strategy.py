@@ -343,10 +343,10 @@ class Pipeline(Strategy):
         found = step.stage_collectives(state, microbatches[0]) if d > 1 else []
         flows += _collective_flows(found, m, metric_bytes, state, self)
         every_call = [c for _, kind, c in found for _ in range(_calls(kind, m))]
-        return StepTraffic(repr(self), self.traffic_pattern, d, _nbytes(state.params), metric_bytes, tuple(flows),
+        return StepTraffic(repr(self), self.pattern, d, _nbytes(state.params), metric_bytes, tuple(flows),
                            bus_bytes=bus_bytes(every_call))  # fmt: skip
 
-    traffic_pattern = "pipeline"
+    pattern = "pipeline"
 
     def expected_collectives(self, sizes) -> None:
         return None
