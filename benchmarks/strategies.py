@@ -27,13 +27,11 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import gc
 import json
 import platform
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -60,7 +58,6 @@ def _child(args: argparse.Namespace) -> dict:
     pk.simulate_devices(args.child)
 
     import jax
-    import numpy as np
     import optax
 
     dataset = pk.data.digits()
@@ -71,50 +68,24 @@ def _child(args: argparse.Namespace) -> dict:
     if len(batches) != total:
         raise SystemExit(f"digits gives only {len(batches)} batches of {args.batch_size}; ask for fewer steps.")
 
-    runs = {}
-    for name, make in pk.tour.STRATEGIES.items():
-        strategy = make(args.child)
-        runs[name] = {"strategy": strategy, "state": strategy.init(params, optax.adam(1e-3))}
-        runs[name]["step"] = strategy.step(loss_fn)
-
-    def one(name: str, batch) -> float:
-        run = runs[name]
-        start = time.perf_counter()
-        run["state"], _ = run["step"](run["state"], batch)
-        jax.block_until_ready(run["state"])
-        return time.perf_counter() - start
-
-    first = {name: one(name, batches[0]) for name in runs}
-    for batch in batches[1 : 1 + args.warmup]:
-        for name in runs:
-            one(name, batch)
-    rng = np.random.default_rng(args.seed)
-    names = list(runs)
-    seconds = {name: [] for name in runs}
-    gc.disable()
-    try:
-        for batch in batches[1 + args.warmup :]:
-            for i in rng.permutation(len(names)):
-                seconds[names[i]].append(one(names[i], batch))
-    finally:
-        gc.enable()
-
-    trained = {name: run["strategy"].unreplicate(run["state"].params) for name, run in runs.items()}
-    reference = trained["SingleDevice"]
-    for name, tree in trained.items():
-        if name in pk.tour.MEANT_TO_DIFFER:  # the asynchronous parameter server differs by design
-            continue
-        for got, want in zip(jax.tree.leaves(tree), jax.tree.leaves(reference), strict=True):
-            np.testing.assert_allclose(got, want, rtol=RTOL, atol=ATOL, err_msg=f"{name} left SingleDevice")
+    runs = pk.run_side_by_side(
+        {name: make(args.child) for name, make in pk.tour.STRATEGIES.items()},
+        loss_fn, params, optax.adam(1e-3), batches, warmup=args.warmup, interleave=True, seed=args.seed,
+        reference="SingleDevice", meant_to_differ=pk.tour.MEANT_TO_DIFFER,
+    )  # fmt: skip
+    unequal = [f"{run.name} (max |dp| {run.max_param_diff:.1e})" for run in runs.values() if run.meant_to_equal
+               and not run.equals_reference]  # fmt: skip
+    if unequal:  # the asynchronous parameter server differs by design: reported, not checked
+        raise SystemExit(f"These left SingleDevice's parameters (rtol {RTOL}, atol {ATOL}): {', '.join(unequal)}")
     summary = pk.device_summary()
     return {
         "devices": args.child,
         "platform": summary.platform,
         "simulated": summary.simulated,
         "jax_version": jax.__version__,
-        "first_step_s": first,
-        "step_s": seconds,
-        "max_param_diff": {name: pk.tour.max_abs_diff(tree, reference) for name, tree in trained.items()},
+        "first_step_s": {name: run.times.first_step_seconds for name, run in runs.items()},
+        "step_s": {name: list(run.times.step_seconds) for name, run in runs.items()},
+        "max_param_diff": {name: run.max_param_diff for name, run in runs.items()},
     }
 
 

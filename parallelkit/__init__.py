@@ -40,6 +40,8 @@ from .models.layers import attention as attention
 from .models.layers import experts as experts
 from .run import checkpoint as checkpoint
 from .run import distributed as distributed
+from .run.compare import Run as Run
+from .run.compare import run_side_by_side as run_side_by_side
 from .run.prefetch import Placed as Placed
 from .run.prefetch import prefetch as prefetch
 from .run.training import Callback as Callback

@@ -58,7 +58,6 @@ import platform
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -131,41 +130,17 @@ def _strategies(n: int, only: Sequence[str] | None = None) -> list:
     return [yardstick, *(e for e in fits if not only or e.name in only)]
 
 
-def _measure(strategy, loss, params, batches, warmup: int):
-    """(state, compile s, step seconds) of training ``strategy`` on ``batches``."""
-    import jax
+def _run(strategy, loss, params, batches, warmup: int = 0, against=None):
+    """The :class:`~parallelkit.run.compare.Run` of training ``strategy`` on ``batches`` with the bench's SGD, the
+    next batches placed ahead (:func:`parallelkit.run.prefetch`); compared with ``against`` when given."""
     import optax
 
-    from ..run.prefetch import prefetch
+    from ..run.compare import run_side_by_side
 
-    state, step = strategy.init(params, optax.sgd(LEARNING_RATE)), strategy.step(loss)
-    seconds, feed = [], prefetch(batches, strategy)
-    for batch in feed:
-        start = time.perf_counter()
-        state, metrics = step(state, batch)
-        jax.block_until_ready((state, metrics))
-        seconds.append(time.perf_counter() - start)
-    return state, seconds[0], seconds[1 + warmup :]
-
-
-def trained_params(strategy, loss, params, batches):
-    """Host parameters after training ``strategy`` from ``params`` on ``batches`` (the bench's SGD), untimed."""
-    import optax
-
-    state, step = strategy.init(params, optax.sgd(LEARNING_RATE)), strategy.step(loss)
-    for batch in batches:
-        state, _ = step(state, batch)
-    return strategy.unreplicate(state.params)
-
-
-def compare(trained, reference) -> tuple[float, bool]:
-    """(largest |difference|, whether every parameter is within rtol 1e-5, atol 1e-6 of ``reference``)."""
-    from .tour import assert_close, max_abs_diff
-
-    try:
-        return assert_close(trained, reference), True
-    except AssertionError:
-        return max_abs_diff(trained, reference), False
+    name = repr(strategy)
+    runs = run_side_by_side({name: strategy}, loss, params, optax.sgd(LEARNING_RATE), batches, warmup=warmup,
+                            prefetch=2, against=against)  # fmt: skip
+    return runs[name]
 
 
 def _extras(strategy, loss, params, batch) -> tuple[float | None, int | None]:
@@ -187,15 +162,13 @@ def _extras(strategy, loss, params, batch) -> tuple[float | None, int | None]:
     return moved, memory
 
 
-def _row(name, n, processes, size, compile_s, seconds, extras, comparison: tuple[float, bool]) -> BenchRow:
-    """A row; ``comparison`` is :func:`compare` of its parameters with its SingleDevice reference's."""
-    import numpy as np
-
-    median = float(np.median(seconds))
+def _row(name: str, n: int, processes: int, run, extras) -> BenchRow:
+    """A row of one :class:`~parallelkit.run.compare.Run`; ``extras``: what :func:`_extras` found."""
+    times = run.times
     return BenchRow(
-        name, n, processes, size, compile_s, median * 1e3,
-        float(np.percentile(seconds, 10)) * 1e3, float(np.percentile(seconds, 90)) * 1e3,
-        size / median, None, *extras, *comparison,
+        name, n, processes, times.batch_size, times.first_step_seconds, times.median * 1e3,
+        times.percentile(10) * 1e3, times.percentile(90) * 1e3, times.samples_per_second, None, *extras,
+        run.max_param_diff, run.equals_reference,
     )  # fmt: skip
 
 
@@ -213,14 +186,13 @@ def _child(args: argparse.Namespace) -> list[dict]:
         strategy = entry.make(n, layers.apply) if entry.layers else entry.make(n)
         model_loss, model_params = (pk.models.cross_entropy, layers.params) if entry.layers else (loss, params)
         extras = _extras(strategy, model_loss, model_params, batches[0])
-        state, compile_s, seconds = _measure(strategy, model_loss, model_params, batches, args.warmup)
-        trained = strategy.unreplicate(state.params)
-        reference = trained if reference is None else reference  # SingleDevice runs first
         against = reference
         if entry.layers:  # the same layers composed on one device
             single_loss = pk.pipeline.sequential_loss(layers.apply, pk.models.cross_entropy)
-            against = trained_params(pk.SingleDevice(), single_loss, layers.params, batches)
-        rows.append(asdict(_row(entry.name, n, 1, size, compile_s, seconds, extras, compare(trained, against))))
+            against = _run(pk.SingleDevice(), single_loss, layers.params, batches).params
+        run = _run(strategy, model_loss, model_params, batches, args.warmup, against)
+        reference = run.params if reference is None else reference  # SingleDevice runs first
+        rows.append(asdict(_row(entry.name, n, 1, run, extras)))
     return rows
 
 
@@ -235,12 +207,9 @@ def _worker(args: argparse.Namespace) -> None:
     n = jax.device_count()
     size = args.batch_per_device * n
     batches = list(pk.data.batches(dataset, size, steps=1 + args.warmup + args.steps, seed=0))
-    strategy = pk.MultiWorkerMirrored()
-    state, compile_s, seconds = _measure(strategy, loss, params, batches, args.warmup)
-    trained = strategy.unreplicate(state.params)  # this process's replica
-    single = trained_params(pk.SingleDevice(jax.local_devices()[0]), loss, params, batches)
-    row = _row("MultiWorkerMirrored", n, jax.process_count(), size, compile_s, seconds, (None, None),
-               compare(trained, single))  # fmt: skip
+    single = _run(pk.SingleDevice(jax.local_devices()[0]), loss, params, batches).params
+    run = _run(pk.MultiWorkerMirrored(), loss, params, batches, args.warmup, single)  # this process's replica
+    row = _row("MultiWorkerMirrored", n, jax.process_count(), run, (None, None))
     if jax.process_index() == 0:
         Path(args.child_out).write_text(json.dumps([asdict(row)]))
 

@@ -12,13 +12,17 @@ from collections.abc import Callable, Iterator, Mapping, Sequence, Set
 from dataclasses import asdict, dataclass
 
 import jax
-import numpy as np
 import optax
 
 from .. import data, models
 from ..core.devices import device_summary
 from ..core.protocol import StrategyProtocol
-from ..run.training import FitResult, fit
+from ..run.compare import ATOL as ATOL
+from ..run.compare import RTOL as RTOL
+from ..run.compare import Run, compare, run_side_by_side
+from ..run.compare import assert_close as assert_close
+from ..run.compare import max_abs_diff as max_abs_diff
+from ..run.training import FitResult
 from ..strategies import catalog
 
 
@@ -71,54 +75,18 @@ class TourRow:
     meant_to_equal: bool = True  # False: differs from SingleDevice by design (async)
 
     @classmethod
-    def of(cls, name: str, result: FitResult, reference_params, meant_to_equal: bool = True) -> TourRow:
-        """The row of one ``pk.fit`` run, its parameters compared with ``reference_params``."""
-        times = result.history.times
+    def of(cls, run: Run) -> TourRow:
+        """The row of one run of :func:`~parallelkit.run.compare.run_side_by_side`."""
         return cls(
-            name,
-            len(result.strategy.devices),
-            times.compile_seconds,
-            times.median * 1e3,
-            times.samples_per_second,
-            float(result.history.losses[-1]),
-            max_abs_diff(result.params, reference_params),
-            meant_to_equal,
+            run.name,
+            run.devices,
+            run.times.compile_seconds,
+            run.times.median * 1e3,
+            run.times.samples_per_second,
+            float(run.result.history.losses[-1]),
+            run.max_param_diff,
+            run.meant_to_equal,
         )
-
-
-def max_abs_diff(a, b) -> float:
-    """Largest absolute difference between two parameter trees of the same structure."""
-    return max(
-        float(np.max(np.abs(np.asarray(x) - np.asarray(y))))
-        for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True)
-    )
-
-
-RTOL, ATOL = 1e-5, 1e-6  # the float32 tolerance of every equivalence in parallelkit
-
-
-def assert_close(actual, expected, rtol: float = RTOL, atol: float = ATOL) -> float:
-    """Assert two trees of the same structure agree leaf by leaf (NumPy's ``allclose`` rule); return max |diff|.
-
-    >>> round(assert_close({"w": np.ones(3)}, {"w": np.ones(3) + 1e-7}), 9)
-    1e-07
-    >>> assert_close({"w": np.ones(3)}, {"w": np.ones(3) + 0.1})
-    Traceback (most recent call last):
-    ...
-    AssertionError: ...
-    Not equal to tolerance rtol=1e-05, atol=1e-06
-    leaf ['w'] differs...
-    """
-    paths, leaves = zip(*jax.tree_util.tree_flatten_with_path(actual)[0], strict=True)
-    if jax.tree.structure(actual) != jax.tree.structure(expected):
-        raise AssertionError(
-            f"The trees differ in structure: {jax.tree.structure(actual)} vs {jax.tree.structure(expected)}"
-        )
-    for path, x, y in zip(paths, leaves, jax.tree.leaves(expected), strict=True):
-        np.testing.assert_allclose(
-            np.asarray(x), np.asarray(y), rtol=rtol, atol=atol, err_msg=f"leaf {jax.tree_util.keystr(path)} differs"
-        )
-    return max_abs_diff(actual, expected)
 
 
 def run_tour(
@@ -136,23 +104,25 @@ def run_tour(
     n = devices or jax.device_count()
     dataset = data.digits()
     apply, params = models.build(model, dataset.input_shape, dataset.num_classes)
-    loss_fn = models.classifier_loss(apply)
-    rows, reference = [], None
-    for entry in catalog.entries(tour=True) if strategies is None else [catalog.get(name) for name in strategies]:
-        result = fit(
-            entry.make(n), loss_fn, params, optax.adam(learning_rate), data.batches(dataset, batch_size, steps=steps)
-        )
-        reference = result.params if reference is None else reference
-        rows.append(TourRow.of(entry.name, result, reference, not entry.meant_to_differ))
-    return rows
+    chosen = catalog.entries(tour=True) if strategies is None else [catalog.get(name) for name in strategies]
+    runs = run_side_by_side(
+        {entry.name: entry.make(n) for entry in chosen},
+        models.classifier_loss(apply),
+        params,
+        optax.adam(learning_rate),
+        lambda: data.batches(dataset, batch_size, steps=steps),
+        meant_to_differ={entry.name for entry in chosen if entry.meant_to_differ},
+    )
+    return [TourRow.of(run) for run in runs.values()]
 
 
 def results_table(results: Mapping[str, FitResult], reference: str = "SingleDevice") -> str:
     """A table of ``pk.fit`` results by name, each run's parameters compared with ``results[reference]``'s."""
     if reference not in results:
         raise ValueError(f"No run named {reference!r} to compare with: the runs are {list(results)}.")
-    reference_params = results[reference].params
-    return format_table([TourRow.of(name, result, reference_params) for name, result in results.items()])
+    expected = results[reference].params
+    runs = [Run(name, r, r.history.times, *compare(r.params, expected)) for name, r in results.items()]
+    return format_table([TourRow.of(run) for run in runs])
 
 
 def format_table(rows: list[TourRow]) -> str:

@@ -29,7 +29,8 @@ from matplotlib.figure import Figure
 
 from ..core.contract import Batch, LossFn, PyTree
 from ..core.devices import device_summary
-from ..run.training import Callback, FitResult, History, RunInfo, StepRecord, fit
+from ..run.compare import Run, fresh_batches, run_side_by_side
+from ..run.training import Callback, FitResult, History, RunInfo, StepRecord
 from ..strategies import Strategy
 from ..widgets.dashboard import in_notebook
 from ..widgets.live import LiveTimes, RaceStandings, format_race, race_rows
@@ -104,11 +105,11 @@ def race_figure(standings: RaceStandings, title: str = "") -> Figure:
 class StrategyRace:
     """Train every strategy on the same model and data, comparing their step times as they go.
 
-    Conceptually, this is::
+    It is :func:`~parallelkit.run.compare.run_side_by_side` (one ``pk.fit`` per strategy, in turn) with a
+    callback that redraws the standings between steps::
 
-        for name, strategy in strategies.items():
-            results[name] = pk.fit(strategy, loss_fn, params, tx, batches(), steps=steps)
-        # then compare results[name].history.times with the reference's
+        runs = pk.run_side_by_side(strategies, loss_fn, params, tx, batches, steps=steps, reference=reference)
+        # runs[name].times beside the reference's; runs[name].max_param_diff from its parameters
 
     Args:
       strategies: name -> strategy, raced in this order.
@@ -151,11 +152,7 @@ class StrategyRace:
     ):
         if not strategies:
             raise ValueError("StrategyRace needs at least one strategy, e.g. {'SingleDevice': pk.SingleDevice()}.")
-        if not callable(batches) and iter(batches) is batches:
-            raise ValueError(
-                "StrategyRace got a one-shot iterator of batches, which the first run would use up. "
-                "Pass a function that returns fresh batches, e.g. lambda: pk.data.batches(dataset, 64, steps=30)."
-            )
+        fresh_batches(batches)  # refuses a one-shot iterator now, not after the first run
         if reference is None:
             reference = next((n for n, s in strategies.items() if len(s.devices) == 1), next(iter(strategies)))
         if reference not in strategies:
@@ -171,6 +168,7 @@ class StrategyRace:
             name: LiveTimes(repr(s), len(s.devices), batch_size=batch_size) for name, s in self.strategies.items()
         }
         self.results: dict[str, FitResult] = {}
+        self.runs: dict[str, Run] = {}  # each run compared with the reference's parameters
         self.simulated = False
         self.running: str | None = None
         self.interrupted = False
@@ -196,21 +194,13 @@ class StrategyRace:
 
             display(self.widget)
             self._shown = True
-        self.interrupted = False
-        for name, strategy in self.strategies.items():
-            batches = self.batches() if callable(self.batches) else self.batches
-            self.results[name] = fit(
-                strategy,
-                self.loss_fn,
-                self.params,
-                self.tx,
-                batches,
-                steps=self.steps,
-                callbacks=[_RaceCallback(self, name)],
-            )
-            if self.results[name].interrupted:
-                self.interrupted = True
-                break
+        runs = run_side_by_side(
+            self.strategies, self.loss_fn, self.params, self.tx, self.batches, steps=self.steps,
+            reference=self.reference, callbacks=lambda name: [_RaceCallback(self, name)],
+        )  # fmt: skip
+        self.results = {name: run.result for name, run in runs.items()}
+        self.runs = runs
+        self.interrupted = any(run.result.interrupted for run in runs.values())
         self.running = None
         if self.mode == "widget":  # the chart is up to date: the last run's end drew it
             self.draw()
