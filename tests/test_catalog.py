@@ -26,14 +26,18 @@ from jax.sharding import PartitionSpec as P
 
 import parallelkit as pk
 from parallelkit import costmodel
-from parallelkit.core.contract import put_batch
 from parallelkit.core.protocol import StrategyProtocol
-from parallelkit.core.reports import ExpectedCollective, Sizes
-from parallelkit.core.state import create_state
-from parallelkit.core.step import Step, train_step
 from parallelkit.course import bench, tour
-from parallelkit.strategies import catalog
-from parallelkit.strategies.base import Strategy
+from parallelkit.strategies import (  # everything a new strategy is written with: one module
+    ExpectedCollective,
+    Sizes,
+    Step,
+    Strategy,
+    catalog,
+    create_state,
+    put_batch,
+    train_step,
+)
 
 NAME = "Mirrored(scatter+gather)"
 DEVICES = 8  # every simulated device: the bench's child asks for as many as the process has

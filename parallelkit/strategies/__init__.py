@@ -1,10 +1,20 @@
-"""Training strategies: each decides where state lives and how gradients meet."""
+"""Training strategies: each decides where state lives and how gradients meet.
 
+Everything a new strategy is written with is here too (``docs/architecture.md``, "Adding a
+strategy"): :class:`Strategy`, :func:`create_state`, :func:`put_batch`, :func:`train_step`,
+:class:`Step`, :class:`ExpectedCollective` and :class:`Sizes`, and the :mod:`catalog`.
+"""
+
+from ..core.contract import put_batch as put_batch
 from ..core.placement import LeafPlacement as LeafPlacement
 from ..core.placement import bytes_by_part as bytes_by_part
 from ..core.placement import total_bytes as total_bytes
+from ..core.reports import ExpectedCollective as ExpectedCollective
+from ..core.reports import Sizes as Sizes
 from ..core.state import TrainState as TrainState
+from ..core.state import create_state as create_state
 from ..core.step import Step as Step
+from ..core.step import train_step as train_step
 from . import offdevice as offdevice
 from .base import Strategy as Strategy
 from .context_parallel import ContextParallel as ContextParallel
