@@ -130,7 +130,9 @@ def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
 
     Rules are active while a strategy built with them traces its step
     (:class:`parallelkit.strategies.spmd.SPMD`); on one device, under ``pmap`` or in
-    plain code this returns ``x`` unchanged. A name no rule mentions leaves its dimension
+    plain code this returns ``x`` unchanged. On an Auto mesh it is ``with_sharding_constraint``
+    (a hint the partitioner follows); on an Explicit one, ``jax.sharding.reshard`` (the array's
+    type changes, and JAX inserts the collective that moves it). A name no rule mentions leaves its dimension
     to the compiler (``P.UNCONSTRAINED``), so a preset whose rules name only ``batch``
     keeps the layout its parameter specs imply (tensor-parallel heads stay split).
 
@@ -162,7 +164,12 @@ def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
             f"name {sorted({logical for logical, _ in rules.rules})}; the kit's models use {LOGICAL}). Check the "
             f"spelling, or give the strategy a rule for it: ({unknown[0]!r}, None) to keep it whole, or a mesh axis."
         )
-    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, rules.spec(names, unknown=P.UNCONSTRAINED)))
+    spec = rules.spec(names, unknown=P.UNCONSTRAINED)
+    if set(mesh.axis_types) == {jax.sharding.AxisType.Explicit}:  # the layout is the array's type: reshard it
+        held = jax.typeof(x).sharding.spec
+        kept = [held[i] if i < len(held) else None for i in range(x.ndim)]  # an unnamed dimension keeps its own
+        return jax.sharding.reshard(x, P(*(kept[i] if e is P.UNCONSTRAINED else e for i, e in enumerate(spec))))
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
 
 
 def active() -> tuple[Mesh, AxisRules] | None:

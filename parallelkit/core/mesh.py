@@ -41,6 +41,7 @@ def make_mesh(
     devices: Sequence[jax.Device] | None = None,
     *,
     data: int | None = None,
+    explicit: bool = False,
     **axes: int | None,
 ) -> Mesh:
     """A mesh over ``devices`` (all by default) with the named axes given.
@@ -60,10 +61,13 @@ def make_mesh(
       devices: the devices, in order, or a count (the first ones); ``jax.devices()`` by default.
       data: the ``data`` axis size; ``None`` takes the devices the other axes leave.
       **axes: other axis sizes by name (``stage``, ``model``, ``seq``, ...; whole numbers >= 1).
+      explicit: every axis ``AxisType.Explicit`` (an array's sharding is part of its type,
+        ``jax.typeof(x)``; JAX's ``jax.make_mesh`` default) instead of ``AxisType.Auto``.
 
     Returns:
       A ``jax.sharding.Mesh`` with the axes in that order, each with ``AxisType.Auto``
-      (shardings propagate through the program, as with ``Mesh(...)``).
+      (shardings propagate through the program, as with ``Mesh(...)``) or, with ``explicit``,
+      ``AxisType.Explicit``.
 
     Raises:
       ValueError: an axis size that is not a whole number >= 1, sizes whose product
@@ -94,7 +98,28 @@ def make_mesh(
         )
     names = tuple(shape)
     grid = np.array(devices, dtype=object).reshape([shape[name] for name in names])
-    return Mesh(grid, names, axis_types=(jax.sharding.AxisType.Auto,) * len(names))
+    kind = jax.sharding.AxisType.Explicit if explicit else jax.sharding.AxisType.Auto
+    return Mesh(grid, names, axis_types=(kind,) * len(names))
+
+
+def is_explicit(mesh: Mesh) -> bool:
+    """Whether every axis of ``mesh`` is ``AxisType.Explicit`` (False: every axis ``Auto``).
+
+    >>> is_explicit(make_mesh(jax.devices()[:1], data=1, explicit=True))
+    True
+
+    Raises:
+      ValueError: a mesh that mixes the two, or has ``Manual`` axes (the kit's strategies take one mode).
+    """
+    kinds = set(mesh.axis_types)
+    if kinds == {jax.sharding.AxisType.Explicit}:
+        return True
+    if kinds <= {jax.sharding.AxisType.Auto}:
+        return False
+    raise ValueError(
+        f"The mesh's axes are {dict(zip(mesh.axis_names, mesh.axis_types, strict=True))}: a strategy runs every "
+        "axis Auto or every axis Explicit. Build it with pk.mesh.make_mesh(..., explicit=True or False)."
+    )
 
 
 def _check_axis_name(name: str) -> None:

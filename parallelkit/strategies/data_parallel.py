@@ -114,10 +114,13 @@ def own_key(key: jax.Array) -> jax.Array:
     return jax.random.fold_in(key, jax.lax.axis_index(DATA))
 
 
-def mirrored_repr(backend: str, replicas: int, allreduce: AllReduce | None, bucket_bytes: int | None = None) -> str:
+def mirrored_repr(
+    backend: str, replicas: int, allreduce: AllReduce | None, bucket_bytes: int | None = None, explicit: bool = False
+) -> str:
     """How ``pk.Mirrored`` prints, whichever backend: ``Mirrored(backend='jit', devices=2)``."""
     how = f", allreduce={allreduce.algorithm!r}" if allreduce else ""
     how += f", bucket_bytes={bucket_bytes}" if bucket_bytes is not None else ""
+    how += ", explicit=True" if explicit else ""
     return f"Mirrored(backend={backend!r}, devices={replicas}{how})"
 
 

@@ -38,7 +38,7 @@ from ..core.contract import PyTree
 from ..core.devices import resolve_devices
 from ..core.mesh import is_count, make_mesh
 from ..core.reports import ExpectedCollective, Sizes, gradient_all_reduce
-from .spmd import BATCH_ON_DATA, SPMD
+from .spmd import BATCH_ON_DATA, EXPLICIT, SPMD
 
 STAGES = (1, 2, 3)
 
@@ -58,6 +58,9 @@ class FullySharded(SPMD):
       devices: how many devices (the first ``n``), or which; all by default.
       min_size: leaves with fewer elements stay replicated
         (:data:`parallelkit.core.partition.MIN_SHARD_SIZE` by default).
+      explicit: a mesh of Explicit axes (stage 3 only): each parameter's shard is its type, and the step
+        gathers it with ``jax.sharding.reshard`` where the loss uses it (the backward pass's transpose of that
+        reshard is the gradients' reduce-scatter).
 
     Raises:
       ValueError: a stage other than 1, 2 or 3, or a ``min_size`` below 1.
@@ -69,6 +72,7 @@ class FullySharded(SPMD):
         devices: int | Sequence[jax.Device] | None = None,
         *,
         min_size: int = partition.MIN_SHARD_SIZE,
+        explicit: bool = False,
     ):
         if stage not in STAGES or isinstance(stage, bool):
             raise ValueError(
@@ -78,8 +82,17 @@ class FullySharded(SPMD):
         if not is_count(min_size):
             raise ValueError(f"FullySharded(min_size={min_size!r}): use a whole number of elements >= 1.")
         devices = resolve_devices(devices)
-        super().__init__(make_mesh(devices, data=len(devices)), rules=BATCH_ON_DATA)
+        super().__init__(make_mesh(devices, data=len(devices), explicit=explicit), rules=BATCH_ON_DATA)
         self.stage, self.min_size = stage, min_size
+
+    def explicit_refusal(self) -> str | None:
+        if self.stage < 3:
+            return (
+                f"ZeRO-{self.stage} keeps whole parameters beside a sharded optimizer state, so its update mixes two "
+                "layouts, which Explicit types refuse unless the update is written in the optimizer's layout; the "
+                "kit does not write it yet. Stage 3 runs explicitly."
+            )
+        return None
 
     def sharded_specs(self, params: PyTree) -> PyTree:
         """Each leaf's spec when sharded (stage 3's parameters; every stage's optimizer state)."""
@@ -130,7 +143,7 @@ class FullySharded(SPMD):
         )
 
     def __repr__(self) -> str:
-        return f"FullySharded(stage={self.stage}, devices={self.num_replicas})"
+        return f"FullySharded(stage={self.stage}, devices={self.num_replicas}{EXPLICIT if self.explicit else ''})"
 
 
 def zero_state_bytes(stage: int, param_bytes: float, optimizer_bytes: float, n: int) -> dict[str, float]:

@@ -51,6 +51,8 @@ def Mirrored(  # noqa: N802 (named as the class it returns, as TensorFlow's Mirr
     backend: str = "jit",
     allreduce: str | AllReduce | None = None,
     bucket_bytes: int | None = None,
+    *,
+    explicit: bool = False,
 ) -> MirroredJit | MirroredPmap:
     """Replicate the model on every device and all-reduce the gradients.
 
@@ -76,15 +78,20 @@ def Mirrored(  # noqa: N802 (named as the class it returns, as TensorFlow's Mirr
         gradients in buckets of at most that many float32 bytes, the last layers' first, one
         all-reduce each (:func:`~parallelkit.strategies.allreduce.mean_tree`;
         ``strategy.gradient_buckets(state)`` lists them). PyTorch DDP's default is 25 MB.
+      explicit: run on a mesh of Explicit axes (``backend="jit"`` only): the state and the batch carry their
+        shardings in their types (``jax.typeof``), as in JAX's own documentation.
 
     Raises:
       ValueError: an unknown backend, a hierarchical group that does not divide the devices,
-        or a ``bucket_bytes`` that is not a whole number >= 1.
+        a ``bucket_bytes`` that is not a whole number >= 1, or ``explicit`` with ``pmap``.
     """
     if backend not in BACKENDS:
         raise ValueError(f"Mirrored(backend={backend!r}): choose one of {BACKENDS}.")
-    chosen = MirroredJit if backend == "jit" else MirroredPmap
-    return chosen(devices, allreduce=allreduce, bucket_bytes=bucket_bytes)
+    if backend == "pmap":
+        if explicit:
+            raise ValueError("Mirrored(backend='pmap', explicit=True): pmap has no mesh types; use backend='jit'.")
+        return MirroredPmap(devices, allreduce=allreduce, bucket_bytes=bucket_bytes)
+    return MirroredJit(devices, allreduce=allreduce, bucket_bytes=bucket_bytes, explicit=explicit)
 
 
 class MirroredJit(SPMD):
@@ -104,13 +111,21 @@ class MirroredJit(SPMD):
         *,
         allreduce: str | AllReduce | None = None,
         bucket_bytes: int | None = None,
+        explicit: bool = False,
     ):
         chosen = resolve_devices(devices)
-        super().__init__(make_mesh(chosen, data=len(chosen)), rules=BATCH_ON_DATA)
+        super().__init__(make_mesh(chosen, data=len(chosen), explicit=explicit), rules=BATCH_ON_DATA)
         self.allreduce = data_parallel.parse_allreduce(allreduce, len(chosen), "Mirrored")
         self.bucket_bytes = data_parallel.parse_bucket_bytes(bucket_bytes, "Mirrored")
 
+    def explicit_refusal(self) -> str | None:
+        if self.allreduce is not None or self.bucket_bytes is not None:
+            return "a hand-written all-reduce (or buckets) runs inside jax.shard_map, which is Manual mode already."
+        return None
+
     def step(self, loss_fn: LossFn, accumulate: int = 1, precision: Precision | None = None) -> Step:
+        if self.explicit:
+            self._check_explicit(accumulate, precision)
         if self.allreduce is None and self.bucket_bytes is None:
             return super().step(loss_fn, accumulate, precision)  # the compiler inserts the all-reduce
         body = jax.shard_map(
@@ -137,4 +152,6 @@ class MirroredJit(SPMD):
         return data_parallel.gradient_buckets(self.unreplicate(state.params), self.bucket_bytes)
 
     def __repr__(self) -> str:
-        return data_parallel.mirrored_repr(self.backend, self.num_replicas, self.allreduce, self.bucket_bytes)
+        return data_parallel.mirrored_repr(
+            self.backend, self.num_replicas, self.allreduce, self.bucket_bytes, self.explicit
+        )

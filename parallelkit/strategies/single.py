@@ -7,7 +7,7 @@ import jax
 from ..core.devices import resolve_devices
 from ..core.mesh import make_mesh
 from ..core.reports import ExpectedCollective, Sizes
-from .spmd import BATCH_ON_DATA, SPMD
+from .spmd import BATCH_ON_DATA, EXPLICIT, SPMD
 
 
 class SingleDevice(SPMD):
@@ -19,13 +19,14 @@ class SingleDevice(SPMD):
 
     Args:
       device: the device to use; JAX's first device by default.
+      explicit: a mesh of Explicit axes (the arrays' types carry their one-device shardings).
     """
 
     pattern = "single"
 
-    def __init__(self, device: jax.Device | None = None):
+    def __init__(self, device: jax.Device | None = None, *, explicit: bool = False):
         chosen = resolve_devices([device] if device is not None else 1)
-        super().__init__(make_mesh(chosen, data=1), rules=BATCH_ON_DATA)
+        super().__init__(make_mesh(chosen, data=1, explicit=explicit), rules=BATCH_ON_DATA)
 
     @property
     def device(self) -> jax.Device:
@@ -36,4 +37,4 @@ class SingleDevice(SPMD):
         return ()
 
     def __repr__(self) -> str:
-        return f"SingleDevice({self.device})"
+        return f"SingleDevice({self.device}{EXPLICIT if self.explicit else ''})"

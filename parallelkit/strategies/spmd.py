@@ -28,7 +28,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from functools import cached_property
 
 import jax
@@ -40,6 +40,7 @@ from ..core import partition
 from ..core.accumulate import Accumulation, ReplicaCopies, accumulated_placement, check_accumulate
 from ..core.axes import DATA, AxisRules, MeshAxes, active_rules, axis_names
 from ..core.contract import Batch, LossFn, PyTree, put_batch
+from ..core.mesh import is_explicit
 from ..core.precision import Precision, check_precision
 from ..core.state import TrainState, create_state, prng_key
 from ..core.step import Step, train_step
@@ -47,6 +48,7 @@ from .base import Strategy
 
 BATCH = "batch"  # the logical name of every batch leaf's leading axis
 BATCH_ON_DATA = ((BATCH, DATA),)  # the presets' rules: the batch split over `data`
+EXPLICIT = ", explicit=True"  # how a preset on an Explicit mesh says so in its repr
 
 
 class SPMD(Strategy):
@@ -83,6 +85,7 @@ class SPMD(Strategy):
     ):
         super().__init__(list(mesh.devices.flat))
         self.mesh = mesh
+        self.explicit = is_explicit(mesh)
         self.axis_rules = rules if isinstance(rules, AxisRules) else AxisRules(tuple(rules))
         self.axis_rules.check(mesh)
         self.param_rules = param_rules
@@ -183,6 +186,17 @@ class SPMD(Strategy):
         """:meth:`tracing` for one replica's loss, mapped over the replicas (``accumulate > 1``): ``batch`` unsplit."""
         return active_rules(self.mesh, AxisRules(((BATCH, None), *self.axis_rules.rules)))
 
+    def compute_specs(self, params: PyTree) -> PyTree:
+        """Where each parameter is while the loss uses it: its spec without the batch's mesh axes (a
+        parameter sharded over them, as ZeRO-3's are, is gathered whole on each replica first)."""
+        batch_axes = set(axis_names(self.batch_sharding.spec[0]))
+        specs = self.partition_specs(params)
+        return jax.tree.map(lambda spec: P(*_without(spec, batch_axes)), specs, is_leaf=lambda x: isinstance(x, P))
+
+    def explicit_refusal(self) -> str | None:
+        """Why this strategy cannot run on an Explicit mesh (None: it can); a preset says its own reason."""
+        return None
+
     def state_shardings(
         self,
         params: PyTree,
@@ -238,8 +252,22 @@ class SPMD(Strategy):
                 "smaller global batch if one step's activations do not fit."
             )
         check_precision(precision)
+        if self.explicit:
+            self._check_explicit(accumulate, precision)
         place = accumulated_placement(self.place_batch, accumulate, self.fed_replicas)
         return Step(_CompiledOnFirstCall(self, loss_fn, accumulate, precision), place, self, precision)
+
+    def _check_explicit(self, accumulate: int, precision: Precision | None) -> None:
+        """Refuse, with the reason, a step an Explicit mesh does not run yet."""
+        if reason := self.explicit_refusal():
+            raise ValueError(f"{self!r} on an Explicit mesh: {reason} Run it on an Auto mesh (explicit=False).")
+        casts = precision is not None and precision.compute_dtype != precision.param_dtype
+        if self.num_replicas > 1 and (accumulate > 1 or casts):
+            raise ValueError(
+                f"{self!r} on an Explicit mesh maps no replicas yet: accumulate={accumulate} and a 16-bit compute "
+                "dtype over several replicas need each replica's gradients kept apart until they meet once, which "
+                "the kit does on an Auto mesh only. Run it with explicit=False."
+            )
 
     pattern = "spmd"  # rules of the user's own: no one pattern of the cost model (its presets name theirs)
 
@@ -286,13 +314,30 @@ class _CompiledOnFirstCall:
                 shardings = shardings.replace(loss_scale=replicated)
             self.fn = jax.jit(
                 functools.partial(
-                    self._traced(train_step), self.loss_fn, sync=self._gradient_layout(state.params), **extra
+                    self._traced(train_step),
+                    self._loss(state.params),
+                    sync=self._gradient_layout(state.params),
+                    **extra,
                 ),
                 in_shardings=(shardings, self.strategy.batch_shardings(batch)),
                 out_shardings=(shardings, self.strategy.replicated),
                 donate_argnums=0,
             )
         return self.fn
+
+    def _loss(self, params: PyTree) -> LossFn:
+        """The loss the step differentiates: the user's, on an Explicit mesh with every parameter first moved
+        to where it is used (:meth:`SPMD.compute_specs`; ``jax.sharding.reshard`` is the all-gather, and its
+        transpose in the backward pass the reduce-scatter)."""
+        specs = self.strategy.compute_specs(params)
+        if not self.strategy.explicit or specs == self.strategy.partition_specs(params):
+            return self.loss_fn
+
+        @functools.wraps(self.loss_fn)
+        def gathered(params, *args, **kwargs):
+            return self.loss_fn(jax.tree.map(jax.sharding.reshard, params, specs), *args, **kwargs)
+
+        return gathered
 
     def _traced(self, fn: Callable) -> Callable:
         """``fn`` traced inside the strategy's :meth:`SPMD.tracing` context (it runs only while tracing)."""
@@ -314,6 +359,8 @@ class _CompiledOnFirstCall:
         specs = self.strategy.gradient_specs(params)
         if specs is None:
             return lambda grads: grads
+        if self.strategy.explicit:
+            return lambda grads: jax.tree.map(jax.sharding.reshard, grads, specs)
         where = partition.shardings(self.strategy.mesh, specs)
         return lambda grads: jax.lax.with_sharding_constraint(grads, where)
 
@@ -396,10 +443,33 @@ class _CompiledOnFirstCall:
         )
 
     def __call__(self, state: TrainState, batch: Batch):
-        return self.compiled(state, batch)(state, batch)
+        with self._on_mesh():
+            return self.compiled(state, batch)(state, batch)
 
     def lower(self, state: TrainState, batch: Batch):
-        return self.compiled(state, batch).lower(state, batch)
+        with self._on_mesh():
+            return self.compiled(state, batch).lower(state, batch)
+
+    @contextlib.contextmanager
+    def _on_mesh(self) -> Iterator[None]:
+        """On an Explicit mesh: the mesh set (``jax.set_mesh``, which ``reshard`` reads while the step traces),
+        and JAX's ``ShardingTypeError`` (a contraction whose result has no one place) with the kit's advice."""
+        if not self.strategy.explicit:
+            yield
+            return
+        try:
+            with jax.set_mesh(self.strategy.mesh):
+                yield
+        except Exception as err:
+            if type(err).__name__ == "ShardingTypeError":
+                err.add_note(
+                    f"parallelkit: {self.strategy!r} runs on an Explicit mesh, where every array's sharding is its "
+                    "type and a layer whose result could live in two places must say which: pass out_sharding= to "
+                    "that matmul (jnp.matmul(x, w, out_sharding=P(...))) or reshard its inputs "
+                    "(jax.sharding.reshard, or pk.axes.constrain under the strategy's rules); or run the strategy "
+                    "on an Auto mesh (explicit=False), where XLA's partitioner chooses."
+                )
+            raise
 
 
 def _without(spec: P, axes: set[str]) -> tuple:
