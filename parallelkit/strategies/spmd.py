@@ -443,6 +443,8 @@ class _CompiledOnFirstCall:
         )
 
     def __call__(self, state: TrainState, batch: Batch):
+        if not self.strategy.explicit:  # every step of an Auto mesh: no context to enter
+            return self.compiled(state, batch)(state, batch)
         with self._on_mesh():
             return self.compiled(state, batch)(state, batch)
 
