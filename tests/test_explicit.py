@@ -46,9 +46,11 @@ def _train(strategy, apply, params, batches, seen: list):
     [
         (lambda explicit: pk.SingleDevice(explicit=explicit), P(None, None)),
         (lambda explicit: pk.Mirrored(DEVICES, explicit=explicit), P(None, None)),
+        (lambda explicit: pk.FullySharded(1, DEVICES, min_size=1, explicit=explicit), P(None, None)),
+        (lambda explicit: pk.FullySharded(2, DEVICES, min_size=1, explicit=explicit), P(None, None)),
         (lambda explicit: pk.FullySharded(3, DEVICES, min_size=1, explicit=explicit), P("data", None)),
     ],
-    ids=["SingleDevice", "Mirrored(jit)", "FullySharded(3)"],
+    ids=["SingleDevice", "Mirrored(jit)", "FullySharded(1)", "FullySharded(2)", "FullySharded(3)"],
 )
 def test_a_preset_trains_on_an_explicit_mesh_as_on_an_auto_one_and_as_one_device(setup, make, param_spec):
     apply, params, batches = setup
@@ -62,6 +64,16 @@ def test_a_preset_trains_on_an_explicit_mesh_as_on_an_auto_one_and_as_one_device
     pk.tour.assert_close(explicit, auto)
     assert placed.sharding.spec == param_spec  # the placed parameter's type carries its sharding
     assert seen and seen[0].sharding.spec == P("data", None)  # the logits: batch over `data` (of size 1 on one)
+
+
+def test_zero_1_and_2_update_in_the_optimizer_states_layout(setup):
+    apply, params, _ = setup
+    strategy = pk.FullySharded(1, DEVICES, min_size=1, explicit=True)
+    state = strategy.init(params, optax.adam(1e-2))
+    kernel = jax.tree.leaves(state.params)[1]
+    moments = [x for x in jax.tree.leaves(state.opt_state) if x.shape == kernel.shape]
+    assert jax.typeof(kernel).sharding.spec == P(None, None)  # whole parameters on every device
+    assert moments and all(jax.typeof(m).sharding.spec == P("data", None) for m in moments)  # Adam's mu, nu: sliced
 
 
 def test_zero_3_gathers_each_parameter_where_the_loss_uses_it(setup):
@@ -78,8 +90,6 @@ def test_what_does_not_run_explicitly_is_refused_with_the_reason(setup):
     loss = pk.models.classifier_loss(apply)
     with pytest.raises(ValueError, match="pmap has no mesh types"):
         pk.Mirrored(2, backend="pmap", explicit=True)
-    with pytest.raises(ValueError, match="ZeRO-1 keeps whole parameters.*explicit=False"):
-        pk.FullySharded(1, DEVICES, explicit=True).step(loss)
     with pytest.raises(ValueError, match="shard_map, which is Manual mode"):
         pk.Mirrored(DEVICES, allreduce="ring", explicit=True).step(loss)
     with pytest.raises(ValueError, match="accumulate=2"):

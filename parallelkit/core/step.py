@@ -27,6 +27,7 @@ def train_step(
     replica_key: Callable[[jax.Array], jax.Array] = lambda key: key,
     accumulate: Accumulation | ReplicaCopies | None = None,
     precision: Precision | None = None,
+    update: Callable[[TrainState, PyTree], TrainState] = TrainState.apply_gradients,
 ) -> tuple[TrainState, Metrics]:
     """The single-device step, shared by every strategy.
 
@@ -41,6 +42,8 @@ def train_step(
     ``precision`` (:class:`~parallelkit.core.precision.Precision`) casts the passes, scales the
     loss and skips an update whose gradients are not all finite (after ``sync``, so every
     replica decides alike); None: the parameters' own dtype.
+    ``update(state, grads)`` applies the met gradients (:meth:`TrainState.apply_gradients`; an SPMD
+    step on an Explicit mesh runs it in the optimizer state's layout, as ZeRO 1 and 2 need).
     """
     batch_size(batch)  # runs while tracing: arrays of one batch must agree on its size
     rng, extras = state.rng, {}
@@ -53,7 +56,7 @@ def train_step(
         loss_fn, state.params, batch, extras, accumulate=accumulate, precision=precision, loss_scale=state.loss_scale
     )
     grads, metrics, model_state = sync((grads, {"loss": loss, **aux}, model_state))
-    new = state.apply_gradients(grads).replace(rng=rng, model_state=model_state)
+    new = update(state, grads).replace(rng=rng, model_state=model_state)
     if precision is None or precision.loss_scale is None:
         return new, metrics
     new, scaling = guarded(precision, state, new, all_finite(grads))

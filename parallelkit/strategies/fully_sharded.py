@@ -58,9 +58,10 @@ class FullySharded(SPMD):
       devices: how many devices (the first ``n``), or which; all by default.
       min_size: leaves with fewer elements stay replicated
         (:data:`parallelkit.core.partition.MIN_SHARD_SIZE` by default).
-      explicit: a mesh of Explicit axes (stage 3 only): each parameter's shard is its type, and the step
-        gathers it with ``jax.sharding.reshard`` where the loss uses it (the backward pass's transpose of that
-        reshard is the gradients' reduce-scatter).
+      explicit: a mesh of Explicit axes: each shard is its array's type. Stage 3 gathers each parameter
+        with ``jax.sharding.reshard`` where the loss uses it (the backward pass's transpose of that reshard is
+        the gradients' reduce-scatter); stages 1 and 2 update in the optimizer state's layout, then gather
+        the new parameters.
 
     Raises:
       ValueError: a stage other than 1, 2 or 3, or a ``min_size`` below 1.
@@ -84,15 +85,6 @@ class FullySharded(SPMD):
         devices = resolve_devices(devices)
         super().__init__(make_mesh(devices, data=len(devices), explicit=explicit), rules=BATCH_ON_DATA)
         self.stage, self.min_size = stage, min_size
-
-    def explicit_refusal(self) -> str | None:
-        if self.stage < 3:
-            return (
-                f"ZeRO-{self.stage} keeps whole parameters beside a sharded optimizer state, so its update mixes two "
-                "layouts, which Explicit types refuse unless the update is written in the optimizer's layout; the "
-                "kit does not write it yet. Stage 3 runs explicitly."
-            )
-        return None
 
     def sharded_specs(self, params: PyTree) -> PyTree:
         """Each leaf's spec when sharded (stage 3's parameters; every stage's optimizer state)."""

@@ -317,6 +317,7 @@ class _CompiledOnFirstCall:
                     self._traced(train_step),
                     self._loss(state.params),
                     sync=self._gradient_layout(state.params),
+                    update=self._update(state.params),
                     **extra,
                 ),
                 in_shardings=(shardings, self.strategy.batch_shardings(batch)),
@@ -338,6 +339,26 @@ class _CompiledOnFirstCall:
             return self.loss_fn(jax.tree.map(jax.sharding.reshard, params, specs), *args, **kwargs)
 
         return gathered
+
+    def _update(self, params: PyTree) -> Callable[[TrainState, PyTree], TrainState]:
+        """How the step applies the met gradients: as :meth:`TrainState.apply_gradients` does, but on an Explicit
+        mesh whose optimizer state is laid out unlike the parameters (ZeRO 1 and 2) in the optimizer's layout:
+        the gradients and parameters resharded to it (each device keeps its slice), the update there, the new
+        parameters resharded back (the all-gather). Explicit types refuse to mix the two layouts."""
+        param_specs, opt_specs = self.strategy.partition_specs(params), self.strategy.optimizer_specs(params)
+        if not self.strategy.explicit or param_specs == opt_specs:
+            return TrainState.apply_gradients
+
+        def to(specs: PyTree, tree: PyTree) -> PyTree:
+            return jax.tree.map(jax.sharding.reshard, tree, specs)
+
+        def update(state: TrainState, grads: PyTree) -> TrainState:
+            sliced = to(opt_specs, state.params)
+            updates, opt_state = state.tx.update(to(opt_specs, grads), state.opt_state, sliced)
+            params = to(param_specs, optax.apply_updates(sliced, updates))
+            return state.replace(step=state.step + 1, params=params, opt_state=opt_state)
+
+        return update
 
     def _traced(self, fn: Callable) -> Callable:
         """``fn`` traced inside the strategy's :meth:`SPMD.tracing` context (it runs only while tracing)."""
