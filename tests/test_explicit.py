@@ -12,7 +12,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from helpers import small_gpt
 from jax.sharding import PartitionSpec as P
+from test_experts import moe_regression
 
 import parallelkit as pk
 
@@ -118,3 +120,75 @@ def test_a_contraction_with_no_one_place_for_its_result_gets_the_kits_advice():
         strategy.step(loss)(state, batch)
     assert type(caught.value).__name__ == "ShardingTypeError"
     assert any("out_sharding=" in note and "explicit=False" in note for note in caught.value.__notes__)
+
+
+SEQ_LENGTH = 16
+GPT_OPTIMIZER = optax.sgd(0.1, momentum=0.9)  # not Adam: see tests/test_context_parallel.py
+
+
+@pytest.fixture(scope="module")
+def gpt():
+    loss_fn, params = small_gpt(SEQ_LENGTH)
+    batches = list(pk.data.batches(pk.data.text(length=SEQ_LENGTH, max_bytes=20_000), 4, steps=STEPS))
+    return loss_fn, params, batches, _train_gpt(pk.SingleDevice(), loss_fn, params, batches, [])[0]
+
+
+def _train_gpt(strategy, loss_fn, params, batches, seen: list):
+    def loss(params, batch):
+        value = loss_fn(params, batch)
+        seen.append(jax.typeof(params["head"]["kernel"]))  # the head's kernel where the loss uses it
+        return value
+
+    state, step = strategy.init(params, GPT_OPTIMIZER), strategy.step(loss)
+    placed = jax.typeof(state.params["blocks"][0]["mlp_in"]["kernel"])
+    for batch in batches:
+        state, _ = step(state, batch)
+    return strategy.unreplicate(state.params), placed
+
+
+TWO = slice(0, 2)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "make, mlp_in",
+    [
+        (lambda e: pk.TensorParallel(2, devices=jax.devices()[TWO], explicit=e), P(None, "model")),
+        (
+            lambda e: pk.TensorParallel(2, sequence_parallel=True, devices=jax.devices()[TWO], explicit=e),
+            P(None, "model"),
+        ),
+        (lambda e: pk.Hybrid(2, 2, devices=jax.devices()[:4], explicit=e), P(None, "model")),
+        (
+            lambda e: pk.ContextParallel(seq=2, method="ring", data=2, devices=jax.devices()[:4], explicit=e),
+            P(None, None),
+        ),
+        (
+            lambda e: pk.ContextParallel(seq=2, method="ulysses", data=2, devices=jax.devices()[:4], explicit=e),
+            P(None, None),
+        ),
+    ],
+    ids=["TensorParallel", "TensorParallel(SP)", "Hybrid", "ContextParallel(ring)", "ContextParallel(ulysses)"],
+)
+def test_the_models_presets_train_on_an_explicit_mesh_as_on_an_auto_one_and_as_one_device(gpt, make, mlp_in):
+    loss_fn, params, batches, single = gpt
+    auto, _ = _train_gpt(make(False), loss_fn, params, batches, [])
+    seen = []
+    explicit, placed = _train_gpt(make(True), loss_fn, params, batches, seen)
+    pk.tour.assert_close(explicit, single)  # rtol 1e-5, atol 1e-6
+    pk.tour.assert_close(explicit, auto)
+    assert placed.sharding.spec == mlp_in  # Megatron's column split is the kernel's type
+    assert seen and seen[0].sharding.spec == P(None, None)  # the head, replicated, as the loss reads it
+
+
+@pytest.mark.slow
+def test_expert_parallel_trains_on_an_explicit_mesh_with_its_experts_where_they_live():
+    loss_fn, params, batches = moe_regression(groups=4, steps=4)
+    tx = optax.sgd(0.1)
+    single = pk.fit(pk.SingleDevice(), loss_fn, params, tx, batches).params
+    strategy = pk.ExpertParallel(expert=2, data=2, devices=jax.devices()[:4], explicit=True)
+    auto = pk.fit(pk.ExpertParallel(expert=2, data=2, devices=jax.devices()[:4]), loss_fn, params, tx, batches).params
+    run = pk.fit(strategy, loss_fn, params, tx, batches)
+    pk.tour.assert_close(run.params, single)
+    pk.tour.assert_close(run.params, auto)
+    assert jax.typeof(run.state.params["moe"]["w_in"]).sharding.spec[0] == "expert"  # each device its experts

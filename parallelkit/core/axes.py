@@ -172,6 +172,17 @@ def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
     return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
 
 
+def explicit_active() -> bool:
+    """Whether the mesh set for this trace (``jax.set_mesh``) has Explicit axes, so that arrays' types carry their
+    shardings (an SPMD step on an Explicit mesh sets it; on one device or in plain code there is none).
+
+    >>> explicit_active()
+    False
+    """
+    mesh = jax.sharding.get_abstract_mesh()
+    return not mesh.empty and set(mesh.axis_types) == {jax.sharding.AxisType.Explicit}
+
+
 def active() -> tuple[Mesh, AxisRules] | None:
     """The ``(mesh, rules)`` of the innermost :func:`active_rules` block, or ``None`` outside any.
 

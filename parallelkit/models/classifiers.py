@@ -13,7 +13,7 @@ from flax import nnx
 
 from ..core.axes import constrain
 from .functional import functional, graph_and_params, with_axes
-from .layers.basic import apply_dropout, dense, layer_norm
+from .layers.basic import apply_dropout, apply_layer, dense, layer_norm
 from .layers.sequence import RESIDUAL, gather_columns, scatter_rows
 from .recompute import maybe_remat, remat_policy
 
@@ -53,11 +53,11 @@ class MLP(nnx.Module):
         x = x.reshape(x.shape[0], -1)
         for layer in self.hidden:
             x = maybe_remat(_dense_relu, self.remat)(layer, x)
-        return self.head(x)
+        return apply_layer(self.head, x)
 
 
 def _dense_relu(layer: nnx.Linear, x: jax.Array) -> jax.Array:
-    return jax.nn.relu(layer(x))
+    return jax.nn.relu(apply_layer(layer, x))
 
 
 class CNN(nnx.Module):
@@ -105,7 +105,7 @@ class CNN(nnx.Module):
             if self.norms is not None:
                 x = self.norms[i](x, use_running_average=not train)
             x = nnx.avg_pool(jax.nn.relu(x), (2, 2), strides=(2, 2), padding="SAME")
-        return self.head(x.reshape(x.shape[0], -1))
+        return apply_layer(self.head, x.reshape(x.shape[0], -1))
 
 
 def _conv(channels_in: int, channels_out: int, axis_in: str, axis_out: str, rngs: nnx.Rngs) -> nnx.Conv:
@@ -177,12 +177,12 @@ class Transformer(nnx.Module):
 
     def __call__(self, x: jax.Array, *, rngs: jax.Array | None = None) -> jax.Array:
         x = x.reshape(x.shape[0], x.shape[1], -1)  # (batch, tokens, features of a token)
-        x = constrain(self.embed(x) + self.position[None], RESIDUAL)
+        x = constrain(apply_layer(self.embed, x) + self.position[None], RESIDUAL)
         keys = [None] * len(self.blocks) if rngs is None else list(jax.random.split(rngs, len(self.blocks)))
         run = maybe_remat(lambda block, x, key: block(x, self.heads, self.dropout_rate, key), self.remat)
         for block, key in zip(self.blocks, keys, strict=True):
             x = run(block, x, key)
-        return self.head(self.norm(x).mean(axis=1))
+        return apply_layer(self.head, self.norm(x).mean(axis=1))
 
 
 class _Block(nnx.Module):
@@ -255,7 +255,7 @@ class Tower(nnx.Module):
 
         x = self.embed(x.reshape(x.shape[0], -1))
         x, _ = jax.lax.scan(maybe_remat(layer, self.remat), x, (self.kernels[...], self.biases[...]))
-        return self.head(x)
+        return apply_layer(self.head, x)
 
 
 def classifier_loss(apply: Callable[..., Any]) -> Callable[..., Any]:

@@ -21,7 +21,7 @@ from ..core.mesh import is_count
 from .classifiers import Layers, cross_entropy
 from .functional import graph_and_params, with_axes
 from .layers import attention
-from .layers.basic import apply_dropout, dense, layer_norm
+from .layers.basic import apply_dropout, apply_layer, dense, layer_norm
 from .layers.experts import check_routing, moe_layer
 from .layers.sequence import RESIDUAL, gather_columns, scatter_rows
 
@@ -128,13 +128,14 @@ class GPT(nnx.Module):
                 f"Build it with max_length >= {length}, or cut the sequences shorter."
             )
         keys = [None] * (len(self.blocks) + 1) if rngs is None else list(jax.random.split(rngs, len(self.blocks) + 1))
-        x = self.embed(tokens) + self.position[:length][None]
+        x = apply_layer(self.embed, tokens) + self.position[:length][None]
         x = constrain(apply_dropout(x, self.dropout_rate, keys[0]), RESIDUAL)
         layers = []
         for block, key in zip(self.blocks, keys[1:], strict=True):
             x, aux = block(x, self.heads, self.dropout_rate, key, self.routing)
             layers.append(aux)
-        logits = constrain(self.head(self.norm(x)), ("batch", "norm_length", "vocab"))  # a token at a time, as norms
+        # laid out a token at a time, as the norms are
+        logits = constrain(apply_layer(self.head, self.norm(x)), ("batch", "norm_length", "vocab"))
         if self.routing is None:
             return logits
         return logits, {name: jnp.stack([aux[name] for aux in layers]) for name in MOE_METRICS}

@@ -31,7 +31,7 @@ from ..core.reports import StepTraffic
 from ..core.state import TrainState
 from ..measure.traffic import compiled_traffic
 from ..models.layers import attention
-from .spmd import BATCH, SPMD
+from .spmd import BATCH, EXPLICIT, SPMD
 
 LENGTH = "length"  # the logical name of the tokens' axis, a batch array's second
 NORM_LENGTH = "norm_length"  # the residual stream's length (pk.models.GPT): split the same way
@@ -64,6 +64,7 @@ class ContextParallel(SPMD):
         Every array not named is ``("batch", "length")``: split on axis 0 over ``data`` and
         on axis 1 over ``seq``; name an array without a token axis ``("batch",)``.
       devices: which devices; all by default when ``data`` is ``None``, else the first ``data x seq``.
+      explicit: a mesh of Explicit axes (each slice its array's type).
 
     Raises:
       DeviceCountError: ``seq`` (or ``data x seq``) larger than the devices, or devices that
@@ -87,6 +88,7 @@ class ContextParallel(SPMD):
         rules: partition.Rules | PyTree | None = None,
         batch_axes: Mapping[str, Sequence[str | None]] | None = None,
         devices: Sequence[jax.Device] | None = None,
+        explicit: bool = False,
     ):
         for name, size in (("seq", seq), ("data", data)):
             if size is not None and not is_count(size):
@@ -103,7 +105,8 @@ class ContextParallel(SPMD):
         if devices is None and data is not None:
             every = every_device_hint(seq, lambda d: f"ContextParallel(seq={seq}, data={d})", "seq x data")
             devices = first_devices(data * seq, f"ContextParallel(seq={seq}, data={data})", every)
-        mesh = make_mesh(resolve_devices(devices) if devices is not None else None, data=data, seq=seq)
+        chosen = resolve_devices(devices) if devices is not None else None
+        mesh = make_mesh(chosen, data=data, seq=seq, explicit=explicit)
         split = ((BATCH, DATA), (LENGTH, SEQ), (NORM_LENGTH, SEQ))
         super().__init__(mesh, rules=split, param_rules=rules, batch_axes=batch_axes)
         self.method = method
@@ -168,7 +171,8 @@ class ContextParallel(SPMD):
         return dataclasses.replace(found, flows=(first, *rest))
 
     def __repr__(self) -> str:
-        return f"ContextParallel(seq={self.mesh.shape[SEQ]}, method={self.method!r}, data={self.mesh.shape[DATA]})"
+        shape = f"seq={self.mesh.shape[SEQ]}, method={self.method!r}, data={self.mesh.shape[DATA]}"
+        return f"ContextParallel({shape}{EXPLICIT if self.explicit else ''})"
 
 
 @contextlib.contextmanager

@@ -31,7 +31,7 @@ from ..core.contract import PyTree
 from ..core.devices import every_device_hint, first_devices, resolve_devices
 from ..core.mesh import is_count, make_mesh
 from ..models import declared_axes
-from .spmd import BATCH, SPMD
+from .spmd import BATCH, EXPLICIT, SPMD
 
 # The expert weights (experts on their leading axis) split over `expert`, by the logical name; the rest replicated.
 EXPERT_RULES = ((r"(^|/)(w_in|w_out|b_in|b_out)$", (EXPERT,)), (".*", ()))
@@ -57,6 +57,7 @@ class ExpertParallel(SPMD):
         over ``expert`` and every other name replicated; :data:`EXPERT_RULES` for parameters
         that declare no ``expert`` axis.
       devices: which devices; all by default when ``data`` is ``None``, else the first ``data x expert``.
+      explicit: a mesh of Explicit axes (each slice its array's type).
 
     Raises:
       DeviceCountError: devices that do not split into ``data x expert``.
@@ -75,6 +76,7 @@ class ExpertParallel(SPMD):
         *,
         rules: partition.Rules | PyTree | None = None,
         devices: Sequence[jax.Device] | None = None,
+        explicit: bool = False,
     ):
         for name, size in (("expert", expert), ("data", data)):
             if size is not None and not is_count(size):
@@ -82,7 +84,9 @@ class ExpertParallel(SPMD):
         if devices is None and data is not None:
             every = every_device_hint(expert, lambda d: f"ExpertParallel(expert={expert}, data={d})", "expert x data")
             devices = first_devices(data * expert, f"ExpertParallel(expert={expert}, data={data})", every)
-        mesh = make_mesh(resolve_devices(devices) if devices is not None else None, data=data, expert=expert)
+        mesh = make_mesh(
+            resolve_devices(devices) if devices is not None else None, data=data, expert=expert, explicit=explicit
+        )
         super().__init__(mesh, rules=((BATCH, (DATA, EXPERT)), (EXPERT, EXPERT)), param_rules=rules)
 
     def partition_specs(self, params: PyTree) -> PyTree:
@@ -96,6 +100,11 @@ class ExpertParallel(SPMD):
             params, partition.logical_specs(axes, self.axis_rules.spec) if declares_experts else EXPERT_RULES
         )
 
+    def compute_specs(self, params: PyTree) -> PyTree:
+        """Each expert's weights are used where they live (the all-to-all brings the tokens to them), not gathered
+        as a parameter split over the batch's axes would be."""
+        return self.partition_specs(params)
+
     # The layer's shard_map splits the batch's own axes, so the step cannot map the loss over the replicas
     # (jax.vmap with spmd_axis_name): SPMD.step refuses accumulate > 1, and under 16-bit precision the
     # gradients' reduction stays where XLA puts it (in the compute dtype where the backend multiplies in it).
@@ -107,4 +116,5 @@ class ExpertParallel(SPMD):
     pattern = "expert"
 
     def __repr__(self) -> str:
-        return f"ExpertParallel(expert={self.mesh.shape[EXPERT]}, data={self.mesh.shape[DATA]})"
+        shape = f"expert={self.mesh.shape[EXPERT]}, data={self.mesh.shape[DATA]}"
+        return f"ExpertParallel({shape}{EXPLICIT if self.explicit else ''})"

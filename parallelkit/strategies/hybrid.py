@@ -24,7 +24,7 @@ from ..core.axes import DATA
 from ..core.contract import PyTree
 from ..core.devices import first_devices, resolve_devices
 from ..core.mesh import is_count, make_mesh
-from .spmd import SPMD
+from .spmd import EXPLICIT, SPMD
 from .tensor import activation_rules, hybrid_hint, model_specs
 
 
@@ -49,6 +49,7 @@ class Hybrid(SPMD):
       sequence_parallel: Megatron's sequence parallelism within each ``model`` group, as for
         :class:`~parallelkit.TensorParallel`.
       devices: which devices, ``data x model`` of them; the first ``data x model`` by default.
+      explicit: a mesh of Explicit axes (as :class:`~parallelkit.TensorParallel`'s ``explicit``).
 
     Raises:
       DeviceCountError: devices that are not ``data x model`` in number.
@@ -70,13 +71,14 @@ class Hybrid(SPMD):
         min_size: int = partition.MIN_SHARD_SIZE,
         sequence_parallel: bool = False,
         devices: Sequence[jax.Device] | None = None,
+        explicit: bool = False,
     ):
         for name, size in (("data", data), ("model", model)):
             if not is_count(size):
                 raise ValueError(f"Hybrid({name}={size!r}): an axis size must be a whole number >= 1.")
         if devices is None:  # the first data x model devices, with a warning if that leaves some idle
             devices = first_devices(data * model, f"Hybrid(data={data}, model={model})", hybrid_hint(model))
-        mesh = make_mesh(resolve_devices(devices), data=data, model=model)
+        mesh = make_mesh(resolve_devices(devices), data=data, model=model, explicit=explicit)
         super().__init__(mesh, rules=activation_rules(sequence_parallel))
         self.rules, self.shard_data, self.min_size = rules, shard_data, min_size
         self.sequence_parallel = sequence_parallel
@@ -97,7 +99,9 @@ class Hybrid(SPMD):
         return None
 
     def __repr__(self) -> str:
-        shard = (", shard_data=True" if self.shard_data else "") + (
-            ", sequence_parallel=True" if self.sequence_parallel else ""
+        shard = (
+            (", shard_data=True" if self.shard_data else "")
+            + (", sequence_parallel=True" if self.sequence_parallel else "")
+            + (EXPLICIT if self.explicit else "")
         )
         return f"Hybrid(data={self.mesh.shape[DATA]}, model={self.mesh.shape['model']}{shard})"

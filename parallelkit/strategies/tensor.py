@@ -31,7 +31,7 @@ from ..core.devices import every_device_hint, first_devices, resolve_devices
 from ..core.mesh import is_count, make_mesh
 from ..core.reports import ExpectedCollective, Sizes
 from ..models import declared_axes
-from .spmd import BATCH_ON_DATA, SPMD
+from .spmd import BATCH_ON_DATA, EXPLICIT, SPMD
 
 # The logical names a model's parameters declare that tensor parallelism splits over `model`: attention's
 # heads, the MLP's hidden width, the CNN's channels between its first two convolutions, and `model` itself
@@ -74,6 +74,8 @@ class TensorParallel(SPMD):
         all-reduce replaced by a reduce-scatter and an all-gather. Another model trains as under
         plain tensor parallelism.
       devices: which devices; the first ``model`` by default.
+      explicit: a mesh of Explicit axes: each slice is its array's type, and the kit's layers say where a
+        product of a split kernel lives (:func:`parallelkit.models.layers.basic.apply_layer`).
 
     Raises:
       DeviceCountError: ``devices`` that are not ``model`` in number.
@@ -93,12 +95,13 @@ class TensorParallel(SPMD):
         *,
         sequence_parallel: bool = False,
         devices=None,
+        explicit: bool = False,
     ):
         if not is_count(model):
             raise ValueError(f"TensorParallel(model={model!r}) needs a whole number of devices >= 1.")
         if devices is None:  # the first `model` devices, with a warning if that leaves some idle
             devices = first_devices(model, f"TensorParallel(model={model})", hybrid_hint(model))
-        mesh = make_mesh(resolve_devices(devices), data=1, model=model)
+        mesh = make_mesh(resolve_devices(devices), data=1, model=model, explicit=explicit)
         super().__init__(mesh, rules=activation_rules(sequence_parallel))
         self.model = model
         self.rules = rules
@@ -128,7 +131,8 @@ class TensorParallel(SPMD):
         return (ExpectedCollective("all-reduce", what, sum(elements) * itemsize, "B x block widths (Megatron)"),)
 
     def __repr__(self) -> str:
-        return f"TensorParallel(model={self.model}{', sequence_parallel=True' if self.sequence_parallel else ''})"
+        sequence = ", sequence_parallel=True" if self.sequence_parallel else ""
+        return f"TensorParallel(model={self.model}{sequence}{EXPLICIT if self.explicit else ''})"
 
 
 def activation_rules(sequence_parallel: bool) -> AxisRules:

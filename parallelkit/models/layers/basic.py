@@ -1,12 +1,15 @@
 """The small layers the kit's models build from: dense and layer-norm layers that declare their logical
-axes (:func:`parallelkit.models.with_axes`), and dropout drawn from one key for the whole array."""
+axes (:func:`parallelkit.models.with_axes`), a layer applied on any mesh (:func:`apply_layer`), and
+dropout drawn from one key for the whole array."""
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
+from ...core.axes import explicit_active
 from ..functional import with_axes
 
 
@@ -30,6 +33,31 @@ def dense(
         bias_init=with_axes(nnx.initializers.zeros_init(), (axis_out,)),
         rngs=rngs,
     )
+
+
+def apply_layer(layer: nnx.Linear | nnx.Embed, x: jax.Array) -> jax.Array:
+    """``layer(x)``; under an Explicit mesh (``jax.set_mesh``), with the result's place said.
+
+    On an Explicit mesh an array's sharding is its type, and some results could live in two
+    places: a product whose contracted features are split over devices (a Megatron row-split
+    kernel), or the rows of an embedding table picked by tokens split over the batch. JAX asks
+    which (``ShardingTypeError``). Here the result lives where its inputs put it: ``x``'s
+    dimensions as ``x`` has them (a dense layer's contracted features excepted), its features as
+    the kernel's (or table's) columns. For a row-split kernel that is the sum over the devices
+    (the all-reduce); for a column-split one, each device's own columns. On an Auto mesh, one
+    device or in plain code: ``layer(x)``.
+
+    >>> layer = nnx.Linear(4, 6, rngs=nnx.Rngs(0))
+    >>> bool(jnp.array_equal(apply_layer(layer, jnp.ones((2, 4))), layer(jnp.ones((2, 4)))))
+    True
+    """
+    if not explicit_active():
+        return layer(x)
+    table = layer.embedding if isinstance(layer, nnx.Embed) else layer.kernel
+    held, columns = jax.typeof(x).sharding.spec, jax.typeof(table[...]).sharding.spec
+    kept = x.ndim if isinstance(layer, nnx.Embed) else x.ndim - 1  # a dense layer contracts x's last dimension
+    leading = [held[i] if i < len(held) else None for i in range(kept)]
+    return layer(x, out_sharding=P(*leading, columns[1] if len(columns) > 1 else None))
 
 
 def layer_norm(dim: int, axis: str, rngs: nnx.Rngs) -> nnx.LayerNorm:

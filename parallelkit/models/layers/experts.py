@@ -235,10 +235,14 @@ def expert_parallel(
 
     everywhere = P(tuple(mesh.axis_names))
     specs = {name: P() if name == "router" else P(axis) for name in params}
+    # On an Explicit mesh the regrouped tokens' place is said: each device's tokens are its one group.
+    said = axes.explicit_active()
+    grouped = jnp.reshape(x, (groups, -1, dim), out_sharding=everywhere if said else None)
     y, sums = jax.shard_map(body, mesh=mesh, in_specs=(everywhere, specs), out_specs=(everywhere, P()))(
-        x.reshape(groups, -1, dim), dict(params)
+        grouped, dict(params)
     )
-    return y.reshape(x.shape), _aux(sums, tokens, top_k)
+    back = jnp.reshape(y, x.shape, out_sharding=jax.typeof(x).sharding.spec if said else None)
+    return back, _aux(sums, tokens, top_k)
 
 
 def _active_expert_axis() -> MeshAxes:

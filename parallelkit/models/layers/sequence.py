@@ -34,6 +34,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from ...core import axes
+from .basic import apply_layer
 
 RESIDUAL = ("batch", "norm_length", "embed")  # the residual stream's logical axes (MaxText's activation_norm_length)
 
@@ -61,7 +62,7 @@ def gather_columns(x: jax.Array, layers: Sequence[nnx.Linear], output: str) -> l
     """
     found = _split_axis(output)
     if found is None:
-        return [layer(x) for layer in layers]
+        return [apply_layer(layer, x) for layer in layers]
     mesh, residual, axis = found
     kernels = [layer.kernel[...] for layer in layers]
     biases = [layer.bias[...] if layer.bias is not None else None for layer in layers]
@@ -86,7 +87,7 @@ def scatter_rows(x: jax.Array, layer: nnx.Linear, output: str) -> jax.Array:
     """
     found = _split_axis(output)
     if found is None:
-        return layer(x)
+        return apply_layer(layer, x)
     mesh, residual, axis = found
 
     def local(x, kernel):
