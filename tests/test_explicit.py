@@ -7,6 +7,8 @@ step. What does not run explicitly yet is refused with the reason.
 
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -192,3 +194,72 @@ def test_expert_parallel_trains_on_an_explicit_mesh_with_its_experts_where_they_
     pk.tour.assert_close(run.params, single)
     pk.tour.assert_close(run.params, auto)
     assert jax.typeof(run.state.params["moe"]["w_in"]).sharding.spec[0] == "expert"  # each device its experts
+
+
+# Reduced and unreduced types (JAX 0.10): what the kit would accumulate with on an Explicit mesh, and the one
+# limit that keeps it on the Auto mesh's replica rows for now.
+K = 4
+
+
+def _two_device_mesh():
+    return pk.mesh.make_mesh(jax.devices()[:2], data=2, explicit=True)
+
+
+def _while_bodies_with(hlo: str, op: str) -> list[str]:
+    """The names of the while loops' body computations in ``hlo`` that hold ``op``."""
+    bodies = set(re.findall(r"body=%?([\w.\-]+)", hlo))
+    blocks = re.split(r"\n(?=\S)", hlo)  # one block per computation
+    return [b.split()[0].lstrip("%") for b in blocks if b.split() and b.split()[0].lstrip("%") in bodies and op in b]
+
+
+def test_reduced_parameters_give_unreduced_gradients_that_meet_once_after_the_loop():
+    mesh = _two_device_mesh()
+    x = np.random.default_rng(0).normal(size=(K, 8, 3)).astype(np.float32)  # K microbatches of 8, split over data
+
+    def loss(w, xb):
+        return jnp.mean((xb @ w) ** 2)
+
+    def accumulated(w, x):
+        held = jax.sharding.reshard(w, P(reduced={"data"}))  # replicated, its gradient a partial sum
+        zero = jax.sharding.reshard(jnp.zeros_like(w), P(unreduced={"data"}))
+
+        def body(total, xb):
+            g = jax.grad(loss)(held, xb)
+            assert "U:data" in str(jax.typeof(g))  # each device's own partial sum: no collective
+            return total + g, None
+
+        total, _ = jax.lax.scan(body, zero, x)
+        return jax.sharding.reshard(total, P()) / K  # the one all-reduce (JAX 0.10 cannot divide unreduced)
+
+    with jax.set_mesh(mesh):
+        w = jax.device_put(jnp.ones((3, 5)), P())
+        xs = jax.device_put(x, P(None, "data"))
+        step = jax.jit(accumulated)
+        got = step(w, xs)
+        hlo = step.lower(w, xs).compile().as_text()
+    whole = jax.grad(lambda w: jnp.mean(jnp.stack([loss(w, xb) for xb in x])))(jnp.ones((3, 5)))
+    np.testing.assert_allclose(np.asarray(got), np.asarray(whole), rtol=1e-5, atol=1e-6)
+    assert hlo.count(" all-reduce(") == 1 and not _while_bodies_with(hlo, " all-reduce(")  # once, after the loop
+
+
+def test_jax_still_refuses_a_reduced_bias_beside_a_batch_split_activation():
+    """Why explicit accumulation waits: a layer's bias, reduced, added to a batch-split activation. When this test
+    fails, JAX accepts it: build the kit's accumulation on an Explicit mesh with reduced types (the test above)."""
+    mesh = _two_device_mesh()
+
+    def loss(params, x):
+        w, b = params
+        return jnp.mean(x @ w + b)
+
+    def grads(w, b, x):
+        held = jax.tree.map(lambda p: jax.sharding.reshard(p, P(reduced={"data"})), (w, b))
+        return jax.grad(loss)(held, x)
+
+    with jax.set_mesh(mesh):
+        w, b = jax.device_put(jnp.ones((3, 5)), P()), jax.device_put(jnp.ones((5,)), P())
+        x = jax.device_put(jnp.ones((4, 3)), P("data"))
+        with pytest.raises(
+            Exception, match="cannot be sharded/varying on the same axes that another input is reduced"
+        ) as caught:
+            jax.jit(grads)(w, b, x)
+    assert type(caught.value).__name__ == "ShardingTypeError"

@@ -166,7 +166,7 @@ def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
         )
     spec = rules.spec(names, unknown=P.UNCONSTRAINED)
     if set(mesh.axis_types) == {jax.sharding.AxisType.Explicit}:  # the layout is the array's type: reshard it
-        held = jax.typeof(x).sharding.spec
+        held = jax.typeof(x).sharding.spec.partitions
         kept = [held[i] if i < len(held) else None for i in range(x.ndim)]  # an unnamed dimension keeps its own
         return jax.sharding.reshard(x, P(*(kept[i] if e is P.UNCONSTRAINED else e for i, e in enumerate(spec))))
     return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))

@@ -54,7 +54,7 @@ def apply_layer(layer: nnx.Linear | nnx.Embed, x: jax.Array) -> jax.Array:
     if not explicit_active():
         return layer(x)
     table = layer.embedding if isinstance(layer, nnx.Embed) else layer.kernel
-    held, columns = jax.typeof(x).sharding.spec, jax.typeof(table[...]).sharding.spec
+    held, columns = jax.typeof(x).sharding.spec.partitions, jax.typeof(table[...]).sharding.spec.partitions
     kept = x.ndim if isinstance(layer, nnx.Embed) else x.ndim - 1  # a dense layer contracts x's last dimension
     leading = [held[i] if i < len(held) else None for i in range(kept)]
     return layer(x, out_sharding=P(*leading, columns[1] if len(columns) > 1 else None))
