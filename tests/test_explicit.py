@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import small_gpt
+from flax import nnx
 from jax.sharding import PartitionSpec as P
 from test_experts import moe_regression
 
@@ -130,57 +130,65 @@ GPT_OPTIMIZER = optax.sgd(0.1, momentum=0.9)  # not Adam: see tests/test_context
 
 @pytest.fixture(scope="module")
 def gpt():
-    loss_fn, params = small_gpt(SEQ_LENGTH)
+    model = pk.models.GPT(256, max_length=SEQ_LENGTH, dim=32, heads=4, depth=2, mlp_dim=64, rngs=nnx.Rngs(0))
+    apply, params = pk.models.functional(model)
     batches = list(pk.data.batches(pk.data.text(length=SEQ_LENGTH, max_bytes=20_000), 4, steps=STEPS))
-    return loss_fn, params, batches, _train_gpt(pk.SingleDevice(), loss_fn, params, batches, [])[0]
+    return apply, params, batches, _train_gpt(pk.SingleDevice(), apply, params, batches, [])[0]
 
 
-def _train_gpt(strategy, loss_fn, params, batches, seen: list):
-    def loss(params, batch):
-        value = loss_fn(params, batch)
-        seen.append(jax.typeof(params["head"]["kernel"]))  # the head's kernel where the loss uses it
-        return value
+def _train_gpt(strategy, apply, params, batches, seen: list):
+    def watched(params, x, *args, **kwargs):
+        logits = apply(params, x, *args, **kwargs)
+        seen.append(jax.typeof(logits))  # runs while the step traces: the activation's type
+        return logits
 
-    state, step = strategy.init(params, GPT_OPTIMIZER), strategy.step(loss)
+    state, step = strategy.init(params, GPT_OPTIMIZER), strategy.step(pk.models.lm_loss(watched))
     placed = jax.typeof(state.params["blocks"][0]["mlp_in"]["kernel"])
     for batch in batches:
         state, _ = step(state, batch)
     return strategy.unreplicate(state.params), placed
 
 
-TWO = slice(0, 2)
+FOUR = slice(0, 4)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "make, mlp_in",
+    "make, mlp_in, logits",
     [
-        (lambda e: pk.TensorParallel(2, devices=jax.devices()[TWO], explicit=e), P(None, "model")),
         (
-            lambda e: pk.TensorParallel(2, sequence_parallel=True, devices=jax.devices()[TWO], explicit=e),
+            lambda e: pk.TensorParallel(2, devices=jax.devices()[:2], explicit=e),
             P(None, "model"),
-        ),
-        (lambda e: pk.Hybrid(2, 2, devices=jax.devices()[:4], explicit=e), P(None, "model")),
-        (
-            lambda e: pk.ContextParallel(seq=2, method="ring", data=2, devices=jax.devices()[:4], explicit=e),
-            P(None, None),
+            P("data", None, None),
         ),
         (
-            lambda e: pk.ContextParallel(seq=2, method="ulysses", data=2, devices=jax.devices()[:4], explicit=e),
+            lambda e: pk.TensorParallel(2, sequence_parallel=True, devices=jax.devices()[:2], explicit=e),
+            P(None, "model"),
+            P("data", "model", None),  # a token at a time: the norm's length split over `model`
+        ),
+        (lambda e: pk.Hybrid(2, 2, devices=jax.devices()[FOUR], explicit=e), P(None, "model"), P("data", None, None)),
+        (
+            lambda e: pk.ContextParallel(seq=2, method="ring", data=2, devices=jax.devices()[FOUR], explicit=e),
             P(None, None),
+            P("data", "seq", None),  # every sequence split over `seq`
+        ),
+        (
+            lambda e: pk.ContextParallel(seq=2, method="ulysses", data=2, devices=jax.devices()[FOUR], explicit=e),
+            P(None, None),
+            P("data", "seq", None),
         ),
     ],
     ids=["TensorParallel", "TensorParallel(SP)", "Hybrid", "ContextParallel(ring)", "ContextParallel(ulysses)"],
 )
-def test_the_models_presets_train_on_an_explicit_mesh_as_on_an_auto_one_and_as_one_device(gpt, make, mlp_in):
-    loss_fn, params, batches, single = gpt
-    auto, _ = _train_gpt(make(False), loss_fn, params, batches, [])
+def test_the_models_presets_train_on_an_explicit_mesh_as_on_an_auto_one_and_as_one_device(gpt, make, mlp_in, logits):
+    apply, params, batches, single = gpt
+    auto, _ = _train_gpt(make(False), apply, params, batches, [])
     seen = []
-    explicit, placed = _train_gpt(make(True), loss_fn, params, batches, seen)
+    explicit, placed = _train_gpt(make(True), apply, params, batches, seen)
     pk.tour.assert_close(explicit, single)  # rtol 1e-5, atol 1e-6
     pk.tour.assert_close(explicit, auto)
     assert placed.sharding.spec == mlp_in  # Megatron's column split is the kernel's type
-    assert seen and seen[0].sharding.spec == P(None, None)  # the head, replicated, as the loss reads it
+    assert seen and seen[0].sharding.spec == logits  # the logits inside the step carry their layout
 
 
 @pytest.mark.slow

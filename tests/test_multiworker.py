@@ -49,6 +49,7 @@ def train_in_cluster() -> dict:
     out["losses"] = result.history.losses
     out["placement"] = [(p.spec, p.devices, p.copies) for p in strategy.describe(result.state.params)]
     _, out["local"] = run(pk.MultiWorkerMirrored(batch="local"), feed_local=True)
+    _, out["explicit"] = run(pk.MultiWorkerMirrored(explicit=True))  # a global mesh of Explicit axes
     _, out["single"] = run(pk.SingleDevice(jax.local_devices()[0]))
     out["init"] = jax.device_get(params)
     return out
@@ -75,7 +76,7 @@ def test_cluster_shape_and_global_psum(cluster_results):
 
 @pytest.mark.multihost
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("feed", ["global", "local"])
+@pytest.mark.parametrize("feed", ["global", "local", "explicit"])
 def test_multiworker_mirrored_equals_single_device(cluster_results, feed):
     _assert_trained_as_single_device(cluster_results, feed)
 

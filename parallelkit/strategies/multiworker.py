@@ -27,7 +27,7 @@ from ..core.devices import resolve_devices
 from ..core.mesh import make_mesh
 from ..core.reports import ExpectedCollective, Sizes
 from . import data_parallel
-from .spmd import BATCH_ON_DATA, SPMD
+from .spmd import BATCH_ON_DATA, EXPLICIT, SPMD
 
 FEEDS = ("global", "local")
 
@@ -49,14 +49,15 @@ class MultiWorkerMirrored(SPMD):
       devices: the global devices to use; ``jax.devices()`` (all processes) by default.
       batch: ``"global"`` (every process passes the whole global batch) or ``"local"``
         (each passes its slice).
+      explicit: a mesh of Explicit axes (the state's and the batch's shardings in their types).
     """
 
-    def __init__(self, devices: Sequence[jax.Device] | None = None, batch: str = "global"):
+    def __init__(self, devices: Sequence[jax.Device] | None = None, batch: str = "global", *, explicit: bool = False):
         if batch not in FEEDS:
             raise ValueError(f"MultiWorkerMirrored(batch={batch!r}): choose one of {FEEDS}.")
         # Devices in process order, so each process's rows of the batch are one contiguous block.
         chosen = sorted(resolve_devices(devices), key=lambda d: (d.process_index, d.id))
-        super().__init__(make_mesh(chosen, data=len(chosen)), rules=BATCH_ON_DATA)
+        super().__init__(make_mesh(chosen, data=len(chosen), explicit=explicit), rules=BATCH_ON_DATA)
         self.feed = batch
         self.num_processes = len({d.process_index for d in self.devices})
 
@@ -96,4 +97,5 @@ class MultiWorkerMirrored(SPMD):
         return data_parallel.expected_collectives(sizes)
 
     def __repr__(self) -> str:
-        return f"MultiWorkerMirrored(devices={self.num_replicas}, processes={self.num_processes})"
+        shape = f"devices={self.num_replicas}, processes={self.num_processes}"
+        return f"MultiWorkerMirrored({shape}{EXPLICIT if self.explicit else ''})"
