@@ -263,12 +263,12 @@ class SPMD(Strategy):
             raise ValueError(f"{self!r} on an Explicit mesh: {reason} Run it on an Auto mesh (explicit=False).")
         casts = precision is not None and precision.compute_dtype != precision.param_dtype
         if accumulate > 1 or (casts and self.num_replicas > 1):
+            what = f"accumulate={accumulate}" if accumulate > 1 else "a 16-bit compute dtype over several replicas"
             raise ValueError(
-                f"{self!r} on an Explicit mesh: accumulate={accumulate} and a 16-bit compute dtype over several "
-                "replicas need each replica's gradients kept apart until they meet once. On an Explicit mesh that "
-                "is JAX's reduced and unreduced types, and JAX 0.10 refuses them in a layer with a bias (a reduced "
-                "parameter added to a batch-split activation: tests/test_explicit.py shows it). The kit does it on "
-                "an Auto mesh: run it with explicit=False."
+                f"{self!r} on an Explicit mesh: {what} needs each replica's gradients kept apart until they meet "
+                "once. On an Explicit mesh that is JAX's reduced and unreduced types, and JAX 0.10 refuses them in "
+                "a layer with a bias (a reduced parameter added to a batch-split activation: tests/test_explicit.py "
+                "shows it). The kit does it on an Auto mesh: run it with explicit=False."
             )
 
     pattern = "spmd"  # rules of the user's own: no one pattern of the cost model (its presets name theirs)
