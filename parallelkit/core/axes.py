@@ -165,11 +165,17 @@ def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
             f"spelling, or give the strategy a rule for it: ({unknown[0]!r}, None) to keep it whole, or a mesh axis."
         )
     spec = rules.spec(names, unknown=P.UNCONSTRAINED)
-    if set(mesh.axis_types) == {jax.sharding.AxisType.Explicit}:  # the layout is the array's type: reshard it
-        held = jax.typeof(x).sharding.spec.partitions
-        kept = [held[i] if i < len(held) else None for i in range(x.ndim)]  # an unnamed dimension keeps its own
-        return jax.sharding.reshard(x, P(*(kept[i] if e is P.UNCONSTRAINED else e for i, e in enumerate(spec))))
+    if explicit_active():  # the layout is the array's type: reshard it; an unnamed dimension keeps its own
+        held = held_spec(x)
+        return jax.sharding.reshard(x, P(*(held[i] if e is P.UNCONSTRAINED else e for i, e in enumerate(spec))))
     return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+
+
+def held_spec(x: jax.Array) -> tuple[MeshAxes, ...]:
+    """Where each dimension of ``x`` lies, read from its type on an Explicit mesh: one entry per dimension
+    (``None``: whole), however short the type's own spec is."""
+    held = jax.typeof(x).sharding.spec.partitions
+    return tuple(held[i] if i < len(held) else None for i in range(x.ndim))
 
 
 def explicit_active() -> bool:

@@ -117,15 +117,13 @@ class MirroredJit(SPMD):
         super().__init__(make_mesh(chosen, data=len(chosen), explicit=explicit), rules=BATCH_ON_DATA)
         self.allreduce = data_parallel.parse_allreduce(allreduce, len(chosen), "Mirrored")
         self.bucket_bytes = data_parallel.parse_bucket_bytes(bucket_bytes, "Mirrored")
-
-    def explicit_refusal(self) -> str | None:
-        if self.allreduce is not None or self.bucket_bytes is not None:
-            return "a hand-written all-reduce (or buckets) runs inside jax.shard_map, which is Manual mode already."
-        return None
+        if explicit and (self.allreduce is not None or self.bucket_bytes is not None):
+            raise ValueError(
+                f"{self!r}: a hand-written all-reduce (or buckets) runs inside jax.shard_map, which is Manual mode "
+                "already. Drop allreduce= and bucket_bytes= to run on an Explicit mesh, or use explicit=False."
+            )
 
     def step(self, loss_fn: LossFn, accumulate: int = 1, precision: Precision | None = None) -> Step:
-        if self.explicit:
-            self._check_explicit(accumulate, precision)
         if self.allreduce is None and self.bucket_bytes is None:
             return super().step(loss_fn, accumulate, precision)  # the compiler inserts the all-reduce
         body = jax.shard_map(

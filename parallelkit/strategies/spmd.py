@@ -193,10 +193,6 @@ class SPMD(Strategy):
         specs = self.partition_specs(params)
         return jax.tree.map(lambda spec: P(*_without(spec, batch_axes)), specs, is_leaf=lambda x: isinstance(x, P))
 
-    def explicit_refusal(self) -> str | None:
-        """Why this strategy cannot run on an Explicit mesh (None: it can); a preset says its own reason."""
-        return None
-
     def state_shardings(
         self,
         params: PyTree,
@@ -259,8 +255,6 @@ class SPMD(Strategy):
 
     def _check_explicit(self, accumulate: int, precision: Precision | None) -> None:
         """Refuse, with the reason, a step an Explicit mesh does not run yet."""
-        if reason := self.explicit_refusal():
-            raise ValueError(f"{self!r} on an Explicit mesh: {reason} Run it on an Auto mesh (explicit=False).")
         casts = precision is not None and precision.compute_dtype != precision.param_dtype
         if accumulate > 1 or (casts and self.num_replicas > 1):
             what = f"accumulate={accumulate}" if accumulate > 1 else "a 16-bit compute dtype over several replicas"

@@ -167,7 +167,6 @@ class StrategyRace:
         self.logs: dict[str, LiveTimes] = {
             name: LiveTimes(repr(s), len(s.devices), batch_size=batch_size) for name, s in self.strategies.items()
         }
-        self.results: dict[str, FitResult] = {}
         self.runs: dict[str, Run] = {}  # each run compared with the reference's parameters
         self.simulated = False
         self.running: str | None = None
@@ -198,13 +197,17 @@ class StrategyRace:
             self.strategies, self.loss_fn, self.params, self.tx, self.batches, steps=self.steps,
             reference=self.reference, callbacks=lambda name: [_RaceCallback(self, name)],
         )  # fmt: skip
-        self.results = {name: run.result for name, run in runs.items()}
         self.runs = runs
         self.interrupted = any(run.result.interrupted for run in runs.values())
         self.running = None
         if self.mode == "widget":  # the chart is up to date: the last run's end drew it
             self.draw()
         return self.standings()
+
+    @property
+    def results(self) -> dict[str, FitResult]:
+        """Each finished run's :func:`~parallelkit.run.fit` result, by name."""
+        return {name: run.result for name, run in self.runs.items()}
 
     # -- views --------------------------------------------------------------------------------
     @property

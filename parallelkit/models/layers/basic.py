@@ -9,7 +9,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from ...core.axes import explicit_active
+from ...core.axes import explicit_active, held_spec
 from ..functional import with_axes
 
 
@@ -54,10 +54,8 @@ def apply_layer(layer: nnx.Linear | nnx.Embed, x: jax.Array) -> jax.Array:
     if not explicit_active():
         return layer(x)
     table = layer.embedding if isinstance(layer, nnx.Embed) else layer.kernel
-    held, columns = jax.typeof(x).sharding.spec.partitions, jax.typeof(table[...]).sharding.spec.partitions
     kept = x.ndim if isinstance(layer, nnx.Embed) else x.ndim - 1  # a dense layer contracts x's last dimension
-    leading = [held[i] if i < len(held) else None for i in range(kept)]
-    return layer(x, out_sharding=P(*leading, columns[1] if len(columns) > 1 else None))
+    return layer(x, out_sharding=P(*held_spec(x)[:kept], held_spec(table[...])[1]))
 
 
 def layer_norm(dim: int, axis: str, rngs: nnx.Rngs) -> nnx.LayerNorm:
