@@ -66,5 +66,10 @@ def test_bad_input_is_refused_before_anything_trains(setup):
         run_side_by_side({"one": pk.SingleDevice()}, loss, params, tx, batches, reference="nothing")
     with pytest.raises(ValueError, match="one-shot iterator"):
         fresh_batches(iter(batches))
+    for bad in (-1, 1.5, "3"):
+        with pytest.raises(ValueError, match=r"warmup=.*whole number of steps >= 0"):
+            run_side_by_side({"one": pk.SingleDevice()}, loss, params, tx, batches, warmup=bad)
+        with pytest.raises(ValueError, match=r"steps=.*whole number of steps >= 1"):
+            run_side_by_side({"one": pk.SingleDevice()}, loss, params, tx, batches, steps=bad if bad != -1 else 0)
     with pytest.raises(ValueError, match="interleave=False"):
         run_side_by_side({"one": pk.SingleDevice()}, loss, params, tx, batches, interleave=True, callbacks=lambda n: [])

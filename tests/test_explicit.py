@@ -92,6 +92,9 @@ def test_zero_3_gathers_each_parameter_where_the_loss_uses_it(setup):
 def test_what_does_not_run_explicitly_is_refused_with_the_reason(setup):
     apply, params, _ = setup
     loss = pk.models.classifier_loss(apply)
+    for bad in ("yes", 1, None):  # a mode is a bool: a truthy string must not pick Explicit axes
+        with pytest.raises(ValueError, match=r"explicit=.*pass True \(Explicit axes\) or False"):
+            pk.SingleDevice(explicit=bad)
     with pytest.raises(ValueError, match="pmap has no mesh types"):
         pk.Mirrored(2, backend="pmap", explicit=True)
     with pytest.raises(ValueError, match="shard_map, which is Manual mode"):

@@ -70,11 +70,13 @@ def make_mesh(
       ``AxisType.Explicit``.
 
     Raises:
-      ValueError: an axis size that is not a whole number >= 1, sizes whose product
+      ValueError: ``explicit`` that is not a bool, an axis size that is not a whole number >= 1, sizes whose product
         is not the device count (the message names the numbers), an empty axis name, one
         that differs from a kit axis only by case or spaces (``Model``, ``"data "``), or a
         device listed twice.
     """
+    if not isinstance(explicit, bool):
+        raise ValueError(f"make_mesh(explicit={explicit!r}): pass True (Explicit axes) or False (Auto axes).")
     devices = resolve_devices(devices)
     for name in axes:
         _check_axis_name(name)

@@ -33,6 +33,7 @@ import numpy as np
 import optax
 
 from ..core.contract import Batch, LossFn, PyTree, batch_size
+from ..core.mesh import is_count
 from ..core.protocol import StrategyProtocol
 from ..measure.timing import StepTimes
 from .callbacks import Callback, History, StepRecord
@@ -141,13 +142,17 @@ def run_side_by_side(
       ends the comparison: the runs so far are returned (``run.result.interrupted``).
 
     Raises:
-      ValueError: no strategies, an unknown ``reference``, a one-shot iterator of batches, or
-        callbacks with ``interleave``.
+      ValueError: no strategies, an unknown ``reference``, ``steps`` or ``warmup`` that is not a whole
+        number (>= 1, >= 0), a one-shot iterator of batches, or callbacks with ``interleave``.
     """
     if not strategies:
         raise ValueError("run_side_by_side needs at least one strategy, e.g. {'SingleDevice': pk.SingleDevice()}.")
     if reference is not None and reference not in strategies:
         raise ValueError(f"reference={reference!r} is not one of the strategies {list(strategies)}.")
+    if steps is not None and not is_count(steps):
+        raise ValueError(f"steps={steps!r}: train a whole number of steps >= 1, or None for every batch.")
+    if isinstance(warmup, bool) or not (warmup == 0 or is_count(warmup)):
+        raise ValueError(f"warmup={warmup!r}: leave out a whole number of steps >= 0 after the first.")
     fresh = fresh_batches(batches)
     if interleave and callbacks is not None:
         raise ValueError("Callbacks follow one fit at a time: run with interleave=False to use them.")
