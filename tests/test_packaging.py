@@ -11,6 +11,7 @@ import tempfile
 import threading
 import time
 import tomllib
+import urllib.error
 import urllib.request
 import venv
 import zipfile
@@ -86,8 +87,8 @@ def test_make_lab_command_starts_a_server_that_answers():
         try:
             url = _wait_for(lambda: _printed_url(lines, port), proc, seconds=90)
             assert url, "".join(lines)[-3000:]
-            with urllib.request.urlopen(url, timeout=10) as response:
-                status = response.status
+            # Jupyter prints the URL before its event loop binds the port, so the first tries may be refused.
+            status = _wait_for(lambda: _status_of(url), proc, seconds=30)
         finally:
             proc.terminate()
             try:
@@ -104,6 +105,17 @@ def test_make_lab_command_starts_a_server_that_answers():
 def _printed_url(lines: list[str], port: int) -> str | None:
     found = re.search(rf"http://127\.0\.0\.1:{port}/lab\?token=[0-9a-f]+", "".join(lines))
     return found.group(0) if found else None
+
+
+def _status_of(url: str) -> int | None:
+    """The HTTP status `url` answers with, or None while nothing listens there yet."""
+    try:
+        with urllib.request.urlopen(url, timeout=10) as response:
+            return response.status
+    except urllib.error.URLError as error:
+        if isinstance(error.reason, ConnectionRefusedError):
+            return None
+        raise
 
 
 def _wait_for(check, proc: subprocess.Popen, seconds: float):
