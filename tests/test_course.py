@@ -99,3 +99,24 @@ def test_controls_inside_boxes_and_output_areas_keep_their_labels():
     page = _snapshot(widgets.VBox([widgets.HBox([widgets.IntSlider(2, description="machines")]), out]))
     assert _controls(page) == [("machines", "2"), ("k", "5")]
     assert "<pre>a  b\n</pre>" in page
+
+
+def test_a_solution_shows_its_code_in_a_closed_details_and_keeps_its_output():
+    nb = nbformat.v4.new_notebook(
+        cells=[
+            nbformat.v4.new_markdown_cell("See [SPMD](../docs/glossary.md#spmd) and [the next](01_mirrored.ipynb)."),
+            nbformat.v4.new_code_cell("answer = None  # write it", metadata={"tags": ["exercise"]}),
+            nbformat.v4.new_code_cell(
+                "answer = 6 * 7\nprint(answer)",
+                metadata={"tags": ["solution"], "jupyter": {"source_hidden": True}},
+                outputs=[nbformat.v4.new_output("stream", text="42\n")],
+            ),
+        ]
+    )
+    page = course.render(nb)
+    details = re.findall(r'<details class="pk-solution">(.*?)</details>', page, flags=re.S)
+    assert len(details) == 1 and "6</span>" in details[0]  # the code, highlighted, inside
+    assert re.search(r"<details[^>]* open", page) is None
+    assert page.count("answer</span>") == 3  # the stub's once, the solution's twice inside the details
+    assert "42" in page.split("</details>")[1]  # its output, after the closed details
+    assert 'href="glossary.html#spmd"' in page and 'href="01_mirrored.html"' in page

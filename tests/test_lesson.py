@@ -125,3 +125,50 @@ def test_check_orders_accepts_1f1b_and_says_what_is_wrong_with_anything_else(cap
     for message, orders in wrong.items():
         assert pk.lesson.check_orders(orders, 3, 4) is False
         assert message in capsys.readouterr().out, message
+
+
+def _ring_all_reduce(x):
+    """A sum over the `data` axis from neighbour-to-neighbour sends only: the exercise's solution."""
+    n = jax.lax.axis_size("data")
+    total = passing = x
+    for _ in range(n - 1):
+        passing = jax.lax.ppermute(passing, "data", [(i, (i + 1) % n) for i in range(n)])
+        total = total + passing
+    return total
+
+
+def _not_written(x):
+    raise NotImplementedError
+
+
+@pytest.mark.parametrize(
+    "body, verdict, says",
+    [
+        (_ring_all_reduce, True, "right: the all-reduce returns what the kit's does, and compiles to collective-perm"),
+        (lambda x: jax.lax.psum(x, "data"), False, "not yet: it compiles to an all-reduce; write it without one"),
+        (_not_written, False, "not yet: the all-reduce still raises NotImplementedError"),
+        (lambda x: x, False, "not yet: its values differ from the kit's by up to"),
+        (lambda x: None, False, "not yet: it returns None"),
+        (lambda x: x[:1], False, "not yet: it returns shape (4, 3) where the kit's the all-reduce has shape (8, 3)"),
+    ],
+)
+def test_check_function_compares_values_and_the_collectives_compiled(body, verdict, says, capsys):
+    from jax.sharding import PartitionSpec as P
+
+    mesh = jax.sharding.Mesh(jax.devices()[:4], ("data",))
+    by_device = jax.numpy.arange(24.0).reshape(8, 3)
+
+    def on_mesh(f):
+        return jax.shard_map(f, mesh=mesh, in_specs=P("data"), out_specs=P("data"))
+
+    reference = on_mesh(lambda x: jax.lax.psum(x, "data"))
+    got = pk.lesson.check_function(
+        on_mesh(body), reference, by_device, what="the all-reduce", needs=["collective-permute"], never=["all-reduce"]
+    )
+    assert got is verdict
+    assert says in capsys.readouterr().out
+
+
+def test_check_function_waits_for_a_function(capsys):
+    assert pk.lesson.check_function(None, lambda: 1, what="the router") is None
+    assert "write the router in the cell above" in capsys.readouterr().out

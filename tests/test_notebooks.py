@@ -9,6 +9,7 @@ from pathlib import Path
 import nbformat
 import pytest
 from nbclient.exceptions import CellExecutionError
+from test_exercises import assert_exercises_judged
 
 from parallelkit.course import build as course
 
@@ -45,6 +46,7 @@ def test_notebook_runs_top_to_bottom(path: Path, tmp_path: Path):
     nb = _execute(path, tmp_path)  # the kernel works in a scratch directory
     assert all(cell.execution_count is not None for cell in _code_cells(nb)), "some cells did not run"
     assert path.read_bytes() == committed, "running the notebook must not modify the committed file"
+    assert_exercises_judged(nb)
     EXECUTED[path.name] = nb
 
 
@@ -181,10 +183,21 @@ def test_static_course_builds_and_its_pages_load_in_chromium(tmp_path: Path, bro
                 assert not repeated, f"{notebook.name}: a cell shows this output twice: {repeated[0][:300]!r}"
                 assert page.get_by_text("Traceback").count() == 0, f"{notebook.name}: a cell shows an error"
             assert figures >= len(NOTEBOOKS), f"only {figures} figures in the whole course"
-            page.goto(pages[-1].as_uri())  # the Rosetta reference: its tables rendered
+            references = dict(zip((r.stem for r in course.REFERENCES), pages[len(NOTEBOOKS) :], strict=True))
+            page.goto(references["rosetta"].as_uri())  # the Rosetta reference: its tables rendered
             assert page.locator("table").count() >= 5
-            page.goto(pages[1].as_uri())  # 01: its link to the reference, the live views as they ended
+            page.goto(references["glossary"].as_uri())  # every term an anchor the notebooks link to
+            assert page.locator("a[id]").count() >= 50
+            solutions = sum("solution" in c.metadata.get("tags", []) for nb in EXECUTED.values() for c in nb.cells)
+            closed = 0
+            for html_page in pages[: len(NOTEBOOKS)]:
+                page.goto(html_page.as_uri())
+                assert page.locator("details.pk-solution[open]").count() == 0, f"{html_page.name}: a solution open"
+                closed += page.locator("details.pk-solution").count()
+            assert closed == solutions, f"{closed} closed solutions in the pages, {solutions} solution cells"
+            page.goto(pages[1].as_uri())  # 01: its links to the references, the live views as they ended
             assert page.locator("a[href='rosetta.html']").count() == 1
+            assert page.locator("a[href^='glossary.html#']").count() >= 10
             assert "done" in page.locator(".pk-dashboard .pk-header").first.text_content()
             assert "done" in page.locator(".pk-race .pk-race-header").first.text_content()
         finally:

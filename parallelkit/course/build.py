@@ -30,7 +30,10 @@ WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
 WIDGET_STATE = "application/vnd.jupyter.widget-state+json"
 ROOT = Path(__file__).resolve().parents[2]  # the checkout (pip install -e .)
 NOTEBOOKS = ROOT / "notebooks"
-REFERENCES = (ROOT / "docs" / "rosetta.md",)  # Markdown pages of the course, after the notebooks
+REFERENCES = tuple(  # Markdown pages of the course, after the notebooks
+    ROOT / "docs" / name for name in ("rosetta.md", "glossary.md", "simulated_devices.md")
+)
+SOLUTION = "solution"  # the tag of an exercise's solution cell, hidden until the learner opens it
 
 
 def execute(path: Path, workdir: Path, timeout: int = 600) -> nbformat.NotebookNode:
@@ -185,16 +188,42 @@ def _text_html(text: str) -> str:
 def render(nb: nbformat.NotebookNode, title: str = "parallelkit") -> str:
     """An executed notebook as one self-contained HTML page (figures embedded, widgets as snapshots).
 
-    Links from a notebook to a reference page (``../docs/rosetta.md``) point to its page in the course.
+    Links from a notebook to a reference page (``../docs/glossary.md#spmd``) or to another
+    notebook (``01_mirrored.ipynb``) point to its page in the course. A solution cell (tagged
+    ``solution``) shows its code in a closed ``<details>``, its output as usual.
     """
     from nbconvert import HTMLExporter
 
     exporter = HTMLExporter(template_name="lab", mathjax_url="", require_js_url="", jquery_url="")
-    page = snapshot_widgets(copy.deepcopy(nb))  # the caller's notebook keeps its widgets' state
+    page = hide_solutions(snapshot_widgets(copy.deepcopy(nb)))  # the caller's notebook stays as it is
     body, _ = exporter.from_notebook_node(page, resources={"metadata": {"name": title}})
     for reference in REFERENCES:
-        body = body.replace(f'href="../docs/{reference.name}"', f'href="{reference.stem}.html"')
+        linked = rf'href="\.\./docs/{re.escape(reference.name)}(#[^"]*)?"'
+        body = re.sub(linked, rf'href="{reference.stem}.html\1"', body)
+    body = re.sub(r'href="(\d\d_\w+)\.ipynb(#[^"]*)?"', r'href="\1.html\2"', body)
     return re.sub(r"<script src=\"\">\s*</script>", "", body)  # the loaders of scripts no page here needs
+
+
+def hide_solutions(nb: nbformat.NotebookNode) -> nbformat.NotebookNode:
+    """Put each solution cell's code in a closed ``<details>`` before the cell, which keeps only its outputs.
+
+    Returns ``nb``, changed in place.
+    """
+    from pygments import highlight
+    from pygments.formatters import HtmlFormatter
+    from pygments.lexers import PythonLexer
+
+    cells = []
+    for cell in nb.cells:
+        if cell.cell_type == "code" and SOLUTION in cell.metadata.get("tags", []):
+            code = highlight(cell.source, PythonLexer(), HtmlFormatter(cssclass="highlight hl-ipython3"))
+            code = code.strip().replace("\n", "&#10;")  # one line: a blank line would end Markdown's HTML block
+            shown = f"<details class='pk-solution'><summary>Solution (open it after trying)</summary>{code}</details>"
+            cells.append(nbformat.v4.new_markdown_cell(shown))
+            cell.metadata["transient"] = {"remove_source": True}
+        cells.append(cell)
+    nb.cells = cells
+    return nb
 
 
 def build(

@@ -6,16 +6,20 @@ lesson cannot run with, in words that say what to change: every value before JAX
 except the batch, whose check needs the device count.
 Exercises ask the learner to predict a number, measure it, and :func:`check` says how
 close the prediction was; or to write something, which a checker runs:
-:func:`check_orders` plays a pipeline order the learner wrote.
+:func:`check_function` runs a function the learner wrote beside the kit's and compares
+what they return (and, where it matters, the collectives they compile to);
+:func:`check_orders` plays a pipeline order the learner wrote. Each exercise's solution is
+the next cell, tagged ``solution`` and hidden until the learner opens it.
 """
 
 from __future__ import annotations
 
 import numbers
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+import numpy as np
 
 from ..core.devices import device_summary, simulate_devices
 
@@ -119,6 +123,98 @@ def _show(x: Any) -> str:
     return f"{x:.4g}" if _is_number(x) else repr(x)
 
 
+def check_function(
+    learner: Callable[..., Any] | None,
+    reference: Callable[..., Any],
+    *args: Any,
+    what: str,
+    needs: Sequence[str] = (),
+    never: Sequence[str] = (),
+    rtol: float = 1e-5,
+    atol: float = 1e-6,
+) -> bool | None:
+    """Run a function the learner wrote and the kit's on the same arguments; say in one sentence how they differ.
+
+    The two must return the same structure of arrays, with equal shapes and values within
+    ``rtol``/``atol`` (the course's float32 tolerances). Where the exercise is about
+    communication, ``needs`` lists collectives the learner's compiled program must contain and
+    ``never`` those it must not (HLO names, such as ``"collective-permute"`` or ``"all-reduce"``):
+    an all-reduce written with ``ppermute`` must not compile to XLA's own all-reduce.
+
+    Returns:
+      True when it matches, False with the first difference printed, None while ``learner`` is None.
+
+    >>> import jax.numpy as jnp
+    >>> check_function(lambda x: x * 2, lambda x: x + x, jnp.arange(3.0), what="doubling")
+    right: doubling returns what the kit's does
+    True
+    >>> check_function(lambda x: x[:2], lambda x: x + x, jnp.arange(3.0), what="doubling")
+    not yet: it returns shape (2,) where the kit's doubling has shape (3,)
+    False
+    """
+    if learner is None:
+        print(f"write {what} in the cell above, then run it again")
+        return None
+    expected = reference(*args)
+    try:
+        got = learner(*args)
+    except NotImplementedError:
+        print(f"not yet: {what} still raises NotImplementedError; write its body in place of that line")
+        return False
+    except Exception as error:  # the learner's code: say what it raised, in one line
+        print(f"not yet: it raised {type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}")
+        return False
+    difference = _first_difference(got, expected, what, rtol=rtol, atol=atol)
+    if difference is None and (needs or never):
+        difference = _collective_difference(learner, args, needs, never)
+    if difference is not None:
+        print(f"not yet: {difference}")
+        return False
+    print(f"right: {what} returns what the kit's does" + (f", and compiles to {', '.join(needs)}" if needs else ""))
+    return True
+
+
+def _first_difference(got: Any, expected: Any, what: str, *, rtol: float, atol: float) -> str | None:
+    """The first way ``got`` differs from ``expected`` (structure, shape, value), in words; None if none."""
+    if got is None:
+        return "it returns None: write its body (replace the ... or the raise) so that it returns a result"
+    got_leaves, got_tree = jax.tree.flatten(got)
+    want_leaves, want_tree = jax.tree.flatten(expected)
+    if got_tree != want_tree:
+        return f"it returns {got_tree} where the kit's {what} returns {want_tree}"
+    paths = [jax.tree_util.keystr(path) for path, _ in jax.tree.flatten_with_path(expected)[0]]
+    for path, mine, theirs in zip(paths, got_leaves, want_leaves, strict=True):
+        mine, theirs = np.asarray(mine), np.asarray(theirs)
+        where = f" at {path}" if path else ""
+        if mine.shape != theirs.shape:
+            return f"it returns shape {mine.shape}{where} where the kit's {what} has shape {theirs.shape}"
+        if not np.allclose(mine, theirs, rtol=rtol, atol=atol):
+            off = float(np.max(np.abs(mine.astype(np.float64) - theirs.astype(np.float64))))
+            return f"its values{where} differ from the kit's by up to {off:.3g}"
+    return None
+
+
+def _collective_difference(
+    learner: Callable[..., Any], args: Sequence[Any], needs: Sequence[str], never: Sequence[str]
+) -> str | None:
+    """Which required collective the learner's compiled program lacks, or which forbidden one it holds."""
+    from ..measure.inspect import parse_collectives
+
+    ops = {c.op for c in parse_collectives(jax.jit(learner).lower(*args).compile().as_text())}
+    for op in never:
+        if op in ops:
+            return f"it compiles to {_a(op)}; write it without one (this exercise builds it by hand)"
+    for op in needs:
+        if op not in ops:
+            return f"the right values, but its program has no {op}: the exercise asks for one"
+    return None
+
+
+def _a(op: str) -> str:
+    """An HLO collective's name with its article: 'an all-reduce', 'a collective-permute'."""
+    return f"{'an' if op[0] in 'aeiou' else 'a'} {op}"
+
+
 def check_orders(orders: Any, stages: int, microbatches: int) -> bool | None:
     """Play a learner's per-stage pipeline order and say, in one sentence, whether it is a 1F1B order.
 
@@ -140,17 +236,22 @@ def check_orders(orders: Any, stages: int, microbatches: int) -> bool | None:
         return None
     target = schedules.one_f_one_b_schedule(stages, microbatches)
     try:
+        covered = {m for order in orders for _, m in order}
+    except (TypeError, ValueError):
+        print('not yet: each stage\'s order is a list of pairs such as ("forward", 0)')
+        return False
+    if len(orders) != stages or covered != set(range(microbatches)):
+        print(
+            f"not yet: write one order for each of the {stages} stages, covering microbatches 0 to {microbatches - 1}"
+        )
+        return False
+    try:
         played = schedules.timed(
             [[(kind, m, 0) for kind, m in order] for order in orders], {"forward": 1, "backward": 2}
         )
         schedules.check_schedule(played)
     except (ValueError, TypeError, KeyError) as err:
         print(f"not yet: {err}")
-        return False
-    if len(orders) != stages or {s.microbatch for s in played} != set(range(microbatches)):
-        print(
-            f"not yet: write one order for each of the {stages} stages, covering microbatches 0 to {microbatches - 1}"
-        )
         return False
     held, most = schedules.peak_in_flight(played), schedules.peak_in_flight(target)
     over = [s for s in range(stages) if held[s] > most[s]]
