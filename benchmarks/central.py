@@ -11,7 +11,7 @@ same parameters on the same batches:
   ``jax.device_put`` back to device 0, one jitted update of their mean there;
 - ``hand central, host memory``: the same with the state in the ``pinned_host`` memory
   beside device 0, the update reading it from there and writing it back
-  (``out_shardings``), as notebook 02 writes it: what ``pk.CentralStorage`` does;
+  (``out_shardings``), as notebook 03 writes it: what ``pk.CentralStorage`` does;
 - ``pk.CentralStorage``: the library's, state in host memory (see its module);
 - ``pk.ParameterServer(2)``: the state cut into 2 shards, each in its own host memory.
 

@@ -3,7 +3,7 @@
 An MLP 64-1024-1024-1024-10 (four layers; wide, so that each pass takes milliseconds), global
 batch 512, SGD, cut into **2 stages** on 2 simulated CPU devices, each device running on one
 thread (``--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1``): on a 2-core
-machine the two stages then really run at once, which a measured bubble needs (notebook 06
+machine the two stages then really run at once, which a measured bubble needs (notebook 09
 says why). For each schedule and each microbatch count in ``--microbatches`` the script
 trains ``--steps`` steps after one that compiles, and records, from each step's timeline
 (``step.timeline``):

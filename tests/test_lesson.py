@@ -149,7 +149,7 @@ def _not_written(x):
         (_not_written, False, "not yet: the all-reduce still raises NotImplementedError"),
         (lambda x: x, False, "not yet: its values differ from the kit's by up to"),
         (lambda x: None, False, "not yet: it returns None"),
-        (lambda x: x[:1], False, "not yet: it returns shape (4, 3) where the kit's the all-reduce has shape (8, 3)"),
+        (lambda x: x[:1], False, "not yet: it returns shape (4, 3) where the kit's answer has shape (8, 3)"),
     ],
 )
 def test_check_function_compares_values_and_the_collectives_compiled(body, verdict, says, capsys):

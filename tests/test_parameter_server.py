@@ -210,7 +210,7 @@ def test_a_staleness_bound_drops_older_gradients_and_the_seed_fixes_the_schedule
 
 
 def test_staler_gradients_train_worse_on_fixed_seeds(mlp, digits):
-    """The lesson of notebook 03: the loss on all the data worsens as the staleness bound grows."""
+    """The lesson of notebook 04: the loss on all the data worsens as the staleness bound grows."""
     loss_fn, params = mlp
     everything = {"x": digits.x, "y": digits.y}
     losses = []

@@ -2,7 +2,8 @@
 
 ``python -m parallelkit course`` (``make course``) runs every notebook top to bottom
 in a scratch directory, as a learner's fresh kernel would, and writes one page per
-notebook plus an index. Figures are embedded in the pages. A widget has no kernel to
+notebook plus an index that draws the course's arc (:mod:`parallelkit.course.arc`).
+Figures are embedded in the pages. A widget has no kernel to
 talk to in a static page, so each is replaced by its final snapshot: the state the
 kernel last sent it (the HTML of a dashboard, a progress bar's value, a slider's or a
 menu's label and value, an output area's contents), rendered as plain HTML. The pages load
@@ -14,14 +15,18 @@ from __future__ import annotations
 import base64
 import copy
 import html
+import json
 import os
 import re
 import tempfile
+import time
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import nbformat
+
+from .arc import arc_svg, lessons
 
 if TYPE_CHECKING:
     from traitlets.config import Config
@@ -244,20 +249,29 @@ def build(
         raise FileNotFoundError(f"No notebooks to render: {NOTEBOOKS} has no .ipynb files (build from a checkout).")
     out_dir.mkdir(parents=True, exist_ok=True)
     executed = executed or {}
+    seconds = recorded_seconds()  # a notebook run here shows the time it took here instead
     pages = []
     for path in paths:
         nb = executed.get(path.name)
         if nb is None:
+            started = time.perf_counter()
             with tempfile.TemporaryDirectory() as workdir:
                 nb = execute(path, Path(workdir))
+            seconds[path.name] = time.perf_counter() - started
         pages.append(_write_page(out_dir / f"{path.stem}.html", nb))
     for reference in REFERENCES:  # a Markdown page, rendered as a notebook of one cell
         text = reference.read_text(encoding="utf-8")
         nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_markdown_cell(text)])
         pages.append(_write_page(out_dir / f"{reference.stem}.html", nb))
     index = out_dir / "index.html"
-    index.write_text(_index_html(pages), encoding="utf-8")
+    index.write_text(_index_html(pages, arc_svg(lessons(paths), seconds)), encoding="utf-8")
     return [index, *(page for page, _ in pages)]
+
+
+def recorded_seconds() -> dict[str, float]:
+    """Each notebook's run time as ``benchmarks/results/notebooks.json`` records it (empty without the file)."""
+    record = ROOT / "benchmarks" / "results" / "notebooks.json"
+    return dict(json.loads(record.read_text())["seconds"]) if record.exists() else {}
 
 
 def _write_page(page: Path, nb: nbformat.NotebookNode) -> tuple[Path, str]:
@@ -275,11 +289,13 @@ def _title(nb: nbformat.NotebookNode, default: str) -> str:
     return default
 
 
-def _index_html(entries: Iterable[tuple[Path, str]]) -> str:
+def _index_html(entries: Iterable[tuple[Path, str]], picture: str) -> str:
     items = "\n".join(f"<li><a href='{page.name}'>{html.escape(title)}</a></li>" for page, title in entries)
     return (
         "<!DOCTYPE html>\n<html><head><meta charset='utf-8'><title>parallelkit course</title></head>\n"
         "<body><h1>parallelkit: the course</h1>\n"
         "<p>Each page is a notebook as it ran top to bottom; widgets show their final state.</p>\n"
-        f"<ol>\n{items}\n</ol>\n</body></html>\n"
+        "<p>The arc: each notebook, what you will be able to do after it, and how long it ran. An arrow\n"
+        "leads from each notebook to the later ones that build on it.</p>\n"
+        f"{picture}\n<ol>\n{items}\n</ol>\n</body></html>\n"
     )

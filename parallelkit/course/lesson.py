@@ -149,7 +149,11 @@ def check_function(
     right: doubling returns what the kit's does
     True
     >>> check_function(lambda x: x[:2], lambda x: x + x, jnp.arange(3.0), what="doubling")
-    not yet: it returns shape (2,) where the kit's doubling has shape (3,)
+    not yet: it returns shape (2,) where the kit's answer has shape (3,)
+    False
+    >>> from jax.sharding import PartitionSpec as P
+    >>> check_function(lambda: {"kernel": P(None, "model")}, lambda: {"kernel": P("model", None)}, what="the rule")
+    not yet: it returns P(None, 'model') at ['kernel'] where the kit's answer has P('model', None)
     False
     """
     if learner is None:
@@ -181,17 +185,26 @@ def _first_difference(got: Any, expected: Any, what: str, *, rtol: float, atol: 
     got_leaves, got_tree = jax.tree.flatten(got)
     want_leaves, want_tree = jax.tree.flatten(expected)
     if got_tree != want_tree:
-        return f"it returns {got_tree} where the kit's {what} returns {want_tree}"
+        return f"it returns {got_tree} where the kit's answer is {want_tree}"
     paths = [jax.tree_util.keystr(path) for path, _ in jax.tree.flatten_with_path(expected)[0]]
     for path, mine, theirs in zip(paths, got_leaves, want_leaves, strict=True):
-        mine, theirs = np.asarray(mine), np.asarray(theirs)
         where = f" at {path}" if path else ""
+        if not (_is_array(mine) and _is_array(theirs)):  # a PartitionSpec, a name: equal or not
+            if mine != theirs:
+                return f"it returns {mine!r}{where} where the kit's answer has {theirs!r}"
+            continue
+        mine, theirs = np.asarray(mine), np.asarray(theirs)
         if mine.shape != theirs.shape:
-            return f"it returns shape {mine.shape}{where} where the kit's {what} has shape {theirs.shape}"
+            return f"it returns shape {mine.shape}{where} where the kit's answer has shape {theirs.shape}"
         if not np.allclose(mine, theirs, rtol=rtol, atol=atol):
             off = float(np.max(np.abs(mine.astype(np.float64) - theirs.astype(np.float64))))
             return f"its values{where} differ from the kit's by up to {off:.3g}"
     return None
+
+
+def _is_array(x: Any) -> bool:
+    """A number or an array of numbers (what ``np.allclose`` compares), as opposed to a spec or a name."""
+    return isinstance(x, jax.Array | np.ndarray | np.generic) or _is_number(x)
 
 
 def _collective_difference(
