@@ -8,6 +8,7 @@ mistakes, and tools handed the wrong object.
 from __future__ import annotations
 
 import logging
+import re
 import warnings
 
 import jax
@@ -297,3 +298,15 @@ def test_an_async_parameter_server_takes_a_batch_of_new_shape(mlp, digits):
 
 def test_multiworker_unreplicate_takes_host_arrays():
     np.testing.assert_array_equal(pk.MultiWorkerMirrored().unreplicate({"w": np.ones(3)})["w"], np.ones(3))
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [{"steps": -1}, {"steps": 2.5}, {"steps": True}, {"checkpoint_every": 0}, {"prefetch": -1}, {"prefetch": "2"}],
+)
+def test_fit_refuses_a_count_that_would_train_silently_wrong(mlp, digits, kwargs):
+    """steps=-1 trained zero steps and returned as if it had trained; the others failed far from their cause."""
+    loss, params = mlp
+    name, value = next(iter(kwargs.items()))
+    with pytest.raises(ValueError, match=rf"fit\({name}={re.escape(repr(value))}\): give a whole number of at least"):
+        pk.fit(pk.SingleDevice(), loss, params, optax.sgd(0.1), pk.data.batches(digits, 8, steps=2), **kwargs)

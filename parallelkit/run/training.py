@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import numbers
 import signal
 import threading
 import time
@@ -174,13 +175,15 @@ def fit(
     Continue from ``result.state``; passing a consumed state again is a ``ValueError``.
 
     Raises:
-      ValueError: ``resume`` without ``checkpoint_dir`` or together with ``state``;
+      ValueError: ``steps``, ``checkpoint_every`` or ``prefetch`` not a whole number (at least 0,
+        1 and 0); ``resume`` without ``checkpoint_dir`` or together with ``state``;
         ``batches`` shorter than what the checkpoint had consumed; or, without
         ``resume``, a ``checkpoint_dir`` that already holds another run's checkpoints.
       FileNotFoundError: ``resume=True`` but ``checkpoint_dir`` holds no checkpoint.
       NonFiniteLossError: the loss became NaN or infinite (the message names the step).
       NonFiniteGradientsError: with a loss scale, step after step was skipped (see ``check_finite``).
     """
+    _check_counts(steps, checkpoint_every, prefetch)
     _check_resume(resume, checkpoint_dir, state)
     ckpt = Checkpoints(checkpoint_dir, every=checkpoint_every, keep=checkpoint_keep) if checkpoint_dir else None
     with ckpt or contextlib.nullcontext():  # closed also on a crash: what was saved stays saved
@@ -277,6 +280,19 @@ def _tell_resumed_scale(strategy: Strategy, state: TrainState, precision: Precis
             saved,
             precision.initial_scale,
         )
+
+
+def _check_counts(steps: int | None, checkpoint_every: int, prefetch: int) -> None:
+    """Refuse counts that would train silently wrong (``steps=-1`` trained nothing) or fail far from their cause."""
+    for name, value, least in (
+        ("steps", steps, 0),
+        ("checkpoint_every", checkpoint_every, 1),
+        ("prefetch", prefetch, 0),
+    ):
+        if value is None and name == "steps":
+            continue
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < least:
+            raise ValueError(f"fit({name}={value!r}): give a whole number of at least {least}.")
 
 
 def _check_resume(resume: bool, checkpoint_dir: str | Path | None, state: TrainState | None) -> None:
