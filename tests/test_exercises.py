@@ -67,3 +67,9 @@ def assert_exercises_judged(nb: nbformat.NotebookNode) -> None:
 
 def _printed(cell) -> str:
     return "".join(output.get("text", "") for output in cell.get("outputs", []) if output.output_type == "stream")
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS[1:], ids=lambda p: p.stem)
+def test_every_notebook_after_the_first_asks_the_learner_to_write_code(path: Path):
+    stubs = [cell for cell in _code_cells(path) if "exercise" in _tags(cell)]
+    assert stubs, f"{path.name} has no exercise where the learner writes code (a cell tagged exercise)"
