@@ -65,3 +65,39 @@ def test_a_notebook_without_an_opening_is_named(tmp_path: Path):
 
 def _markdown(path: Path) -> str:
     return "\n".join(c.source for c in nbformat.read(path, as_version=4).cells if c.cell_type == "markdown")
+
+
+EVERYDAY_WORDS = {"stage"}  # also ZeRO's stages and the parts of a step: the word alone says too little
+
+
+def _glossary_terms() -> dict[str, tuple[list[str], int | None]]:
+    """Each glossary anchor: the term's spellings and the first notebook that teaches it (None: no notebook named)."""
+    text = (Path(__file__).resolve().parents[1] / "docs" / "glossary.md").read_text()
+    terms = {}
+    for anchor, name, body in re.findall(r'<a id="([^"]+)"></a>\*\*([^*]+?)\*\*(.*?)(?=\n<a id=|\Z)', text, flags=re.S):
+        taught = [
+            int(n) for n in re.findall(r"\d\d", " ".join(re.findall(r"Notebooks? \d\d(?:(?:, | and )\d\d)*", body)))
+        ]
+        spellings = [w.strip() for w in re.split(r",| and ", re.sub(r"\(.*?\)", "", name.rstrip("."))) if w.strip()]
+        terms[anchor] = (spellings, min(taught) if taught else None)
+    return terms
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_a_term_taught_later_is_linked_to_the_glossary_where_first_used(path: Path):
+    """No term before its definition: a glossary term a later notebook teaches is linked at its first use here."""
+    number = int(path.stem[:2])
+    text = re.sub(r"\*\*(You need|Next):\*\*[^\n]*", " ", _markdown(path))  # the arc's own links name notebooks
+    text = re.sub(r"`[^`]*`", " ", text)
+    text = "\n".join(line for line in text.splitlines() if not line.lstrip().startswith("|"))  # tables: names
+    for anchor, (spellings, taught) in _glossary_terms().items():
+        if taught is None or taught <= number or anchor in EVERYDAY_WORDS:
+            continue
+        pattern = "|".join(re.escape(s) for s in spellings)
+        sensitive = any(c.isupper() for s in spellings for c in s[1:])  # ZeRO, not "zero"
+        used = re.search(rf"(?<![\w-])({pattern})(?![\w-])", text, flags=0 if sensitive else re.I)
+        if used:
+            link = re.search(rf"\]\(\.\./docs/glossary\.md#{re.escape(anchor)}\)", text)
+            assert link and link.start() < used.end() + 120, (
+                f"{path.name} uses {used.group(0)!r}, taught in notebook {taught:02d}, before linking the glossary"
+            )
