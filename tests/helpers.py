@@ -14,6 +14,7 @@ from flax import nnx
 import parallelkit as pk
 
 ROOT = Path(__file__).resolve().parents[1]
+NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))  # the course, in order
 
 # The equivalence tolerance for float32, fixed by the foundation issue.
 RTOL, ATOL = 1e-5, 1e-6

@@ -7,11 +7,11 @@ from pathlib import Path
 
 import nbformat
 import pytest
+from helpers import NOTEBOOKS
 
 from parallelkit.course import arc
 from parallelkit.course.build import recorded_seconds
 
-NOTEBOOKS = sorted((Path(__file__).resolve().parents[1] / "notebooks").glob("*.ipynb"))
 COURSE = arc.lessons(NOTEBOOKS)
 
 

@@ -14,8 +14,7 @@ from pathlib import Path
 
 import nbformat
 import pytest
-
-NOTEBOOKS = sorted((Path(__file__).resolve().parents[1] / "notebooks").glob("*.ipynb"))
+from helpers import NOTEBOOKS
 
 
 def _code_cells(path: Path) -> list:

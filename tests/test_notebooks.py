@@ -8,13 +8,13 @@ from pathlib import Path
 
 import nbformat
 import pytest
+from helpers import NOTEBOOKS
 from nbclient.exceptions import CellExecutionError
 from test_exercises import assert_exercises_judged
 
 from parallelkit.course import build as course
 
 ROOT = Path(__file__).resolve().parents[1]
-NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")  # terminal colours in IPython tracebacks
 
 

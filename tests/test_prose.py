@@ -15,9 +15,8 @@ from pathlib import Path
 
 import nbformat
 import pytest
+from helpers import NOTEBOOKS
 
-ROOT = Path(__file__).resolve().parents[1]
-NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
 MEDIAN_WORDS = 18  # the median sentence of a notebook, at most
 LONGEST_WORDS = 45  # no sentence longer
 ABBREVIATIONS = ("e.g.", "i.e.", "etc.", "vs.", "cf.", "Fig.", "approx.", "no.", "al.")

@@ -168,7 +168,7 @@ def check_function(
     except Exception as error:  # the learner's code: say what it raised, in one line
         print(f"not yet: it raised {type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}")
         return False
-    difference = _first_difference(got, expected, what, rtol=rtol, atol=atol)
+    difference = _first_difference(got, expected, rtol=rtol, atol=atol)
     if difference is None and (needs or never):
         difference = _collective_difference(learner, args, needs, never)
     if difference is not None:
@@ -178,7 +178,7 @@ def check_function(
     return True
 
 
-def _first_difference(got: Any, expected: Any, what: str, *, rtol: float, atol: float) -> str | None:
+def _first_difference(got: Any, expected: Any, *, rtol: float, atol: float) -> str | None:
     """The first way ``got`` differs from ``expected`` (structure, shape, value), in words; None if none."""
     if got is None:
         return "it returns None: write its body (replace the ... or the raise) so that it returns a result"

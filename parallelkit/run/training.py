@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import numbers
 import signal
 import threading
 import time
@@ -45,6 +44,7 @@ import optax
 
 from ..core.contract import Batch, LossFn, PyTree, batch_size
 from ..core.devices import device_summary
+from ..core.mesh import is_count
 from ..core.precision import Precision, PrecisionWarning
 from ..core.skipped import NonFiniteGradientsError
 from ..core.state import TrainState
@@ -291,7 +291,7 @@ def _check_counts(steps: int | None, checkpoint_every: int, prefetch: int) -> No
     ):
         if value is None and name == "steps":
             continue
-        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < least:
+        if not (is_count(value) or (least == 0 and value == 0 and not isinstance(value, bool))):
             raise ValueError(f"fit({name}={value!r}): give a whole number of at least {least}.")
 
 
