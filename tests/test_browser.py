@@ -1,10 +1,10 @@
-"""A real browser runs a course notebook in JupyterLab and sees the widgets update live.
+"""A real browser runs course notebooks in JupyterLab and sees the widgets update live.
 
 JupyterLab serves copies of the notebooks from a temporary root (Lab autosaves into
 what it opens) on 127.0.0.1 with a token; Debian's ``chromium``, driven by Playwright
 (``executable_path``: no browser download), opens a notebook, runs all cells, and
-watches the timing dashboard change while training runs. A screenshot is saved to
-``build/screenshots/``.
+watches its widgets change while training runs: 01's timing dashboard and gradient
+explorer, 13's strategy race. Screenshots are saved to ``build/screenshots/``.
 
 Without chromium or Playwright the test skips and says why; with
 ``PK_REQUIRE_BROWSER=1`` (set by ``.ci/run``) it fails instead, so CI cannot skip it.
@@ -12,6 +12,7 @@ Without chromium or Playwright the test skips and says why; with
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -28,7 +29,7 @@ import pytest
 from helpers import CHROMIUM, CHROMIUM_ARGS
 
 ROOT = Path(__file__).resolve().parents[1]
-NOTEBOOK = "01_mirrored.ipynb"
+MIRRORED, LAB = "01_mirrored.ipynb", "13_strategy_lab.ipynb"
 SCREENSHOTS = ROOT / "build" / "screenshots"
 RACE_ROWS = "() => [...document.querySelectorAll('.pk-race .pk-race-row')].map(r => Number(r.dataset.steps))"
 # Every widget update the browser receives, in order. Lab handles kernel messages one after
@@ -49,9 +50,9 @@ RACE_ROW_STEPS = re.compile(r"class='pk-race-row' data-name='[^']*' data-steps='
 pytestmark = [pytest.mark.browser, pytest.mark.timeout(300)]
 
 
-def _setting(name: str) -> int:
-    """An integer from the notebook's settings cell, e.g. ``LIVE_STEPS = 400``."""
-    source = (ROOT / "notebooks" / NOTEBOOK).read_text()
+def _setting(notebook: str, name: str) -> int:
+    """An integer from a notebook's settings cell, e.g. ``LIVE_STEPS = 400``."""
+    source = (ROOT / "notebooks" / notebook).read_text()
     return int(re.search(rf"\b{name} = (\d+)", source).group(1))
 
 
@@ -115,85 +116,118 @@ def lab(browser_ready, tmp_path_factory):
         log.close()
 
 
-def test_notebook_widgets_update_live_in_chromium(lab):
+def _run_all(page, base: str, token: str, notebook: str) -> None:
+    """Open ``notebook`` in Lab, wait for its kernel, record widget updates, and run every cell."""
+    page.goto(f"{base}/lab/tree/{notebook}?token={token}")
+    page.wait_for_selector(".jp-Notebook .jp-Cell", timeout=60_000)
+    page.wait_for_function(
+        "() => window.jupyterapp && window.jupyterapp.shell.currentWidget"
+        " && window.jupyterapp.shell.currentWidget.sessionContext"
+        " && window.jupyterapp.shell.currentWidget.sessionContext.session"
+        " && window.jupyterapp.shell.currentWidget.sessionContext.session.kernel"
+        " && window.jupyterapp.shell.currentWidget.sessionContext.session.kernel.status === 'idle'",
+        timeout=60_000,
+    )
+    page.evaluate(RECORD_UPDATES)
+    page.evaluate("() => window.jupyterapp.commands.execute('notebook:run-all-cells')")
+
+
+def _no_traceback(page) -> None:
+    assert page.locator(".jp-OutputArea-output[data-mime-type='application/vnd.jupyter.stderr']",
+                        has_text="Traceback").count() == 0  # fmt: skip
+
+
+@contextlib.contextmanager
+def _browser_page(name: str):
+    """A Chromium page; on failure, a screenshot of what it showed (``build/screenshots/{name}_failure.png``)."""
     from playwright.sync_api import sync_playwright
 
-    base, token = lab
-    live_steps, race_steps = _setting("LIVE_STEPS"), _setting("RACE_STEPS")
     with sync_playwright() as p:
         browser = p.chromium.launch(executable_path=str(CHROMIUM), headless=True, args=CHROMIUM_ARGS)
         page = browser.new_page(viewport={"width": 1400, "height": 1000})
         try:
-            page.goto(f"{base}/lab/tree/{NOTEBOOK}?token={token}")
-            page.wait_for_selector(".jp-Notebook .jp-Cell", timeout=60_000)
-            page.wait_for_function(
-                "() => window.jupyterapp && window.jupyterapp.shell.currentWidget"
-                " && window.jupyterapp.shell.currentWidget.sessionContext"
-                " && window.jupyterapp.shell.currentWidget.sessionContext.session"
-                " && window.jupyterapp.shell.currentWidget.sessionContext.session.kernel"
-                " && window.jupyterapp.shell.currentWidget.sessionContext.session.kernel.status === 'idle'",
-                timeout=60_000,
-            )
-            page.evaluate(RECORD_UPDATES)
-            page.evaluate("() => window.jupyterapp.commands.execute('notebook:run-all-cells')")
-
-            # The dashboard renders and ends at the last step; on the way, the browser received
-            # the step counter's intermediate values, in order, while training ran.
-            page.wait_for_function(
-                "() => (document.querySelector('.pk-dashboard .pk-header')?.textContent || '').includes('done')",
-                timeout=180_000,
-            )
-            shown = page.locator(".pk-dashboard .pk-steps .pk-value").text_content()
-            assert shown == str(live_steps), f"the dashboard shows step {shown!r}"
-            received = [int(m) for u in page.evaluate("() => window.pkUpdates") for m in DASHBOARD_STEP.findall(u)]
-            assert received == sorted(received) and received[-1] == live_steps, f"updates out of order: {received}"
-            assert len({v for v in received if 0 < v < live_steps}) >= 2, f"no live updates received: {received}"
-            median = page.locator(".pk-dashboard .pk-median .pk-value").text_content()
-            assert median.endswith(" ms") and float(median.split()[0]) > 0
-            assert page.locator(".pk-dashboard .widget-hprogress").count() == 1
-            assert page.locator(".pk-dashboard svg.pk-line polyline").get_attribute("points")
-
-            # The strategy race: its table moves run by run (each run's first step compiles, so every
-            # state lasts long enough to see), then every row is complete and the chart is drawn.
-            page.wait_for_function(
-                "() => (document.querySelector('.pk-race .pk-race-header')?.textContent || '').includes('done')",
-                timeout=180_000,
-            )
-            final = tuple(page.evaluate(RACE_ROWS))
-            assert final == (race_steps,) * 3, f"the race table shows steps {final}"
-            tables = [tuple(map(int, RACE_ROW_STEPS.findall(u))) for u in page.evaluate("() => window.pkUpdates")]
-            tables = [t for t in tables if len(t) == 3]
-            assert tables == sorted(tables) and tables[-1] == final, f"race updates out of order: {tables}"
-            assert len(set(tables)) >= 3, f"the race table did not update while it ran: {tables}"
-            assert (race_steps, 0, 0) in tables, f"no state between the first and second run: {sorted(set(tables))}"
-            assert "simulated" in page.locator(".pk-race .pk-race-header").text_content()
-            chart = page.locator(".pk-race img")
-            chart.scroll_into_view_if_needed()
-            assert chart.count() == 1 and chart.evaluate("img => img.naturalWidth") > 100
-
-            # The gradient explorer and the last (proof) cell.
-            proof = page.locator(".jp-OutputArea-output", has_text="PROOF Mirrored(pmap)")
-            proof.wait_for(timeout=120_000)
-            image = page.locator(".pk-gradsync img")
-            assert image.count() == 1 and image.evaluate("img => img.naturalWidth") > 100
-            first = image.get_attribute("src")
-            slider = page.locator(".pk-layer-slider .noUi-handle, .pk-layer-slider .slider-handle").first
-            slider.focus()
-            page.keyboard.press("ArrowRight")
-            page.wait_for_function(
-                "src => document.querySelector('.pk-gradsync img').src !== src", arg=first, timeout=30_000
-            )
-            assert page.locator(".jp-OutputArea-output[data-mime-type='application/vnd.jupyter.stderr']",
-                                has_text="Traceback").count() == 0  # fmt: skip
-
-            SCREENSHOTS.mkdir(parents=True, exist_ok=True)
-            page.locator(".pk-dashboard").scroll_into_view_if_needed()
-            page.screenshot(path=str(SCREENSHOTS / "01_mirrored_dashboard.png"))
-            page.locator(".pk-race").scroll_into_view_if_needed()
-            page.screenshot(path=str(SCREENSHOTS / "01_mirrored_race.png"))
+            yield page
         except Exception:
             SCREENSHOTS.mkdir(parents=True, exist_ok=True)
-            page.screenshot(path=str(SCREENSHOTS / "01_mirrored_failure.png"))  # what the browser showed
+            page.screenshot(path=str(SCREENSHOTS / f"{name}_failure.png"))
             raise
         finally:
             browser.close()
+
+
+def test_timing_dashboard_and_gradient_explorer_update_live_in_chromium(lab):
+    base, token = lab
+    live_steps = _setting(MIRRORED, "LIVE_STEPS")
+    with _browser_page("01_mirrored") as page:
+        _run_all(page, base, token, MIRRORED)
+
+        # The dashboard renders and ends at the last step; on the way, the browser received
+        # the step counter's intermediate values, in order, while training ran.
+        page.wait_for_function(
+            "() => (document.querySelector('.pk-dashboard .pk-header')?.textContent || '').includes('done')",
+            timeout=180_000,
+        )
+        shown = page.locator(".pk-dashboard .pk-steps .pk-value").text_content()
+        assert shown == str(live_steps), f"the dashboard shows step {shown!r}"
+        received = [int(m) for u in page.evaluate("() => window.pkUpdates") for m in DASHBOARD_STEP.findall(u)]
+        assert received == sorted(received) and received[-1] == live_steps, f"updates out of order: {received}"
+        assert len({v for v in received if 0 < v < live_steps}) >= 2, f"no live updates received: {received}"
+        median = page.locator(".pk-dashboard .pk-median .pk-value").text_content()
+        assert median.endswith(" ms") and float(median.split()[0]) > 0
+        assert page.locator(".pk-dashboard .widget-hprogress").count() == 1
+        assert page.locator(".pk-dashboard svg.pk-line polyline").get_attribute("points")
+
+        # The gradient explorer and the last (proof) cell.
+        proof = page.locator(".jp-OutputArea-output", has_text="PROOF Mirrored(pmap)")
+        proof.wait_for(timeout=120_000)
+        image = page.locator(".pk-gradsync img")
+        assert image.count() == 1 and image.evaluate("img => img.naturalWidth") > 100
+        first = image.get_attribute("src")
+        slider = page.locator(".pk-layer-slider .noUi-handle, .pk-layer-slider .slider-handle").first
+        slider.focus()
+        page.keyboard.press("ArrowRight")
+        page.wait_for_function(
+            "src => document.querySelector('.pk-gradsync img').src !== src", arg=first, timeout=30_000
+        )
+        _no_traceback(page)
+
+        SCREENSHOTS.mkdir(parents=True, exist_ok=True)
+        page.locator(".pk-dashboard").scroll_into_view_if_needed()
+        page.screenshot(path=str(SCREENSHOTS / "01_mirrored_dashboard.png"))
+
+
+def test_strategy_race_updates_live_in_chromium(lab):
+    base, token = lab
+    steps = _setting(LAB, "STEPS")
+    raced = len(re.search(r"STRATEGIES = \[([^\]]*)\]", (ROOT / "notebooks" / LAB).read_text()).group(1).split(","))
+    with _browser_page("13_strategy_lab") as page:
+        _run_all(page, base, token, LAB)
+
+        # The race's table moves run by run (each run's first step compiles, so every state lasts
+        # long enough to see), then every row is complete and the chart is drawn.
+        page.wait_for_function(
+            "() => (document.querySelector('.pk-race .pk-race-header')?.textContent || '').includes('done')",
+            timeout=180_000,
+        )
+        final = tuple(page.evaluate(RACE_ROWS))
+        assert final == (steps,) * raced, f"the race table shows steps {final}"
+        tables = [tuple(map(int, RACE_ROW_STEPS.findall(u))) for u in page.evaluate("() => window.pkUpdates")]
+        tables = [t for t in tables if len(t) == raced]
+        assert tables == sorted(tables) and tables[-1] == final, f"race updates out of order: {tables}"
+        assert len(set(tables)) >= raced, f"the race table did not update while it ran: {tables}"
+        between = (steps,) + (0,) * (raced - 1)
+        assert between in tables, f"no state between the first and second run: {sorted(set(tables))}"
+        assert "simulated" in page.locator(".pk-race .pk-race-header").text_content()
+        chart = page.locator(".pk-race img")
+        chart.scroll_into_view_if_needed()
+        assert chart.count() == 1 and chart.evaluate("img => img.naturalWidth") > 100
+
+        # The last (proof) cell ran, and nothing raised on the way.
+        page.locator(".jp-OutputArea-output", has_text="every raced strategy equals SingleDevice").wait_for(
+            timeout=180_000
+        )
+        _no_traceback(page)
+
+        SCREENSHOTS.mkdir(parents=True, exist_ok=True)
+        page.locator(".pk-race").scroll_into_view_if_needed()
+        page.screenshot(path=str(SCREENSHOTS / "13_strategy_lab_race.png"))

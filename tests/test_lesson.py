@@ -169,6 +169,12 @@ def test_check_function_compares_values_and_the_collectives_compiled(body, verdi
     assert says in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("field", ["needs", "never"])
+def test_check_function_refuses_a_name_that_is_not_a_collective(field):
+    with pytest.raises(ValueError, match=r"\['all-reduc'\], which are not collectives: choose from \['all-reduce'"):
+        pk.lesson.check_function(lambda: 1, lambda: 1, what="the sum", **{field: ["all-reduc"]})
+
+
 def test_check_function_waits_for_a_function(capsys):
     assert pk.lesson.check_function(None, lambda: 1, what="the router") is None
     assert "write the router in the cell above" in capsys.readouterr().out

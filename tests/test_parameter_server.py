@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import jax
 import numpy as np
 import optax
@@ -305,3 +307,36 @@ def test_round_robin_placement_of_whole_variables_is_unbalanced(mlp):
     assert sum(Partition.of(params, 3).loads) == sum(RoundRobin.of(params, 3).loads) == 4810 * 4
     with pytest.raises(ValueError, match="num_shards=0: use an integer >= 1"):
         RoundRobin.of(params, 0)
+
+
+def test_a_second_async_run_on_the_same_loss_compiles_no_worker_program_again(mlp, digits, caplog):
+    """Two strategies over one loss share its programs (a notebook's sweep of staleness bounds compiles once);
+    a callable that cannot be hashed still trains, with programs of its own, to the same parameters."""
+    loss_fn, params = mlp
+    tx = optax.sgd(0.5)  # one optimizer: it is a static argument of the shards' update
+
+    def run(loss):
+        strategy = pk.ParameterServer(2, devices=4, mode="async", staleness=1)
+        return _train(strategy, (loss, params), digits, steps=2, tx=tx)[0]
+
+    def workers_compiled(loss) -> tuple[object, list[str]]:
+        caplog.clear()
+        with jax.log_compiles():
+            trained = run(loss)
+        messages = [r.getMessage() for r in caplog.records if "Finished XLA compilation" in r.getMessage()]
+        return trained, [m for m in messages if "gradient_rows" in m or "_shard_update" in m]
+
+    caplog.set_level(logging.WARNING)
+    first, compiled = workers_compiled(loss_fn)
+    assert len(compiled) >= 4 + 2, compiled  # each worker's gradient program, each shard's update
+    again, compiled = workers_compiled(loss_fn)
+    assert compiled == []
+    tree_allclose(again, first)
+
+    class Unhashable:
+        __hash__ = None
+
+        def __call__(self, params, batch, **extras):
+            return loss_fn(params, batch, **extras)
+
+    tree_allclose(run(Unhashable()), first)

@@ -47,19 +47,27 @@ def lesson(path: Path) -> Lesson:
     Raises:
       ValueError: the notebook has no "You need" / "You will be able to" opening.
     """
-    cells = [cell.source for cell in nbformat.read(path, as_version=4).cells if cell.cell_type == "markdown"]
+    nb = nbformat.read(path, as_version=4)
+    cells = [cell.source for cell in nb.cells if cell.cell_type == "markdown"]
     opening = next((source for source in cells if NEEDS.search(source) and GOAL.search(source)), None)
     if opening is None:
         raise ValueError(f"{path.name} has no opening cell with **You need:** and **You will be able to:**")
-    title = cells[0].splitlines()[0].lstrip("# ").strip()
     following = NEXT.search(cells[-1])
     return Lesson(
         stem=path.stem,
-        title=title,
+        title=title(nb, default=path.stem),
         goal=GOAL.search(opening).group("goal").strip(),
         needs=tuple(LINKED.findall(NEEDS.search(opening).group("needs"))),
         next=following.group("next") if following else None,
     )
+
+
+def title(nb: nbformat.NotebookNode, default: str) -> str:
+    """A notebook's first heading (its first Markdown cell that starts with ``# ``), or ``default``."""
+    for cell in nb.cells:
+        if cell.cell_type == "markdown" and cell.source.startswith("# "):
+            return cell.source.splitlines()[0][2:].strip()
+    return default
 
 
 def lessons(paths: Sequence[Path]) -> list[Lesson]:

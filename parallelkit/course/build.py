@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 
 import nbformat
 
+from . import arc
 from .arc import arc_svg, lessons
 
 if TYPE_CHECKING:
@@ -276,17 +277,9 @@ def recorded_seconds() -> dict[str, float]:
 
 def _write_page(page: Path, nb: nbformat.NotebookNode) -> tuple[Path, str]:
     """Render ``nb`` to ``page``, titled by its first heading; return the page and the title."""
-    title = _title(nb, page.stem)
+    title = arc.title(nb, page.stem)
     page.write_text(render(nb, title), encoding="utf-8")
     return page, title
-
-
-def _title(nb: nbformat.NotebookNode, default: str) -> str:
-    """A notebook's first heading, or ``default``."""
-    for cell in nb.cells:
-        if cell.cell_type == "markdown" and cell.source.startswith("# "):
-            return cell.source.splitlines()[0][2:].strip()
-    return default
 
 
 def _index_html(entries: Iterable[tuple[Path, str]], picture: str) -> str:

@@ -22,6 +22,7 @@ import jax
 import numpy as np
 
 from ..core.devices import device_summary, simulate_devices
+from ..measure.inspect import COLLECTIVES, parse_collectives
 
 MODELS = ("mlp", "cnn", "transformer")  # the names pk.models.build knows
 
@@ -138,8 +139,9 @@ def check_function(
     The two must return the same structure of arrays, with equal shapes and values within
     ``rtol``/``atol`` (the course's float32 tolerances). Where the exercise is about
     communication, ``needs`` lists collectives the learner's compiled program must contain and
-    ``never`` those it must not (HLO names, such as ``"collective-permute"`` or ``"all-reduce"``):
-    an all-reduce written with ``ppermute`` must not compile to XLA's own all-reduce.
+    ``never`` those it must not (HLO names from :data:`parallelkit.measure.inspect.COLLECTIVES`,
+    such as ``"collective-permute"`` or ``"all-reduce"``; any other name is refused with a
+    ValueError): an all-reduce written with ``ppermute`` must not compile to XLA's own all-reduce.
 
     Returns:
       True when it matches, False with the first difference printed, None while ``learner`` is None.
@@ -156,6 +158,9 @@ def check_function(
     not yet: it returns P(None, 'model') at ['kernel'] where the kit's answer has P('model', None)
     False
     """
+    unknown = [op for op in (*needs, *never) if op not in COLLECTIVES]
+    if unknown:
+        raise ValueError(f"needs/never name {unknown}, which are not collectives: choose from {list(COLLECTIVES)}.")
     if learner is None:
         print(f"write {what} in the cell above, then run it again")
         return None
@@ -211,8 +216,6 @@ def _collective_difference(
     learner: Callable[..., Any], args: Sequence[Any], needs: Sequence[str], never: Sequence[str]
 ) -> str | None:
     """Which required collective the learner's compiled program lacks, or which forbidden one it holds."""
-    from ..measure.inspect import parse_collectives
-
     ops = {c.op for c in parse_collectives(jax.jit(learner).lower(*args).compile().as_text())}
     for op in never:
         if op in ops:

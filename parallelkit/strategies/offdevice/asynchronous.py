@@ -179,7 +179,7 @@ class AsyncStep:
     ):
         self.devices, self.update, self.workers = tuple(devices), update, workers
         self.places = [SingleDeviceSharding(d, memory_kind=d.default_memory().kind) for d in self.devices]
-        self.gradient = jax.jit(functools.partial(gradient_rows, loss_fn, precision=precision))
+        self.gradient = _gradient_program(loss_fn, precision)
         self.programs: list = []  # each worker's compiled gradient program, for the slices' shapes in `shapes`
         self.shapes: list | None = None
         self.copies: list = []  # each worker's pulled (params, model_state, loss_scale), on its device
@@ -249,6 +249,13 @@ class AsyncStep:
     def lower(self, state: TrainState, batch: Batch):
         """The first worker's gradient program (it holds no collective: each worker computes alone)."""
         return self._lower(state, 0, self.pull(state, 0), _slices(batch, self.devices)[0])
+
+
+@functools.lru_cache(maxsize=64)
+def _gradient_program(loss_fn: LossFn, precision: Precision | None) -> Callable:
+    """The jitted gradient program of ``loss_fn``: one per loss and policy, shared by every run's workers, so a
+    second run (another staleness bound, say) finds JAX's compiled programs for the same shapes and devices."""
+    return jax.jit(functools.partial(gradient_rows, loss_fn, precision=precision))
 
 
 def _slices(batch: Batch, devices: Sequence[jax.Device]) -> list[Batch]:

@@ -251,9 +251,6 @@ class ParameterServer(OffDeviceStrategy):
             refuse_accumulation(repr(self), accumulate, ASYNC_ACCUMULATION)
         check_precision(precision)
 
-        def flat_loss(shards: Sharded, batch: Batch, **extras):
-            return loss_fn(shards.partition.join(shards.shards), batch, **extras)
-
         def pull(state: TrainState):
             # every shard to every worker, with the key, the model state and the loss scale
             return jax.device_put((state.params, state.rng, state.model_state, state.loss_scale), self.replicated)
@@ -261,9 +258,9 @@ class ParameterServer(OffDeviceStrategy):
         push_update = ShardedUpdate(self.shard_storage, precision)
         if self.mode == "async":
             workers = AsyncWorkers(self.num_replicas, self.worker_times, self.staleness, self.seed)
-            pushes = AsyncStep(flat_loss, self.devices, push_update, workers, precision)
+            pushes = AsyncStep(_flat_loss(loss_fn), self.devices, push_update, workers, precision)
             return Step(pushes, self.place_batch, self, precision)
-        compute = replica_gradients(flat_loss, self.mesh, precision, accumulate)
+        compute = replica_gradients(_flat_loss(loss_fn), self.mesh, precision, accumulate)
         place = accumulated_placement(self.place_batch, accumulate, self.num_replicas)
         return Step(PushPullStep(pull, compute, push_update), place, self, precision)
 
@@ -318,11 +315,33 @@ class ShardedUpdate:
         return [program.lower(*args) for program, args in self._calls(state, rows)]
 
 
+def _flat_loss(loss_fn: LossFn) -> LossFn:
+    """``loss_fn`` on the shards' flat slices (the partition rebuilds the tree). One function per loss, so that
+    every strategy over the same loss hands JAX the same function and finds its programs compiled."""
+    try:
+        return _shared_flat_loss(loss_fn)
+    except TypeError:  # an unhashable callable: a function of its own
+        return _on_shards(loss_fn)
+
+
+def _on_shards(loss_fn: LossFn) -> LossFn:
+    def flat_loss(shards: Sharded, batch: Batch, **extras):
+        return loss_fn(shards.partition.join(shards.shards), batch, **extras)
+
+    return flat_loss
+
+
+_shared_flat_loss = functools.lru_cache(maxsize=64)(_on_shards)
+
+
+@functools.lru_cache(maxsize=64)
 def _shard_update_program(where: SingleDeviceSharding, precision: Precision | None = None):
     """The compiled update of the shard stored at ``where``: (tx, step, params, opt_state, extras, rows) in.
 
     ``extras`` is ``(rng, model_state, loss_scale)`` on shard 0 and ``(None, None, None)`` elsewhere; the
-    step counter is read, not donated (shard 0's copy may be the one the other shards read).
+    step counter is read, not donated (shard 0's copy may be the one the other shards read). One program
+    per place and policy, shared by every strategy that stores a shard there: JAX then compiles it once
+    for each optimizer and shapes, not once per strategy.
     """
     compute = compute_sharding(where)
     return jax.jit(
