@@ -89,6 +89,24 @@ def test_digits():
     assert (ds.num_classes, ds.name) == (10, "digits")
 
 
+def test_digits_read_from_the_bundled_file_equal_scikit_learns_loader(monkeypatch):
+    """The file read without importing scikit-learn, and the fallback where it is missing, give load_digits' data."""
+    from sklearn.datasets import load_digits
+
+    import parallelkit.data as data
+
+    bunch = load_digits()
+    for ds in (digits(), _without_bundled_file(monkeypatch, data)):
+        np.testing.assert_array_equal(ds.x[..., 0], (bunch.images / 16.0).astype(np.float32))
+        np.testing.assert_array_equal(ds.y, bunch.target)
+
+
+def _without_bundled_file(monkeypatch, data):
+    """``digits()`` where ``importlib`` finds no scikit-learn directory: the loader's fallback."""
+    monkeypatch.setattr(data.importlib.util, "find_spec", lambda name: None)
+    return data.digits()
+
+
 def test_synthetic_is_deterministic_and_learnable():
     a, b = synthetic(seed=3), synthetic(seed=3)
     np.testing.assert_array_equal(a.x, b.x)

@@ -131,6 +131,22 @@ def test_an_interrupt_during_dispatch_waits_for_the_step_to_be_bound(mlp, digits
     assert int(continued.state.step) == len(result.history.records) + 1
 
 
+@pytest.mark.parametrize("make", [pk.SingleDevice, lambda: pk.Mirrored(2)])
+def test_init_copies_arrays_already_on_the_device_so_donation_spares_them(make, mlp, batch):
+    """The caller's parameters and optimizer state, already on device 0, survive a donating step unchanged."""
+    loss_fn, params = mlp
+    tx = optax.adam(1e-3)
+    on_device = jax.tree.map(lambda x: x + 0, params)  # buffers of JAX's own on device 0, no host view
+    opt_state = tx.init(on_device)
+    before = jax.tree.map(lambda x: x + 0, (on_device, opt_state))  # not device_get: a host view blocks donation
+    strategy = make()
+    state = strategy.init(on_device, tx, opt_state=opt_state)
+    strategy.step(loss_fn)(state, batch)
+    mine = jax.tree.leaves((on_device, opt_state))
+    assert not any(x.is_deleted() for x in mine)
+    tree_allclose((on_device, opt_state), before, rtol=0, atol=0)
+
+
 def test_loss_without_aux_is_accepted(mlp, batch):
     _, params = mlp
     apply, _ = pk.models.build("mlp", (8, 8, 1), 10)

@@ -67,8 +67,8 @@ def create_state(
         opt_state = tx.init(params)
     else:
         check_same_tree(expected, opt_state, what="opt_state", against="tx.init(params)")
-    params, opt_state, model_state, rng = jax.tree.map(
-        lambda x: jnp.array(x, copy=True), (params, opt_state, model_state, prng_key(rng))
+    params, opt_state, model_state, rng = jax.tree.map(  # copies, made without compiling a copy program
+        lambda x: jax.device_put(x, may_alias=False), (params, opt_state, model_state, prng_key(rng))
     )
     return TrainState(
         step=jnp.zeros((), jnp.int32), params=params, opt_state=opt_state, tx=tx, rng=rng, model_state=model_state
