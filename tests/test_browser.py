@@ -120,12 +120,13 @@ def _run_all(page, base: str, token: str, notebook: str) -> None:
     """Open ``notebook`` in Lab, wait for its kernel, record widget updates, and run every cell."""
     page.goto(f"{base}/lab/tree/{notebook}?token={token}")
     page.wait_for_selector(".jp-Notebook .jp-Cell", timeout=60_000)
+    # Lab restores the tabs a previous test opened: wait until the tab in front is this notebook's, or
+    # run-all would run the other one.
     page.wait_for_function(
-        "() => window.jupyterapp && window.jupyterapp.shell.currentWidget"
-        " && window.jupyterapp.shell.currentWidget.sessionContext"
-        " && window.jupyterapp.shell.currentWidget.sessionContext.session"
-        " && window.jupyterapp.shell.currentWidget.sessionContext.session.kernel"
-        " && window.jupyterapp.shell.currentWidget.sessionContext.session.kernel.status === 'idle'",
+        "name => { const w = window.jupyterapp && window.jupyterapp.shell.currentWidget;"
+        " return w && w.context && w.context.path === name && w.sessionContext && w.sessionContext.session"
+        " && w.sessionContext.session.kernel && w.sessionContext.session.kernel.status === 'idle'; }",
+        arg=notebook,
         timeout=60_000,
     )
     page.evaluate(RECORD_UPDATES)
