@@ -87,7 +87,8 @@ def _digits_table() -> np.ndarray:
     is not, ``sklearn.datasets.load_digits`` gives the same table.
     """
     spec = importlib.util.find_spec("sklearn")
-    for location in (spec.submodule_search_locations or []) if spec else []:
+    locations = spec.submodule_search_locations if spec else None
+    for location in locations or []:
         bundled = Path(location) / "datasets" / "data" / "digits.csv.gz"
         if bundled.is_file():
             with gzip.open(bundled, "rt") as f:

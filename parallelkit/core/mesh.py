@@ -26,15 +26,17 @@ from .devices import DeviceCountError, resolve_devices
 AXES = (DATA, FSDP, STAGE, SEQ, EXPERT, MODEL)
 
 
-def is_count(size: object) -> bool:
-    """Whether ``size`` is a whole number >= 1 (an axis size, a device or element count); a bool is not.
+def is_count(size: object, least: int = 1) -> bool:
+    """Whether ``size`` is a whole number >= ``least`` (an axis size, a device or element count); a bool is not.
 
     NumPy integers count as whole numbers.
 
     >>> is_count(2), is_count(np.int64(2)), is_count(0), is_count(2.0), is_count(True)
     (True, True, False, False, False)
+    >>> is_count(0, least=0), is_count(False, least=0), is_count(-1, least=0)
+    (True, False, False)
     """
-    return isinstance(size, int | np.integer) and not isinstance(size, bool) and bool(size >= 1)
+    return isinstance(size, int | np.integer) and not isinstance(size, bool) and bool(size >= least)
 
 
 def make_mesh(

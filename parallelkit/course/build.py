@@ -26,8 +26,8 @@ from typing import TYPE_CHECKING
 
 import nbformat
 
-from . import arc
 from .arc import arc_svg, lessons
+from .arc import title as notebook_title
 
 if TYPE_CHECKING:
     from traitlets.config import Config
@@ -277,7 +277,7 @@ def recorded_seconds() -> dict[str, float]:
 
 def _write_page(page: Path, nb: nbformat.NotebookNode) -> tuple[Path, str]:
     """Render ``nb`` to ``page``, titled by its first heading; return the page and the title."""
-    title = arc.title(nb, page.stem)
+    title = notebook_title(nb, page.stem)
     page.write_text(render(nb, title), encoding="utf-8")
     return page, title
 

@@ -291,7 +291,7 @@ def _check_counts(steps: int | None, checkpoint_every: int, prefetch: int) -> No
     ):
         if value is None and name == "steps":
             continue
-        if not (is_count(value) or (least == 0 and value == 0 and not isinstance(value, bool))):
+        if not is_count(value, least):
             raise ValueError(f"fit({name}={value!r}): give a whole number of at least {least}.")
 
 
