@@ -32,7 +32,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -45,6 +44,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from .costmodel.links import fit_alpha_beta as fit_alpha_beta
+from .timing import timed
 
 CACHE_ENV = "PARALLELKIT_CACHE_DIR"
 _AXIS = "d"
@@ -83,18 +83,9 @@ class Ceilings:
 
 
 def median_seconds(fn: Callable[..., Any], *args: Any, repeats: int = 5) -> float:
-    """Median wall-clock seconds of ``fn(*args)`` over ``repeats`` calls, after one untimed warm-up."""
-    return _median(lambda: fn(*args), repeats)
-
-
-def _median(call: Callable[[], Any], repeats: int) -> float:
-    jax.block_until_ready(call())  # trace + compile + one run: not timed
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(call())
-        times.append(time.perf_counter() - start)
-    return float(np.median(times))
+    """Median wall-clock seconds of ``fn(*args)`` over ``repeats`` calls (:func:`.timing.timed`), after a warm-up."""
+    jax.block_until_ready(fn(*args))  # trace + compile + one run: not timed
+    return float(np.median([timed(fn, *args)[1] for _ in range(repeats)]))
 
 
 def matmul_flops(device: jax.Device, n: int, dtype: Any = jnp.float32, repeats: int = 5) -> Measured:
@@ -118,7 +109,7 @@ def memory_bandwidth(device: jax.Device, elements: int, repeats: int = 5) -> Mea
         held[0] = step(held[0])
         return held[0]
 
-    seconds = _median(once, repeats)
+    seconds = median_seconds(once, repeats=repeats)
     method = f"x + 1 in place on {4 * elements / 2**20:.0f} MiB float32, read + write, median of {repeats}"
     return Measured(2 * 4 * elements / seconds, "B/s", method)
 

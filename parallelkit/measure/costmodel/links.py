@@ -163,11 +163,9 @@ def allreduce_rounds(algorithm: str, n: int, nbytes: float, group: int | None = 
     g = group or n
     if n % g:
         raise ValueError(f"A hierarchical all-reduce over {n} devices needs a group size that divides it; got {g}.")
-    m = n // g
-    inside = [[o * g + i for i in range(g)] for o in range(m)]
-    across = [[o * g + i for o in range(m)] for i in range(g)]
+    inside, across = groups(n, g)
     scatter = ring_rounds(inside, nbytes, phases=1)
-    middle = ring_rounds(across, nbytes / g) if m > 1 else []
+    middle = ring_rounds(across, nbytes / g) if n > g else []
     return scatter + middle + scatter  # reduce-scatter, all-reduce one slice across groups, all-gather
 
 

@@ -49,7 +49,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..inspect import sent_bytes
-from .links import Cluster, allreduce_seconds, alltoall_rounds, gradient_groups_seconds
+from .links import Cluster, allreduce_seconds, alltoall_rounds, gradient_groups_seconds, groups, ring_pairs
 from .workload import Options, Pattern, Workload
 
 CONTEXT_METHODS = ("allgather", "ring", "ring_zigzag", "ulysses")
@@ -110,14 +110,13 @@ PLANS = {  # per layer: (op, count, payload) for n devices and a block of b byte
 }
 
 
-def _rounds_seconds(cluster: Cluster, groups: list[list[int]], planned: Planned) -> float:
+def _rounds_seconds(cluster: Cluster, along: list[list[int]], planned: Planned) -> float:
     """``planned`` run over every group at once, in the cost model's rounds."""
-    n = len(groups[0])
-    ring = [(g[i], g[(i + 1) % n]) for g in groups for i in range(n)]
+    n, ring = len(along[0]), ring_pairs(along)
     if planned.op == "collective-permute":  # one round: every device sends its array to the next
         return planned.count * cluster.round_seconds([(s, t, planned.payload) for s, t in ring])
     if planned.op == "all-to-all":  # the pairwise exchange: n - 1 rounds of b/n to one peer each
-        return planned.count * sum(cluster.round_seconds(r) for r in alltoall_rounds(groups, planned.payload))
+        return planned.count * sum(cluster.round_seconds(r) for r in alltoall_rounds(along, planned.payload))
     share = planned.payload / n if planned.op == "all-gather" else planned.payload  # a ring's piece per round
     return planned.count * (n - 1) * cluster.round_seconds([(s, t, share) for s, t in ring])
 
@@ -125,7 +124,7 @@ def _rounds_seconds(cluster: Cluster, groups: list[list[int]], planned: Planned)
 def _splitting(name: str):
     def communication(workload: Workload, cluster: Cluster, options: Options) -> tuple[float, float]:
         n = options.model
-        along = [[r * n + j for j in range(n)] for r in range(cluster.devices // n)]
+        along, _ = groups(cluster.devices, n)
         critical = sum(_rounds_seconds(cluster, along, p) for p in plan(workload, name, n))
         if name == "sequence_parallel":  # each device's 1/n of the weights, over its data group
             return gradient_groups_seconds(cluster, workload.param_bytes, n), critical
