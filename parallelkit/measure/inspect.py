@@ -9,6 +9,7 @@ kept here too so that ``pk.inspect`` reads every count of the compiled program.
 from __future__ import annotations
 
 import contextlib
+import math
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -95,9 +96,7 @@ def sent_bytes(op: str, payload: float, n: int) -> float:
 def _arrays(shape: str) -> list[tuple[str, int, int]]:
     out = []
     for dtype, dims in _ARRAY.findall(shape):
-        count = 1
-        for d in filter(None, dims.split(",")):
-            count *= int(d)
+        count = math.prod(int(d) for d in filter(None, dims.split(",")))
         out.append((f"{dtype}[{dims}]", count, count * _DTYPE_BYTES.get(dtype, 4)))
     return out
 
@@ -109,10 +108,7 @@ def _group_size(rest: str) -> int | None:
         return int(m.group(2))
     if m := _GROUPS_MESH.search(rest):
         sizes = dict(re.findall(r"'([^']+)'=(\d+)", m.group(1)))
-        size = 1
-        for axis in re.findall(r"'([^']+)'", m.group(2)):
-            size *= int(sizes[axis])
-        return size
+        return math.prod(int(sizes[axis]) for axis in re.findall(r"'([^']+)'", m.group(2)))
     return None
 
 

@@ -227,12 +227,10 @@ def data_parallel_min_batch_from_allreduce(
     that reduces its gradient arrays one by one pays ``alpha`` for each.
 
     Args:
-        peak_flops: ``C``, one device's FLOP/s.
         allreduce_bandwidth: ``W``, bytes per device over seconds (``1 / beta``).
         latency: ``alpha``, seconds; needs ``parameters`` when above 0.
         parameters: ``P``, the gradient's values.
-        bytes_per_value: bytes per gradient value (2: bfloat16, 4: float32).
-        flops_per_param_token: FLOPs per parameter per token that the all-reduce overlaps.
+        peak_flops, bytes_per_value, flops_per_param_token: as for :func:`data_parallel_min_batch`.
 
     >>> data_parallel_min_batch_from_allreduce(1e11, 2e9, bytes_per_value=4)  # (C / 4) x 4 / W
     50.0

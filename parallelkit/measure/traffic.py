@@ -62,7 +62,7 @@ from ..core.reports import Sizes as Sizes
 from ..core.reports import StepTraffic as StepTraffic
 from ..core.reports import gradient_all_reduce as gradient_all_reduce
 from .costmodel import PATTERNS, Cluster, Link, allreduce_seconds, alltoall_rounds
-from .inspect import Collective, collectives, sent_bytes
+from .inspect import Collective, collectives, sent_bytes, summarize
 
 if TYPE_CHECKING:
     from ..core.protocol import StrategyProtocol as Strategy
@@ -112,12 +112,10 @@ def per_replica_bytes(tree, devices: Sequence[jax.Device]) -> int:
 
 
 def bus_bytes(found: Sequence[Collective]) -> float:
-    """Derived, not measured: NCCL's bus-bandwidth convention on each collective's payload ``S``.
+    """Derived, not measured: NCCL's bus-bandwidth convention on each collective's payload.
 
-    The bytes each device sends in the ring algorithms (:func:`parallelkit.measure.inspect.sent_bytes`):
-    all-reduce ``2(g-1)/g x S``; all-gather and all-to-all ``(g-1)/g x S`` (``S`` the full
-    result); reduce-scatter ``(g-1) x S`` (``S`` the scattered shard); a permute ``S``;
-    ``g`` the group size the program states.
+    The bytes each device sends in the ring algorithms, by :func:`parallelkit.measure.inspect.sent_bytes`'s
+    rule for each kind, in a group of the size the program states.
 
     >>> from parallelkit.measure.inspect import Collective
     >>> bus_bytes([Collective("all-reduce", ("f32[100]",), 100, 400, 4)])
@@ -169,9 +167,7 @@ def compiled_traffic(strategy: Strategy, loss_fn: LossFn, state: TrainState, bat
     """
     size = sizes(strategy, loss_fn, state, batch)
     found = collectives(strategy.step(loss_fn), state, batch)
-    measured: dict[str, float] = {}
-    for c in found:
-        measured[c.op] = measured.get(c.op, 0) + c.bytes
+    measured = {op: row["bytes"] for op, row in summarize(found).items()}
     expected = strategy.expected_collectives(size)
     flows = [batch_flow(strategy, batch)]
     for e in expected or ():

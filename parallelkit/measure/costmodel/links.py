@@ -183,14 +183,13 @@ def allreduce_seconds(cluster: Cluster, nbytes: float, algorithm: str = "ring") 
 
 
 def groups(n: int, k: int) -> tuple[list[list[int]], list[list[int]]]:
-    """The model groups (``k`` neighbours each) and the data groups (one position of every model group).
+    """The model groups (``k`` neighbours each) and the data groups (one position of every model group): the
+    :func:`axis_groups` of ``k`` devices 1 apart and of ``n // k`` devices ``k`` apart.
 
     >>> groups(4, 2)
     ([[0, 1], [2, 3]], [[0, 2], [1, 3]])
     """
-    along = [[r * k + j for j in range(k)] for r in range(n // k)]
-    across = [[r * k + j for r in range(n // k)] for j in range(k)]
-    return along, across
+    return axis_groups(n, k, 1), axis_groups(n, n // k, k)
 
 
 def rings_seconds(cluster: Cluster, rings: list[list[int]], nbytes: float) -> float:
@@ -254,8 +253,6 @@ def fit_link(devices: int, nbytes: Sequence[float], seconds: Sequence[float], na
     >>> round(fit.GBps, 6), round(fit.latency_us, 6)
     (2.0, 50.0)
     """
-    if len(nbytes) != len(seconds) or len(set(nbytes)) < 2:
-        raise ValueError("fit_link needs times for at least two different sizes, one time per size.")
     if not (isinstance(devices, int) and devices >= 2):
         raise ValueError(f"fit_link(devices={devices!r}): an all-reduce needs 2 or more devices.")
     intercept, slope = fit_alpha_beta(nbytes, seconds)
@@ -276,8 +273,7 @@ def axis_groups(devices: int, size: int, stride: int) -> list[list[int]]:
     """The groups of one mesh axis of ``size`` whose neighbours are ``stride`` devices apart.
 
     Devices are numbered with the innermost axis fastest: on a ``(outer, size, inner)`` mesh,
-    ``stride = inner``. ``axis_groups(n, k, 1)`` are :func:`groups`'s model groups,
-    ``axis_groups(n, n // k, k)`` its data groups.
+    ``stride = inner``.
 
     >>> axis_groups(8, 2, 2)
     [[0, 2], [1, 3], [4, 6], [5, 7]]

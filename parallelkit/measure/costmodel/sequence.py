@@ -7,11 +7,8 @@ device's step sends, each collective with its count and its payload as
 :func:`parallelkit.measure.inspect.collectives` reads a compiled program (an all-gather's
 gathered result, a reduce-scatter's shard, an all-to-all's or a permute's array), so a
 prediction can be set beside the compiler's own figures. The payload does not compare one
-method with another: an all-gather's counts its whole output. :attr:`Planned.sent_bytes`
-does: the bytes one device sends, one way, by
-:func:`parallelkit.measure.inspect.sent_bytes`, the same rule that
-:meth:`parallelkit.measure.inspect.Collective.sent_bytes` applies to the compiled
-program's collectives. With ``n`` devices splitting
+method with another; :attr:`Planned.sent_bytes` does, by the rule of
+:func:`parallelkit.measure.inspect.sent_bytes` (which says why). With ``n`` devices splitting
 each sequence, a group of ``n`` takes ``n x batch_per_device`` samples (the cost model's
 convention), so each device holds a block of ``b = batch_per_device x sequence_bytes``
 of every ``(length, dim)`` activation (``1/n`` of the group's sequences' tokens). Per layer,
@@ -77,11 +74,9 @@ class Planned:
 
 
 def plan(workload: Workload, name: str, n: int) -> list[Planned]:
-    """What one device's training step sends to split the sequence over ``n`` devices, by ``strategy``.
+    """What one device's training step sends to split the sequence over ``n`` devices, by ``name``.
 
-    ``name``: ``"context_allgather"``, ``"context_ring"``, ``"context_ring_zigzag"``,
-    ``"context_ulysses"`` or ``"sequence_parallel"`` (``costmodel.sequence_collectives`` takes
-    a catalog name for one of them too).
+    ``name``: one of :data:`PLANS` (``costmodel.sequence_collectives`` takes a catalog name for one too).
     The gradients' all-reduce is left out (it is data parallelism's).
 
     Raises:
