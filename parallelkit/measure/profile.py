@@ -37,6 +37,7 @@ from typing import Any
 import jax
 
 from ..core.step import check_step_call
+from .timing import timed
 
 COMPUTE, COLLECTIVE, TRANSFER = "compute", "collective", "transfer"
 KINDS = (COMPUTE, COLLECTIVE, TRANSFER)
@@ -227,12 +228,10 @@ def profile(
     check_step_call("pk.profile", step, state)
     logdir = Path(logdir) if logdir is not None else Path(tempfile.mkdtemp(prefix="parallelkit-trace-"))
     if warmup:
-        state, metrics = step(state, batch)
-        jax.block_until_ready((state, metrics))
+        (state, _), _ = timed(step, state, batch)  # timed: waits for the step's every output
     with jax.profiler.trace(str(logdir), create_perfetto_trace=True):
         for _ in range(steps):
-            state, metrics = step(state, batch)
-            jax.block_until_ready((state, metrics))
+            (state, _), _ = timed(step, state, batch)
     run = _latest_run(logdir)
     xplanes = sorted(run.glob("*.xplane.pb"))
     if not xplanes:

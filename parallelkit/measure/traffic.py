@@ -61,7 +61,7 @@ from ..core.reports import Flow as Flow
 from ..core.reports import Sizes as Sizes
 from ..core.reports import StepTraffic as StepTraffic
 from ..core.reports import gradient_all_reduce as gradient_all_reduce
-from .costmodel import PATTERNS, Cluster, Link, allreduce_seconds, alltoall_rounds
+from .costmodel import PATTERNS, Cluster, Link, Round, allreduce_rounds, alltoall_rounds
 from .inspect import Collective, collectives, sent_bytes, summarize
 
 if TYPE_CHECKING:
@@ -262,20 +262,18 @@ class TopologyModel:
             return 2 * alpha, self._per_byte(1 / n, 1.0)
         return alpha, 1 / (n * self.device_link_GBps * 1e9)
 
-    def _devices(self, n: int) -> Cluster | None:
-        """The ``n`` devices as the cost model's one-machine cluster, when they have links of their own."""
+    def _rounds_seconds(self, rounds: list[Round], nbytes: float, n: int) -> float:
+        """``rounds`` of the ``n`` devices over their own links (the cost model's one-machine cluster), or, without
+        such links, as many ring rounds through the host (:meth:`_ring_round`) of ``nbytes``."""
         if self.device_link_GBps is None:
-            return None
-        return Cluster(1, n, Link("device link", self.device_link_GBps, self.latency_us, "TopologyModel"))
+            alpha, per_byte = self._ring_round(n)
+            return len(rounds) * (alpha + nbytes * per_byte)
+        cluster = Cluster(1, n, Link("device link", self.device_link_GBps, self.latency_us, "TopologyModel"))
+        return sum(cluster.round_seconds(r) for r in rounds)
 
     def mirrored_seconds(self, param_bytes: float, n: int) -> float:
         """Ring all-reduce: ``2(n-1)`` rounds, each moving ``P/n`` per device (the cost model's rounds)."""
-        if n <= 1:
-            return 0.0
-        if (cluster := self._devices(n)) is not None:
-            return allreduce_seconds(cluster, param_bytes)
-        alpha, per_byte = self._ring_round(n)
-        return 2 * (n - 1) * (alpha + param_bytes * per_byte)
+        return self._rounds_seconds(allreduce_rounds("ring", n, param_bytes), param_bytes, n) if n > 1 else 0.0
 
     def alltoall_seconds(self, nbytes: float, n: int) -> float:
         """Pairwise exchange: ``n-1`` rounds, in each of which every device sends ``nbytes/n`` to another.
@@ -283,12 +281,7 @@ class TopologyModel:
         >>> TopologyModel(device_link_GBps=1, host_link_GBps=1).alltoall_seconds(4e6, 4)  # 3 x 1 MB at 1 GB/s
         0.003
         """
-        if n <= 1:
-            return 0.0
-        if (cluster := self._devices(n)) is not None:
-            return sum(cluster.round_seconds(r) for r in alltoall_rounds([list(range(n))], nbytes))
-        alpha, per_byte = self._ring_round(n)
-        return (n - 1) * (alpha + nbytes * per_byte)
+        return self._rounds_seconds(alltoall_rounds([list(range(n))], nbytes), nbytes, n) if n > 1 else 0.0
 
     def central_seconds(self, param_bytes: float, n: int) -> float:
         """A pull of ``P`` to every device, then a push of ``P`` from every device, all through one host."""

@@ -69,16 +69,12 @@ class Workload:
             raise ValueError("Workload: sequence_bytes is a byte count >= 0 and layers a whole number >= 0.")
         if not 0.0 < self.efficiency <= 1.0:
             raise ValueError(f"Workload(efficiency={self.efficiency}): the share of the peak reached, in (0, 1].")
-        if self.seconds_per_sample is None:
-            self._check_flops()
-
-    def _check_flops(self) -> None:
-        if self.flops_per_sample is None or self.peak_flops is None:
+        if self.seconds_per_sample is None and (self.flops_per_sample is None or self.peak_flops is None):
             raise ValueError(
                 "Workload needs its compute: give flops_per_sample and peak_flops (e.g. pk.inspect.flops(...) over "
                 "the batch, and pk.measure_ceilings().matmul_f32.value), or seconds_per_sample."
             )
-        if self.flops_per_sample < 0 or not self.peak_flops > 0:
+        if self.seconds_per_sample is None and (self.flops_per_sample < 0 or not self.peak_flops > 0):
             raise ValueError(
                 f"Workload(flops_per_sample={self.flops_per_sample}, peak_flops={self.peak_flops}): "
                 "FLOPs >= 0 and a peak > 0 FLOP/s."
