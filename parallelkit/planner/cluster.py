@@ -84,9 +84,8 @@ class Cluster(costmodel.Cluster):
     def measured(cls, devices: Sequence[jax.Device] | None = None, *, quick: bool = True) -> Cluster:
         """This machine's devices as one machine, with their measured ceilings (cached: ``measure_ceilings``).
 
-        The link is the ring whose all-reduce matches the measured one: an all-reduce fitted to
-        ``alpha + P / B`` over ``n`` devices is a ring of ``2 (n-1)`` rounds of ``P / n``, so the
-        link's latency is ``alpha / 2 (n-1)`` and its bandwidth ``B x 2 (n-1) / n``. Memory is
+        The link is the ring whose all-reduce matches the measured ``alpha + P / B`` over ``n``
+        devices, as :func:`parallelkit.measure.costmodel.fit_link` derives it. Memory is
         the device's allocator limit where it reports one (GPUs), else this host's memory over
         the devices. Simulated CPU devices (``pk.simulate_devices``) share the host's cores and
         memory: one device's matrix product already uses every core, so each of ``n`` busy at

@@ -157,12 +157,11 @@ def activations(model: Transformer, layout: Layout, batch: int, *, precision: st
     """The activations of the device that holds the most: the first pipeline stage's, or the last's with the logits.
 
     One layer's (:func:`.memory.layer_activation_bytes`) for a microbatch of ``batch / (replicas
-    x microbatches)`` sequences, times the layers of a stage, times the microbatches in flight
-    (:func:`.memory.in_flight`: on the first stage, and on the last, where 1F1B holds one, ZB-H1
-    ``stages`` and GPipe every one), and under full recomputation one layer more, rebuilt in the backward pass with its
-    attention computed block by block (FlashAttention: no ``s x s`` scores). The last stage also
-    holds one microbatch's float32 logits (``4 s b V / tensor``). The first stages hold
-    ``ceil(layers / stages)`` layers each, the last what is left.
+    x microbatches)`` sequences, times the layers of a stage, times the microbatches in flight on
+    that stage (:func:`.memory.in_flight`), and under full recomputation one layer more, rebuilt in
+    the backward pass with its attention computed block by block (FlashAttention: no ``s x s``
+    scores). The last stage also holds one microbatch's float32 logits (``4 s b V / tensor``). The
+    first stages hold ``ceil(layers / stages)`` layers each, the last what is left.
     """
     micro = batch // (layout.replicas * layout.microbatches)
     split = {"tensor": layout.tensor, "sequence_parallel": layout.sequence_parallel, "context": layout.context,

@@ -58,8 +58,7 @@ class Plan:
 
     def assess(self, layout: Layout) -> Candidate:
         """``layout`` exactly as given (its recomputation and microbatches too), weighed as this plan weighs."""
-        options = {"precision": self.precision, "optimizer": self.optimizer, "efficiency": self.efficiency,
-                   "overlap": self.overlap, "reserve": self.reserve}  # fmt: skip
+        options = {name: getattr(self, name) for name in ("precision", "optimizer", "efficiency", "overlap", "reserve")}
         return assess(self.model, layout, self.cluster, self.batch, **options)
 
     def table(self, rows: int = 10) -> str:
@@ -188,7 +187,4 @@ def _nothing_fits(model: Transformer, cluster: Cluster, batch: int, rejected, **
 
 
 def _fits_on(model: Transformer, cluster: Cluster, batch: int, **options) -> bool:
-    for layout in layouts(model, cluster.devices, batch):
-        if weigh(model, layout, cluster, batch, **options).fits:
-            return True
-    return False
+    return any(weigh(model, each, cluster, batch, **options).fits for each in layouts(model, cluster.devices, batch))

@@ -56,20 +56,15 @@ def divisors(n: int) -> list[int]:
 
 
 def meshes(model: Transformer, devices: int) -> Iterator[dict[str, int]]:
-    """Every ``(tensor, expert, context, stages, data)`` whose product is ``devices`` and that the model splits into."""
+    """Every ``(tensor, expert, context, stages, data)`` whose product is ``devices`` that the model splits into."""
     for tensor in divisors(devices):
-        if model.heads % tensor or model.kv_heads_ % tensor or model.ffn % tensor:
-            continue
-        for expert in divisors(devices // tensor) if model.experts else [1]:
-            if model.experts and model.experts % expert:
-                continue
+        for expert in divisors(devices // tensor):
             for context in divisors(devices // (tensor * expert)):
-                if model.seq % context:
-                    continue
                 rest = devices // (tensor * expert * context)
-                for stages in (s for s in divisors(rest) if s <= model.layers):
-                    yield {"tensor": tensor, "expert": expert, "context": context, "stages": stages,
-                           "data": rest // stages}  # fmt: skip
+                for stages in divisors(rest):
+                    mesh = dict(tensor=tensor, expert=expert, context=context, stages=stages, data=rest // stages)
+                    if check(model, Layout(**mesh), expert * mesh["data"]) is None:
+                        yield mesh
 
 
 def layouts(model: Transformer, devices: int, batch: int) -> Iterator[Layout]:
@@ -121,8 +116,9 @@ def weigh(model: Transformer, layout: Layout, cluster: Cluster, batch: int, **op
     best, smallest = None, None
     for recompute in RECOMPUTE:
         variant = replace(layout, recompute=recompute)
-        for accumulate in _accumulations(variant, batch // layout.replicas * layout.replicas):
-            trial = replace(variant, microbatches=accumulate) if layout.stages == 1 else variant
+        # accumulation steps, fewest first: each count that splits a replica's sequences (a pipeline's are its own)
+        for accumulate in divisors(batch // layout.replicas) if layout.stages == 1 else [layout.microbatches]:
+            trial = replace(variant, microbatches=accumulate)
             verdict = assess(model, trial, cluster, batch, **options)
             if verdict.memory.total and (smallest is None or verdict.memory.total < smallest.memory.total):
                 smallest = verdict
@@ -136,8 +132,3 @@ def weigh(model: Transformer, layout: Layout, cluster: Cluster, batch: int, **op
         return Candidate(layout, batch, Memory(0, 0, 0, 0), rejected=check(model, layout, batch) or "cannot split")
     budget = (1 - options["reserve"]) * cluster.memory_bytes
     return replace(smallest, rejected=too_large(smallest.memory, budget, smallest.layout.name))
-
-
-def _accumulations(layout: Layout, batch: int) -> list[int]:
-    """Accumulation steps to try, fewest first: the counts that split each replica's sequences evenly."""
-    return divisors(batch // layout.replicas) if layout.stages == 1 else [layout.microbatches]

@@ -2,11 +2,12 @@
 
 A :class:`~parallelkit.measure.costmodel.workload.Pattern` turns a workload, a cluster and
 the options into (gradient seconds, which overlap can hide; activation seconds, which it
-cannot). :data:`PATTERNS` holds every pattern the kit knows from the start: data
-parallelism and its relatives, tensor, hybrid, pipeline and expert parallelism, and the
-patterns that split the sequence (:mod:`.sequence`); :func:`register_pattern` adds one of
-your own. A strategy in :mod:`parallelkit.strategies.catalog` names its pattern, and
-:func:`name_strategy` records the name, so the cost model never imports the strategies.
+cannot). :data:`PATTERNS` holds every pattern the kit knows from the start (what each one
+sends: :func:`.estimate.communication_seconds`): data parallelism and its relatives, tensor,
+hybrid, pipeline and expert parallelism, and the patterns that split the sequence
+(:mod:`.sequence`); :func:`register_pattern` adds one of your own. A strategy in
+:mod:`parallelkit.strategies.catalog` names its pattern, and :func:`name_strategy` (which
+the catalog's ``register`` calls) records the name, so the cost model never imports the strategies.
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ from .workload import KINDS, Options, Pattern, Workload
 
 
 def _tensor(workload: Workload, cluster: Cluster, options: Options) -> tuple[float, float]:
-    """Each of the workload's activation all-reduces over every model group at once, and the gradient slices."""
     k = options.model
     gradients = gradient_groups_seconds(cluster, workload.param_bytes, k)
     if k == 1:
@@ -48,8 +48,6 @@ def expert_rounds(workload: Workload, cluster: Cluster, expert: int) -> list[Rou
 
 
 def _expert(workload: Workload, cluster: Cluster, options: Options) -> tuple[float, float]:
-    """The all-to-alls of the dispatch within each expert group; the gradients: the expert weights' slices
-    over the data groups, every other parameter over all the devices."""
     k, n = options.model, cluster.devices
     dense = rings_seconds(cluster, [list(range(n))], workload.param_bytes - workload.expert_bytes)
     _, across = groups(n, k)
@@ -65,7 +63,6 @@ def _expert(workload: Workload, cluster: Cluster, options: Options) -> tuple[flo
 
 
 def _pipeline(workload: Workload, cluster: Cluster, options: Options) -> tuple[float, float]:
-    """``2 (m + s - 1)`` sends of one microbatch's boundary activation, and each stage's gradient slice."""
     k = options.model
     gradients = gradient_groups_seconds(cluster, workload.param_bytes, k)
     if k == 1:
@@ -120,8 +117,6 @@ PATTERNS: dict[str, Pattern] = {  # by name; register_pattern adds more
 def register_pattern(name: str, pattern: Pattern) -> Pattern:
     """Let :func:`predict` take ``name``: a strategy family whose step communicates as ``pattern`` says.
 
-    A strategy class names its pattern (``pattern``); the catalog hands it to :func:`name_strategy`.
-
     Raises:
       ValueError: a pattern of that name exists.
     """
@@ -138,9 +133,6 @@ STRATEGY_PATTERNS: dict[str, str] = {}  # a strategy's name (the catalog's) -> t
 
 def name_strategy(strategy: str, pattern: str | None) -> None:
     """Let :func:`predict` take ``strategy`` (a catalog name) for ``pattern``; None forgets the name.
-
-    :func:`parallelkit.strategies.catalog.register` calls it for every entry, so the cost
-    model never imports the strategies.
 
     Raises:
       ValueError: ``pattern`` is not a registered pattern.
