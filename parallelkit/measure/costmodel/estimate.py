@@ -86,9 +86,8 @@ def predict(
 
     Step time = compute + the pipeline's bubble + activation communication + the gradient
     communication beyond ``overlap x compute``; efficiency = samples/s over ``devices``
-    times the samples/s of the same workload on one device. ``model``: devices per
-    model-parallel group for tensor (all of them) and hybrid, stages for pipeline, devices per
-    expert group for expert (all of them by default).
+    times the samples/s of the same workload on one device. ``model``: as for
+    :func:`communication_seconds` (:class:`~.workload.Pattern` says what it means for each kind).
 
     >>> work = Workload(param_bytes=0, seconds_per_sample=1e-3, batch_per_device=8, boundary_bytes=1e3)
     >>> link = Link("test", GBps=1, latency_us=0, source="by hand")

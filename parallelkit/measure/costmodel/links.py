@@ -1,12 +1,11 @@
 """Links, clusters and the rounds of every collective: the alpha-beta model, and the one fit of it.
 
-A message of ``b`` bytes over a :class:`Link` takes ``alpha + b / beta``. A collective runs in
-rounds of messages sent at once (:data:`Round`); a :class:`Cluster` times a round by its
-slowest message, with the bytes that leave or enter a machine sharing its network link.
-Every collective the kit times is a list of rounds: :func:`allreduce_rounds` (ring, tree,
-reduce-to-one, hierarchical), :func:`ring_rounds` (a reduce-scatter or an all-gather is one
-phase of a ring), :func:`alltoall_rounds` (the pairwise exchange). :func:`fit_alpha_beta`
-fits ``alpha`` and ``beta`` to measured times, for the measured ceilings and :func:`fit_link`.
+A :class:`Link` times a message and a :class:`Cluster` a round of them (:data:`Round`) under the
+cost model's assumptions (:mod:`parallelkit.measure.costmodel`). Every collective the kit times
+is a list of rounds: :func:`allreduce_rounds` (ring, tree, reduce-to-one, hierarchical),
+:func:`ring_rounds` (a reduce-scatter or an all-gather is one phase of a ring),
+:func:`alltoall_rounds` (the pairwise exchange). :func:`fit_alpha_beta` fits ``alpha`` and
+``beta`` to measured times, for the measured ceilings and :func:`fit_link`.
 """
 
 from __future__ import annotations
@@ -110,7 +109,7 @@ class Cluster:
         return device // self.devices_per_machine
 
     def round_seconds(self, messages: Sequence[tuple[int, int, float]]) -> float:
-        """How long one round of ``(source, target, bytes)`` messages takes (see the module's assumptions)."""
+        """How long one round of ``(source, target, bytes)`` messages takes (the cost model's assumptions)."""
         slowest, leaving, entering = 0.0, {}, {}
         for source, target, nbytes in messages:
             a, b = self.machine(source), self.machine(target)
