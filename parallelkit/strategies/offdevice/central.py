@@ -125,12 +125,8 @@ class CentralStorage(OffDeviceStrategy):
         """
         check_accumulate(accumulate)
         check_precision(precision)
-
-        def pull(state: TrainState):
-            return jax.device_put((state.params, state.rng, state.model_state, state.loss_scale), self.replicated)
-
         compute = replica_gradients(loss_fn, self.mesh, precision, accumulate)
-        step = PushPullStep(pull, compute, CentralUpdate(self.storage, precision))
+        step = PushPullStep(self.pull, compute, CentralUpdate(self.storage, precision))
         return Step(step, accumulated_placement(self.place_batch, accumulate, self.num_replicas), self, precision)
 
     def __repr__(self) -> str:
