@@ -9,9 +9,7 @@ copies never drift apart. Two backends show the two JAX idioms:
   ``jax.jit`` over a ``data`` mesh axis: the batch is sharded on it, the state
   replicated; the compiler inserts the all-reduce. The modern path.
 - ``"pmap"`` (:class:`~parallelkit.strategies.pmap.MirroredPmap`): the classic per-device
-  program with an explicit ``lax.pmean`` over the replica axis. Since JAX 0.8 ``pmap`` is
-  built on ``jit`` + ``shard_map`` and is in maintenance mode; it is here because so
-  much code and teaching uses it.
+  program with an explicit ``lax.pmean`` over the replica axis (in maintenance mode: its module says why it is here).
 
 ``pk.Mirrored(...)`` is a function that returns one or the other. ``allreduce`` picks
 how the gradients meet, as TensorFlow's ``cross_device_ops`` does: by default the

@@ -81,13 +81,9 @@ class CentralStorage(OffDeviceStrategy):
         grads = mean(copy_to(storage, grads_i) for i in range(n))   # push to the storage device
         params = update(params, grads)   # once: state copied in from host memory, updated, written back
 
-    which equals the single-device step on ``b`` because the loss is a mean over the
-    examples (an unweighted one: a loss divided by a per-replica count, such as unmasked
-    tokens, averages differently).
-
-    With ``step(loss_fn, accumulate=K)`` each device cuts its slice into ``K`` microbatches,
-    scans them and averages their gradients before its one push, so a step pulls and pushes
-    the same bytes whatever ``K``; it equals one step on the whole batch.
+    which equals the single-device step on ``b``, as :func:`~parallelkit.Mirrored`'s does (the loss a mean
+    over the examples). With ``step(loss_fn, accumulate=K)`` it equals one step on the whole batch and pulls
+    and pushes the same bytes whatever ``K`` (each device averages its ``K`` microbatches' gradients first).
 
     Randomness and model state work as under ``pmap``: with ``rng=`` each replica
     draws its own dropout masks (its index folded into the step's key), and the

@@ -73,9 +73,7 @@ class ParameterServer(OffDeviceStrategy):
         for j in range(k):                                # push: each piece goes to its owner,
             s_j = update_j(s_j, mean(grads_i[piece j] for i in range(n)))   # which updates it
 
-    With ``step(loss_fn, accumulate=K)`` (sync mode) each worker cuts its slice into ``K``
-    microbatches, scans them and averages their gradients before its one push, so a step
-    pulls and pushes the same bytes whatever ``K``; it equals one step on the whole batch.
+    ``step(loss_fn, accumulate=K)`` (sync mode) accumulates as :class:`~parallelkit.CentralStorage` does.
 
     In ``"sync"`` mode this equals the single-device step for optimizers that act
     element by element (SGD, momentum, Adam, AdamW): each shard keeps the optimizer
