@@ -228,13 +228,11 @@ class SPMD(Strategy):
         (a state replicated on every device is simply put there)."""
         rng = prng_key(rng)  # a seed would become a traced integer inside jit
         target = self.state_shardings(params, tx, model_state=model_state, rng=rng)
+        build = functools.partial(create_state, tx=tx)  # the optimizer bound: not an argument of the jit
+        state = dict(opt_state=opt_state, model_state=model_state, rng=rng)
         if all(sharding.spec == P() for sharding in jax.tree.leaves(target)):  # a full copy everywhere: no program
-            return jax.device_put(create_state(params, tx, opt_state, model_state=model_state, rng=rng), target)
-
-        def build(params, opt_state, model_state, rng):
-            return create_state(params, tx, opt_state, model_state=model_state, rng=rng)
-
-        return jax.jit(build, out_shardings=target)(params, opt_state, model_state, rng)
+            return jax.device_put(build(params, **state), target)
+        return jax.jit(build, out_shardings=target)(params, **state)
 
     def step(self, loss_fn: LossFn, accumulate: int = 1, precision: Precision | None = None) -> Step:
         """The compiled step; ``accumulate=K`` runs each replica's slice as ``K`` microbatches, synchronised once

@@ -107,11 +107,10 @@ def replica_gradients(loss_fn: LossFn, mesh: Mesh, precision: Precision | None =
         rows = [value_and_grad(loss_fn)(params, b[i * len(b) // n : (i + 1) * len(b) // n],
                                         rng=fold_in(key, i), model_state=model_state) for i in range(n)]
 
-    Each replica draws its own randomness (its index folded into the step's key, as
-    under ``pmap``). ``params``, ``rng`` and ``model_state`` arrive replicated on the
-    mesh (the pull); the rows stay sharded on ``data``, so the program holds no
-    collective of its own: the reduction is the owner's job. (A model that averages
-    BatchNorm statistics over the ``data`` axis adds that all-reduce to the forward pass.)
+    ``params``, ``rng`` and ``model_state`` arrive replicated on the mesh (the pull); the rows
+    stay sharded on ``data``, so the program holds no collective of its own: the reduction is
+    the owner's job. (A model that averages BatchNorm statistics over the ``data`` axis adds
+    that all-reduce to the forward pass.)
     With ``accumulate=K`` each replica scans ``K`` microbatches of its slice and averages
     their gradients locally: the rows, and so the push, are the same size as with ``K = 1``.
     """

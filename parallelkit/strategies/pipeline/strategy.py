@@ -52,14 +52,8 @@ class Pipeline(Strategy):
     which equals the single-device step on :func:`~parallelkit.strategies.pipeline.sequential_loss`
     (the loss of a step is the mean of its microbatches' losses). Each stage's parameters
     and optimizer state live on its own devices only; activations and their gradients
-    are copied between the stages' devices. ``schedule`` decides only the order:
-    ``"gpipe"`` runs every forward pass, then every backward pass; ``"1f1b"`` alternates
-    them, so a stage holds the inputs of at most ``stages - stage`` microbatches instead
-    of all ``m``; ``"interleaved"`` gives each stage ``virtual`` chunks of layers that are
-    not neighbours (stage ``s`` runs the model's runs ``s``, ``s + stages``, ...), which
-    shrinks the bubble ``virtual`` times for ``virtual`` times the hand-overs; ``"zb-h1"``
-    splits each backward pass into the input's gradient and the weights', and runs the
-    weights' later, in the gaps (:mod:`~parallelkit.strategies.pipeline.schedules`).
+    are copied between the stages' devices. ``schedule`` decides only the order (each is described,
+    with what it costs and saves, in :mod:`~parallelkit.strategies.pipeline.schedules`).
     With ``data > 1`` each stage is a group of ``data`` devices that split every microbatch;
     each device adds up its own slices' gradients, and the stage all-reduces them once a
     step, after its last backward pass (as DDP's ``no_sync`` does for accumulated
