@@ -235,8 +235,7 @@ class SPMD(Strategy):
         return jax.jit(build, out_shardings=target)(params, **state)
 
     def step(self, loss_fn: LossFn, accumulate: int = 1, precision: Precision | None = None) -> Step:
-        """The compiled step; ``accumulate=K`` runs each replica's slice as ``K`` microbatches, synchronised once
-        (:mod:`parallelkit.core.accumulate`); ``precision`` casts and scales (:mod:`parallelkit.core.precision`).
+        """The compiled step, ``accumulate`` and ``precision`` as :meth:`Strategy.step` says.
 
         Raises:
           ValueError: ``accumulate > 1`` on a strategy that cannot map its replicas (:attr:`maps_replicas`).

@@ -1,12 +1,9 @@
 """The off-device strategies' shared parts: host memory, each replica's gradient rows, and one step's stages.
 
-Central storage and parameter servers keep the state off the compute devices and run a
-step in three stages: pull the parameters to every device, compute each replica's
-gradients as a row of its own (no collective between the devices), push the rows to the
-owners of the state, which update it. This module holds what both use: where host memory
-is (:func:`host_sharding`), the rows (:class:`ReplicaRows`, :func:`replica_gradients`,
-:func:`push_rows`, :func:`join_rows`, :func:`mean_rows`) and the step that runs the stages
-(:class:`PushPullStep`).
+Central storage and parameter servers run a step in three stages (:mod:`.central` describes them); this
+module holds what both use: where host memory is (:func:`host_sharding`), each replica's gradients as a row
+of its own (:class:`ReplicaRows`, :func:`replica_gradients`, :func:`push_rows`, :func:`join_rows`,
+:func:`mean_rows`) and the step that runs the stages (:class:`PushPullStep`).
 """
 
 from __future__ import annotations
