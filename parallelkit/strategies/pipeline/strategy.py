@@ -430,43 +430,37 @@ class PipelineStep(Step):
         grads, outputs, self.timeline = self.passes(params, microbatches, scale)
         losses, auxes = zip(*outputs, strict=True)
         metrics = {"loss": jnp.mean(jnp.stack(losses)), **jax.tree.map(lambda *v: jnp.mean(jnp.stack(v)), *auxes)}
-        if scale is None:
-            new_params, opt_states = zip(
-                *(
-                    programs.update(params[s], state.opt_state[s], grads[s], tx=state.tx)
-                    for s in range(pipe.model_stages)
-                ),
-                strict=True,
-            )
-        else:
-            new_params, opt_states, finite = self._scaled_updates(state, params, grads, scale)
+        new_params, opt_states, finite = self._updates(state, params, grads, scale)
+        if scale is not None:
             metrics |= {"loss_scale": scale, "grads_finite": finite}
             state = state.replace(loss_scale=next_scale(precision, state.loss_scale, finite))
         # Donating the old step counter marks the old state as consumed, which Step checks on every call.
         step = programs.next_step(state.step)
         return state.replace(step=step, params=pipe.layer_params(new_params), opt_state=list(opt_states)), metrics
 
-    def _scaled_updates(self, state: TrainState, params: list, grads: list, scale: jax.Array) -> tuple:
-        """Each stage's gradients unscaled; the stages' updates, all skipped unless every stage's are finite.
+    def _updates(self, state: TrainState, params: list, grads: list, scale: jax.Array | None) -> tuple:
+        """Each stage's update. With a loss ``scale``, each stage's gradients unscaled, and the stages' updates
+        all skipped unless every stage's are finite.
 
-        Returns ``(params, opt_states, finite)``, ``finite`` on stage 0's devices (where the scale lives).
+        Returns ``(params, opt_states, finite)``, ``finite`` on stage 0's devices (where the scale lives), or
+        None without a scale.
         """
         pipe = self.pipeline
         stages = range(pipe.model_stages)
+        if scale is None:
+            updated = [programs.update(params[s], state.opt_state[s], grads[s], tx=state.tx) for s in stages]
+            return (*zip(*updated, strict=True), None)
         unscaled = [
             programs.unscaled(grads[s], jax.device_put(scale, pipe.replicated(s)), precision=self.precision)
             for s in stages
         ]
         finite = jnp.all(jnp.stack([jax.device_put(f, pipe.replicated(0)) for _, f in unscaled]))
         everywhere = [jax.device_put(finite, pipe.replicated(s)) for s in stages]
-        new_params, opt_states = zip(
-            *(
-                programs.guarded_update(params[s], state.opt_state[s], unscaled[s][0], everywhere[s], tx=state.tx)
-                for s in stages
-            ),
-            strict=True,
-        )
-        return new_params, opt_states, finite
+        updated = [
+            programs.guarded_update(params[s], state.opt_state[s], unscaled[s][0], everywhere[s], tx=state.tx)
+            for s in stages
+        ]
+        return (*zip(*updated, strict=True), finite)
 
     def passes(
         self, params: list[list[PyTree]], microbatches: list[Batch], scale: jax.Array | None = None
