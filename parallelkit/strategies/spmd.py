@@ -224,8 +224,8 @@ class SPMD(Strategy):
         model_state: PyTree = None,
         rng: int | jax.Array | None = None,
     ) -> TrainState:
-        """Place every leaf directly in its sharding: built in one ``jit``, each device gets only its slices
-        (a state replicated on every device is simply put there)."""
+        """Place every leaf directly in its sharding, as the module docstring says (a state replicated on every
+        device is simply put there)."""
         rng = prng_key(rng)  # a seed would become a traced integer inside jit
         target = self.state_shardings(params, tx, model_state=model_state, rng=rng)
         build = functools.partial(create_state, tx=tx)  # the optimizer bound: not an argument of the jit

@@ -90,9 +90,7 @@ class ParameterServer(OffDeviceStrategy):
     In ``"async"`` mode each worker's gradient is applied on its own, as it arrives
     (``n`` updates per step for ``n`` workers, each on ``1/n`` of the global batch),
     computed on the parameters its worker pulled, which other workers may have
-    updated since. Who pushes when follows the workers' speeds (``worker_times``) on a
-    schedule seeded by ``seed``; ``staleness`` drops gradients older than that many
-    updates (its worker pulls and computes again); ``None`` keeps them all.
+    updated since (who pushes when: ``worker_times``, ``seed`` and ``staleness`` below).
     ``step.fn.pushes`` records every applied gradient (worker, version, delay), and the
     workers keep the copies they pulled: use a fresh ``step(loss_fn)`` for each run.
     See :mod:`parallelkit.strategies.offdevice.asynchronous`.
