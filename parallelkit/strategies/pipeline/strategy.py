@@ -260,19 +260,19 @@ class Pipeline(Strategy):
 
     def place_batch(self, batch: Batch) -> list[Batch]:
         """The global batch as ``microbatches`` host slices (each stage places its own); a clear error if not."""
-        pipe, size = self, batch_size(batch)
-        if size % pipe.microbatches:
+        size = batch_size(batch)
+        if size % self.microbatches:
             raise ValueError(
-                f"A batch of {size} examples does not split into {pipe.microbatches} equal microbatches. "
-                f"Use a batch size divisible by {pipe.microbatches}, or another microbatch count."
+                f"A batch of {size} examples does not split into {self.microbatches} equal microbatches. "
+                f"Use a batch size divisible by {self.microbatches}, or another microbatch count."
             )
-        micro = size // pipe.microbatches
-        if micro % pipe.data:
+        micro = size // self.microbatches
+        if micro % self.data:
             raise ValueError(
-                f"A microbatch of {micro} examples does not split over the {pipe.data} devices of a stage. "
-                f"Use a batch size divisible by microbatches x data = {pipe.microbatches * pipe.data}."
+                f"A microbatch of {micro} examples does not split over the {self.data} devices of a stage. "
+                f"Use a batch size divisible by microbatches x data = {self.microbatches * self.data}."
             )
-        return [jax.tree.map(lambda x, m=m: x[m * micro : (m + 1) * micro], batch) for m in range(pipe.microbatches)]
+        return [jax.tree.map(lambda x, m=m: x[m * micro : (m + 1) * micro], batch) for m in range(self.microbatches)]
 
     def step(self, head_loss: HeadLoss, accumulate: int = 1, precision: Precision | None = None) -> PipelineStep:
         """The training step for ``head_loss(output, batch) -> loss or (loss, aux)`` on the last layer's output.
