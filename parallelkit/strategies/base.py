@@ -1,18 +1,11 @@
 """The base class of strategies: the protocol's defaults, so a strategy writes only what is its own.
 
 A strategy decides *where state lives* and *how gradients meet*; the model, the
-loss, the optimizer and the data stay plain JAX, Flax and Optax. Every strategy:
-
-- ``init(params, tx)`` places parameters and optimizer state, returning a :class:`~parallelkit.TrainState`;
-- ``step(loss_fn, accumulate=1, precision=None)`` returns a :class:`~parallelkit.Step`:
-  ``state, metrics = step(state, batch)``, where ``batch`` is the *global* batch as host arrays and
-  the loss is its mean;
-- ``unreplicate(tree)`` brings one host (NumPy) copy back, for inspection and checkpoints;
-- ``place_batch(batch)`` places the global host batch as the step takes it;
-- ``describe(state)`` lists where every leaf lives.
-
-The whole protocol the tools call is :class:`~parallelkit.core.protocol.StrategyProtocol`;
-what they know about each strategy beyond it is in :mod:`parallelkit.strategies.catalog`.
+loss, the optimizer and the data stay plain JAX, Flax and Optax. Every method the tools call
+is listed by :class:`~parallelkit.core.protocol.StrategyProtocol` (in ``state, metrics = step(state,
+batch)``, ``batch`` is the *global* batch as host arrays and the loss is its mean; ``unreplicate``'s
+host copy is for inspection and checkpoints); what they know about each strategy beyond it is in
+:mod:`parallelkit.strategies.catalog`.
 Strategies that split parameters take their rules in their constructor, so ``init`` and
 ``step`` keep this shape for all of them; see :mod:`parallelkit.strategies.spmd`.
 """

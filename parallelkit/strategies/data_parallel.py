@@ -18,41 +18,37 @@ from ..core.axes import DATA
 from ..core.contract import LossFn, PyTree
 from ..core.precision import Precision, check_precision
 from ..core.reports import ExpectedCollective, Sizes, gradient_all_reduce
+from ..core.state import TrainState
 from ..core.step import train_step
 from .allreduce import AllReduce, bucket_plan, mean_tree
 
 
-def parse_allreduce(allreduce: str | AllReduce | None, replicas: int, who: str) -> AllReduce | None:
-    """``allreduce`` as an :class:`~parallelkit.strategies.allreduce.AllReduce` (None: the compiler's), checked.
+def parse_sync(
+    allreduce: str | AllReduce | None, bucket_bytes: int | None, replicas: int
+) -> tuple[AllReduce | None, int | None]:
+    """How the gradients of ``pk.Mirrored`` over ``replicas`` devices meet, checked: ``allreduce`` as an
+    :class:`~parallelkit.strategies.allreduce.AllReduce` (None: the compiler's), and ``bucket_bytes``, None
+    (one all-reduce for everything) or a whole number of bytes >= 1.
 
     Raises:
-      TypeError: neither a name nor an ``AllReduce``.
-      ValueError: a hierarchical group that does not divide ``replicas``.
+      TypeError: an ``allreduce`` that is neither a name nor an ``AllReduce``.
+      ValueError: a hierarchical group that does not divide ``replicas``; any other ``bucket_bytes``.
     """
     chosen = AllReduce(allreduce) if isinstance(allreduce, str) else allreduce
     if chosen is not None and not isinstance(chosen, AllReduce):
-        raise TypeError(f"{who}(allreduce={allreduce!r}): pass a name or a pk.collectives.AllReduce.")
+        raise TypeError(f"Mirrored(allreduce={allreduce!r}): pass a name or a pk.collectives.AllReduce.")
     if chosen is not None and chosen.group and replicas % chosen.group:
         raise ValueError(
-            f"{who}(allreduce={chosen!r}) groups {chosen.group} devices, which does not divide "
+            f"Mirrored(allreduce={chosen!r}) groups {chosen.group} devices, which does not divide "
             f"{replicas} devices: choose a group size that does."
         )
-    return chosen
-
-
-def parse_bucket_bytes(bucket_bytes: int | None, who: str) -> int | None:
-    """``bucket_bytes`` checked: None (one all-reduce for everything) or a whole number of bytes >= 1.
-
-    Raises:
-      ValueError: anything else.
-    """
     if bucket_bytes is not None and (isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int)
                                      or bucket_bytes < 1):  # fmt: skip
         raise ValueError(
-            f"{who}(bucket_bytes={bucket_bytes!r}): give the most bytes one gradient bucket may hold, a whole "
+            f"Mirrored(bucket_bytes={bucket_bytes!r}): give the most bytes one gradient bucket may hold, a whole "
             "number >= 1 (PyTorch DDP's default is 25 MB: bucket_bytes=25 * 2**20), or None for one all-reduce."
         )
-    return bucket_bytes
+    return chosen, bucket_bytes
 
 
 def replica_sync(allreduce: AllReduce | None, bucket_bytes: int | None = None) -> Callable:
@@ -114,16 +110,6 @@ def own_key(key: jax.Array) -> jax.Array:
     return jax.random.fold_in(key, jax.lax.axis_index(DATA))
 
 
-def mirrored_repr(
-    backend: str, replicas: int, allreduce: AllReduce | None, bucket_bytes: int | None = None, explicit: bool = False
-) -> str:
-    """How ``pk.Mirrored`` prints, whichever backend: ``Mirrored(backend='jit', devices=2)``."""
-    how = f", allreduce={allreduce.algorithm!r}" if allreduce else ""
-    how += f", bucket_bytes={bucket_bytes}" if bucket_bytes is not None else ""
-    how += ", explicit=True" if explicit else ""
-    return f"Mirrored(backend={backend!r}, devices={replicas}{how})"
-
-
 def expected_collectives(
     sizes: Sizes, allreduce: AllReduce | None = None, bucket_bytes: int | None = None
 ) -> tuple[ExpectedCollective, ...]:
@@ -156,3 +142,27 @@ def expected_collectives(
     what = f"gradients and metrics, {allreduce.algorithm} all-reduce"
     what += f", {len(buckets)} buckets" if len(buckets) > 1 else ""
     return (ExpectedCollective("collective-permute", what, wire, "wire bytes of P + M (padded)"),)
+
+
+# The methods both backends of pk.Mirrored share, written once: each class names them as its own
+# (``expected_collectives = data_parallel.mirrored_collectives``), ``self`` a MirroredJit or a MirroredPmap.
+
+
+def mirrored_collectives(self, sizes: Sizes) -> tuple[ExpectedCollective, ...]:
+    """The compiler's all-reduce of ``P + M`` (in buckets, if any), or the hand-written one's permutes
+    (:func:`parallelkit.strategies.data_parallel.expected_collectives`)."""
+    return expected_collectives(sizes, self.allreduce, self.bucket_bytes)
+
+
+def mirrored_buckets(self, state: TrainState) -> list[int]:
+    """The float32 bytes of each gradient bucket of ``state``'s parameters, in the order they are reduced
+    (:func:`~parallelkit.strategies.data_parallel.gradient_buckets`; the metrics ride in the first)."""
+    return gradient_buckets(self.unreplicate(state.params), self.bucket_bytes)
+
+
+def mirrored_repr(self) -> str:
+    """How ``pk.Mirrored`` prints, whichever backend: ``Mirrored(backend='jit', devices=2)``."""
+    how = f", allreduce={self.allreduce.algorithm!r}" if self.allreduce else ""
+    how += f", bucket_bytes={self.bucket_bytes}" if self.bucket_bytes is not None else ""
+    how += ", explicit=True" if getattr(self, "explicit", False) else ""  # a MirroredPmap has no mesh types
+    return f"Mirrored(backend={self.backend!r}, devices={self.num_replicas}{how})"

@@ -105,9 +105,8 @@ class ExpertParallel(SPMD):
         as a parameter split over the batch's axes would be."""
         return self.partition_specs(params)
 
-    # The layer's shard_map splits the batch's own axes, so the step cannot map the loss over the replicas
-    # (jax.vmap with spmd_axis_name): SPMD.step refuses accumulate > 1, and under 16-bit precision the
-    # gradients' reduction stays where XLA puts it (in the compute dtype where the backend multiplies in it).
+    # The layer's shard_map splits the batch's own axes: the step cannot map the replicas (SPMD.maps_replicas), so
+    # SPMD.step refuses accumulate > 1, and 16-bit precision's gradient reduction stays where XLA puts it.
     maps_replicas = False
 
     # Its step's own collectives are all-to-alls of the dispatched tokens (TopologyModel times them as pairwise

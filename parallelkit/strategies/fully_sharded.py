@@ -95,7 +95,7 @@ class FullySharded(SPMD):
     def partition_specs(self, params: PyTree) -> PyTree:
         if self.stage == 3:
             return self.sharded_specs(params)
-        return jax.tree.map(lambda _: P(), params)
+        return super().partition_specs(params)  # SPMD's default: every parameter replicated
 
     def optimizer_specs(self, params: PyTree) -> PyTree:
         return self.sharded_specs(params)

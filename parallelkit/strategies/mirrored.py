@@ -9,9 +9,7 @@ copies never drift apart. Two backends show the two JAX idioms:
   ``jax.jit`` over a ``data`` mesh axis: the batch is sharded on it, the state
   replicated; the compiler inserts the all-reduce. The modern path.
 - ``"pmap"`` (:class:`~parallelkit.strategies.pmap.MirroredPmap`): the classic per-device
-  program with an explicit ``lax.pmean`` over the replica axis. Since JAX 0.8 ``pmap`` is
-  built on ``jit`` + ``shard_map`` and is in maintenance mode; it is here because so
-  much code and teaching uses it.
+  program with an explicit ``lax.pmean`` over the replica axis (in maintenance mode: its module says why it is here).
 
 ``pk.Mirrored(...)`` is a function that returns one or the other. ``allreduce`` picks
 how the gradients meet, as TensorFlow's ``cross_device_ops`` does: by default the
@@ -35,8 +33,6 @@ from ..core.contract import LossFn
 from ..core.devices import resolve_devices
 from ..core.mesh import make_mesh
 from ..core.precision import Precision
-from ..core.reports import ExpectedCollective, Sizes
-from ..core.state import TrainState
 from ..core.step import Step
 from . import data_parallel
 from .allreduce import AllReduce
@@ -115,8 +111,7 @@ class MirroredJit(SPMD):
     ):
         chosen = resolve_devices(devices)
         super().__init__(make_mesh(chosen, data=len(chosen), explicit=explicit), rules=BATCH_ON_DATA)
-        self.allreduce = data_parallel.parse_allreduce(allreduce, len(chosen), "Mirrored")
-        self.bucket_bytes = data_parallel.parse_bucket_bytes(bucket_bytes, "Mirrored")
+        self.allreduce, self.bucket_bytes = data_parallel.parse_sync(allreduce, bucket_bytes, len(chosen))
         if explicit and (self.allreduce is not None or self.bucket_bytes is not None):
             raise ValueError(
                 f"{self!r}: a hand-written all-reduce (or buckets) runs inside jax.shard_map, which is Manual mode "
@@ -138,18 +133,6 @@ class MirroredJit(SPMD):
         return Step(fn, accumulated_placement(self.place_batch, accumulate, self.num_replicas), self, precision)
 
     pattern = "mirrored"
-
-    def expected_collectives(self, sizes: Sizes) -> tuple[ExpectedCollective, ...]:
-        """The compiler's all-reduce of ``P + M`` (in buckets, if any), or the hand-written one's permutes
-        (:func:`parallelkit.strategies.data_parallel.expected_collectives`)."""
-        return data_parallel.expected_collectives(sizes, self.allreduce, self.bucket_bytes)
-
-    def gradient_buckets(self, state: TrainState) -> list[int]:
-        """The float32 bytes of each gradient bucket of ``state``'s parameters, in the order they are reduced
-        (:func:`~parallelkit.strategies.data_parallel.gradient_buckets`; the metrics ride in the first)."""
-        return data_parallel.gradient_buckets(self.unreplicate(state.params), self.bucket_bytes)
-
-    def __repr__(self) -> str:
-        return data_parallel.mirrored_repr(
-            self.backend, self.num_replicas, self.allreduce, self.bucket_bytes, self.explicit
-        )
+    expected_collectives = data_parallel.mirrored_collectives
+    gradient_buckets = data_parallel.mirrored_buckets
+    __repr__ = data_parallel.mirrored_repr

@@ -62,11 +62,7 @@ class MultiWorkerMirrored(SPMD):
         self.num_processes = len({d.process_index for d in self.devices})
 
     def place_batch(self, batch: Batch) -> Batch:
-        """Build the global batch array from this process's rows only.
-
-        With ``batch="global"`` each process reads just the rows of its own devices
-        from the batch it was given; with ``"local"`` its slice is the whole input.
-        """
+        """Build the global batch array from this process's rows only (the module says which, by ``batch``)."""
         if self.feed == "global":
             check_divisible(batch, self.num_replicas)
             return jax.tree.map(

@@ -25,7 +25,6 @@ from ..core.axes import DATA
 from ..core.contract import Batch, LossFn, PyTree, check_divisible
 from ..core.mesh import make_mesh
 from ..core.precision import Precision
-from ..core.reports import ExpectedCollective, Sizes
 from ..core.state import TrainState, create_state
 from ..core.step import Step
 from . import data_parallel
@@ -52,8 +51,7 @@ class MirroredPmap(Strategy):
         bucket_bytes: int | None = None,
     ):
         super().__init__(devices)
-        self.allreduce = data_parallel.parse_allreduce(allreduce, self.num_replicas, "Mirrored")
-        self.bucket_bytes = data_parallel.parse_bucket_bytes(bucket_bytes, "Mirrored")
+        self.allreduce, self.bucket_bytes = data_parallel.parse_sync(allreduce, bucket_bytes, self.num_replicas)
 
     def init(
         self,
@@ -107,16 +105,6 @@ class MirroredPmap(Strategy):
         return tuple(leaf.shape[1:])
 
     pattern = "mirrored"
-
-    def expected_collectives(self, sizes: Sizes) -> tuple[ExpectedCollective, ...]:
-        """The compiler's all-reduce of ``P + M`` (in buckets, if any), or the hand-written one's permutes
-        (:func:`parallelkit.strategies.data_parallel.expected_collectives`)."""
-        return data_parallel.expected_collectives(sizes, self.allreduce, self.bucket_bytes)
-
-    def gradient_buckets(self, state: TrainState) -> list[int]:
-        """The float32 bytes of each gradient bucket of ``state``'s parameters, in the order they are reduced
-        (:func:`~parallelkit.strategies.data_parallel.gradient_buckets`; the metrics ride in the first)."""
-        return data_parallel.gradient_buckets(self.unreplicate(state.params), self.bucket_bytes)
-
-    def __repr__(self) -> str:
-        return data_parallel.mirrored_repr(self.backend, self.num_replicas, self.allreduce, self.bucket_bytes)
+    expected_collectives = data_parallel.mirrored_collectives
+    gradient_buckets = data_parallel.mirrored_buckets
+    __repr__ = data_parallel.mirrored_repr

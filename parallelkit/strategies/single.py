@@ -6,7 +6,7 @@ import jax
 
 from ..core.devices import resolve_devices
 from ..core.mesh import make_mesh
-from ..core.reports import ExpectedCollective, Sizes
+from .base import Strategy
 from .spmd import BATCH_ON_DATA, EXPLICIT, SPMD
 
 
@@ -32,9 +32,7 @@ class SingleDevice(SPMD):
     def device(self) -> jax.Device:
         return self.devices[0]
 
-    def expected_collectives(self, sizes: Sizes) -> tuple[ExpectedCollective, ...]:
-        """None: one device talks to no other."""
-        return ()
+    expected_collectives = Strategy.expected_collectives  # none (SPMD's is no formula): one device talks to no other
 
     def __repr__(self) -> str:
         return f"SingleDevice({self.device}{EXPLICIT if self.explicit else ''})"

@@ -6,7 +6,8 @@ axes of an array, such as a token axis ``length``, to lay them out too), the par
 ``param_rules``, and the activations where the model calls
 :func:`parallelkit.core.axes.constrain`, which becomes ``with_sharding_constraint`` while
 this strategy traces its step. XLA's SPMD partitioner inserts the communication
-the shardings imply. :class:`~parallelkit.TensorParallel`,
+the shardings imply (the all-reduces of data and tensor parallelism, the all-gathers and
+reduce-scatters of fully sharded training). :class:`~parallelkit.TensorParallel`,
 :class:`~parallelkit.FullySharded`, :class:`~parallelkit.Hybrid`, :class:`~parallelkit.ExpertParallel`
 and :class:`~parallelkit.ContextParallel` are presets of it.
 
@@ -223,21 +224,18 @@ class SPMD(Strategy):
         model_state: PyTree = None,
         rng: int | jax.Array | None = None,
     ) -> TrainState:
-        """Place every leaf directly in its sharding: built in one ``jit``, each device gets only its slices
-        (a state replicated on every device is simply put there)."""
+        """Place every leaf directly in its sharding, as the module docstring says (a state replicated on every
+        device is simply put there)."""
         rng = prng_key(rng)  # a seed would become a traced integer inside jit
         target = self.state_shardings(params, tx, model_state=model_state, rng=rng)
+        build = functools.partial(create_state, tx=tx)  # the optimizer bound: not an argument of the jit
+        state = dict(opt_state=opt_state, model_state=model_state, rng=rng)
         if all(sharding.spec == P() for sharding in jax.tree.leaves(target)):  # a full copy everywhere: no program
-            return jax.device_put(create_state(params, tx, opt_state, model_state=model_state, rng=rng), target)
-
-        def build(params, opt_state, model_state, rng):
-            return create_state(params, tx, opt_state, model_state=model_state, rng=rng)
-
-        return jax.jit(build, out_shardings=target)(params, opt_state, model_state, rng)
+            return jax.device_put(build(params, **state), target)
+        return jax.jit(build, out_shardings=target)(params, **state)
 
     def step(self, loss_fn: LossFn, accumulate: int = 1, precision: Precision | None = None) -> Step:
-        """The compiled step; ``accumulate=K`` runs each replica's slice as ``K`` microbatches, synchronised once
-        (:mod:`parallelkit.core.accumulate`); ``precision`` casts and scales (:mod:`parallelkit.core.precision`).
+        """The compiled step, ``accumulate`` and ``precision`` as :meth:`Strategy.step` says.
 
         Raises:
           ValueError: ``accumulate > 1`` on a strategy that cannot map its replicas (:attr:`maps_replicas`).
@@ -277,14 +275,8 @@ class SPMD(Strategy):
 
 
 class _CompiledOnFirstCall:
-    """The jitted step, built on the first call with the strategy's shardings for the state it is given.
-
-    The training step is the single-device step under ``jax.jit``; the shardings of its inputs
-    and outputs are the per-leaf ones, and XLA's SPMD partitioner inserts the communication they
-    imply (the all-reduces of data and tensor parallelism, the all-gathers and reduce-scatters of
-    fully sharded training). With ``accumulate=K`` the step scans ``K`` microbatches (the replicas
-    mapped as an explicit ``vmap`` axis), so the gradients meet once, after the loop
-    (:mod:`parallelkit.core.accumulate`).
+    """The jitted step (the module docstring says what it runs; :meth:`_accumulation` how ``accumulate=K``
+    microbatches meet once), built on the first call with the strategy's shardings for the state it is given.
 
     The shardings are per leaf, so they depend on the model and the optimizer
     (:meth:`SPMD.state_shardings`); a step is built for one state's structure and
@@ -301,18 +293,24 @@ class _CompiledOnFirstCall:
             shardings = self.strategy.state_shardings(
                 state.params, state.tx, model_state=state.model_state, rng=state.rng
             )
-            mapping = self._replica_mapping(state.params)
+            mapping, place = self._replica_mapping(state.params), self._place_gradients(state.params)
             extra = {} if mapping is None else {"accumulate": mapping}
             if self.precision is not None:
                 extra["precision"] = self.precision
             if state.loss_scale is not None:  # a dynamic loss scale, replicated as the step counter is
                 replicated = jax.tree.map(lambda _: self.strategy.replicated, state.loss_scale)
                 shardings = shardings.replace(loss_scale=replicated)
+
+            @functools.wraps(train_step)
+            def traced(*args, **kwargs):  # inside the strategy's SPMD.tracing context (it runs only while tracing)
+                with self.strategy.tracing():
+                    return train_step(*args, **kwargs)
+
             self.fn = jax.jit(
                 functools.partial(
-                    self._traced(train_step),
+                    traced,
                     self._loss(state.params),
-                    sync=self._gradient_layout(state.params),
+                    sync=lambda tree: (place(tree[0]), *tree[1:]),  # the gradients by the gradient specs
                     update=self._update(state.params),
                     **extra,
                 ),
@@ -355,21 +353,6 @@ class _CompiledOnFirstCall:
             return state.replace(step=state.step + 1, params=params, opt_state=opt_state)
 
         return update
-
-    def _traced(self, fn: Callable) -> Callable:
-        """``fn`` traced inside the strategy's :meth:`SPMD.tracing` context (it runs only while tracing)."""
-
-        @functools.wraps(fn)
-        def traced(*args, **kwargs):
-            with self.strategy.tracing():
-                return fn(*args, **kwargs)
-
-        return traced
-
-    def _gradient_layout(self, params: PyTree) -> Callable:
-        """The step's ``sync``: constrain the gradients to the strategy's gradient specs, if it has any."""
-        place = self._place_gradients(params)
-        return lambda tree: (place(tree[0]), *tree[1:])
 
     def _place_gradients(self, params: PyTree) -> Callable[[PyTree], PyTree]:
         """Lays a tree of gradients out by the strategy's gradient specs (as it is, where it has none)."""

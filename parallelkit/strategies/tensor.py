@@ -8,11 +8,8 @@ rows (each device multiplies its slice of the hidden units and holds a partial
 sum); one all-reduce adds the partial sums, so a block costs one all-reduce in the
 forward pass and one in the backward pass. Attention splits its heads the same way.
 
-How the split is described: the model's own declaration of each parameter's logical axes
-(``nnx.with_partitioning(init, ("embed", "mlp"))``, read by :func:`parallelkit.models.declared_axes`),
-whose names :data:`TENSOR_AXES` maps to the ``model`` mesh axis; or partition rules
-(``(regex, PartitionSpec)`` pairs, see :mod:`parallelkit.core.partition`), or the specs a
-Flax model carries. The training step
+How the split is described: the logical axes the model declares (``nnx.with_partitioning(init, ("embed",
+"mlp"))``), or partition rules (:class:`TensorParallel`'s ``rules`` says each way). The training step
 is the single-device step under ``jax.jit``; XLA inserts the all-reduces the
 shardings imply, which :func:`parallelkit.measure.inspect.collectives` reads back.
 """

@@ -215,7 +215,8 @@ class AsyncStep:
         shapes = [jax.tree.map(lambda x: (x.shape, x.dtype), data) for data in slices]
         if shapes != self.shapes:  # each worker compiles for its slice's shapes (again for a batch of new shapes)
             self.programs = [
-                self._lower(state, w, self.copies[w], slices[w]).compile() for w in range(len(self.devices))
+                self.gradient.lower(*self._arguments(state, w, self.copies[w], slices[w])).compile()
+                for w in range(len(self.devices))
             ]
             self.shapes = shapes
         metrics = []
@@ -224,9 +225,7 @@ class AsyncStep:
             for w in repulled:  # dropped a stale gradient: pulls the current parameters again
                 self.copies[w] = self.pull(state, w)
             w = push.worker
-            params, model_state, loss_scale = self.copies[w]
-            rows = self.programs[w](params, jax.device_put(data, self.places[w]), self._key(state, w),
-                                    model_state, w, loss_scale)  # fmt: skip
+            rows = self.programs[w](*self._arguments(state, w, self.copies[w], data))
             state, pushed = self.update(state, rows)
             self.workers.applied()
             self.pushes.append(push)
@@ -237,18 +236,15 @@ class AsyncStep:
             mean["loss_scale"] = state.loss_scale.scale
         return state, mean
 
-    def _key(self, state: TrainState, worker: int):
-        return None if state.rng is None else jax.device_put(state.rng, self.places[worker])
-
-    def _lower(self, state: TrainState, worker: int, copy: tuple, data: Batch):
-        """``worker``'s gradient program, lowered for its pulled ``copy`` and its slice ``data``."""
+    def _arguments(self, state: TrainState, worker: int, copy: tuple, data: Batch) -> tuple:
+        """``worker``'s gradient program's arguments: its pulled ``copy``, and its slice ``data`` and key placed."""
         params, model_state, loss_scale = copy
-        placed = jax.device_put(data, self.places[worker])
-        return self.gradient.lower(params, placed, self._key(state, worker), model_state, worker, loss_scale)
+        key = None if state.rng is None else jax.device_put(state.rng, self.places[worker])
+        return params, jax.device_put(data, self.places[worker]), key, model_state, worker, loss_scale
 
     def lower(self, state: TrainState, batch: Batch):
         """The first worker's gradient program (it holds no collective: each worker computes alone)."""
-        return self._lower(state, 0, self.pull(state, 0), _slices(batch, self.devices)[0])
+        return self.gradient.lower(*self._arguments(state, 0, self.pull(state, 0), _slices(batch, self.devices)[0]))
 
 
 @functools.lru_cache(maxsize=64)

@@ -18,9 +18,7 @@ from ...core.state import TrainState
 from ...measure.inspect import collectives, host_memory_bytes
 from ...measure.traffic import batch_flow, bus_bytes, per_replica_bytes, sizes
 from ..base import Strategy
-from .rows import (
-    ReplicaRows,
-)
+from .rows import ReplicaRows
 
 
 class OffDeviceStrategy(Strategy):
@@ -41,6 +39,11 @@ class OffDeviceStrategy(Strategy):
     def place_batch(self, batch: Batch) -> Batch:
         """Send each slice of the global batch to its worker (a clear error when it does not split)."""
         return put_batch(batch, self.batch_sharding, self.num_replicas)
+
+    def pull(self, state: TrainState) -> tuple:
+        """The pull: the parameters (every shard of them), the key, the model state and the loss scale,
+        copied to every worker."""
+        return jax.device_put((state.params, state.rng, state.model_state, state.loss_scale), self.replicated)
 
     pattern = "central_storage"
     pull_label, push_label, formula = "parameters (pull)", "gradients (push to the storage device)", "P"

@@ -81,13 +81,9 @@ class CentralStorage(OffDeviceStrategy):
         grads = mean(copy_to(storage, grads_i) for i in range(n))   # push to the storage device
         params = update(params, grads)   # once: state copied in from host memory, updated, written back
 
-    which equals the single-device step on ``b`` because the loss is a mean over the
-    examples (an unweighted one: a loss divided by a per-replica count, such as unmasked
-    tokens, averages differently).
-
-    With ``step(loss_fn, accumulate=K)`` each device cuts its slice into ``K`` microbatches,
-    scans them and averages their gradients before its one push, so a step pulls and pushes
-    the same bytes whatever ``K``; it equals one step on the whole batch.
+    which equals the single-device step on ``b``, as :func:`~parallelkit.Mirrored`'s does (the loss a mean
+    over the examples). With ``step(loss_fn, accumulate=K)`` it equals one step on the whole batch and pulls
+    and pushes the same bytes whatever ``K`` (each device averages its ``K`` microbatches' gradients first).
 
     Randomness and model state work as under ``pmap``: with ``rng=`` each replica
     draws its own dropout masks (its index folded into the step's key), and the
@@ -125,12 +121,8 @@ class CentralStorage(OffDeviceStrategy):
         """
         check_accumulate(accumulate)
         check_precision(precision)
-
-        def pull(state: TrainState):
-            return jax.device_put((state.params, state.rng, state.model_state, state.loss_scale), self.replicated)
-
         compute = replica_gradients(loss_fn, self.mesh, precision, accumulate)
-        step = PushPullStep(pull, compute, CentralUpdate(self.storage, precision))
+        step = PushPullStep(self.pull, compute, CentralUpdate(self.storage, precision))
         return Step(step, accumulated_placement(self.place_batch, accumulate, self.num_replicas), self, precision)
 
     def __repr__(self) -> str:

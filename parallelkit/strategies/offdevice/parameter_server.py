@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
@@ -38,9 +37,12 @@ from ...core.accumulate import accumulated_placement, refuse_accumulation
 from ...core.contract import Batch, LossFn, PyTree
 from ...core.devices import warn_if_shared
 from ...core.precision import Precision, check_precision
+from ...core.reports import StepTraffic
 from ...core.state import TrainState, check_same_tree, prng_key
 from ...core.step import Step
 from .asynchronous import AsyncStep, AsyncWorkers, worker_time_array
+from .base import OffDeviceStrategy
+from .partition import Partition, Sharded, check_num_shards
 from .rows import (
     PushPullStep,
     ReplicaRows,
@@ -51,16 +53,6 @@ from .rows import (
     replica_gradients,
 )
 from .split_update import check_update_splits
-
-if TYPE_CHECKING:
-    from ...core.reports import StepTraffic
-
-from .base import OffDeviceStrategy
-from .partition import (
-    Partition,
-    Sharded,
-    check_num_shards,
-)
 
 MODES = ("sync", "async")
 
@@ -81,9 +73,7 @@ class ParameterServer(OffDeviceStrategy):
         for j in range(k):                                # push: each piece goes to its owner,
             s_j = update_j(s_j, mean(grads_i[piece j] for i in range(n)))   # which updates it
 
-    With ``step(loss_fn, accumulate=K)`` (sync mode) each worker cuts its slice into ``K``
-    microbatches, scans them and averages their gradients before its one push, so a step
-    pulls and pushes the same bytes whatever ``K``; it equals one step on the whole batch.
+    ``step(loss_fn, accumulate=K)`` (sync mode) accumulates as :class:`~parallelkit.CentralStorage` does.
 
     In ``"sync"`` mode this equals the single-device step for optimizers that act
     element by element (SGD, momentum, Adam, AdamW): each shard keeps the optimizer
@@ -100,9 +90,7 @@ class ParameterServer(OffDeviceStrategy):
     In ``"async"`` mode each worker's gradient is applied on its own, as it arrives
     (``n`` updates per step for ``n`` workers, each on ``1/n`` of the global batch),
     computed on the parameters its worker pulled, which other workers may have
-    updated since. Who pushes when follows the workers' speeds (``worker_times``) on a
-    schedule seeded by ``seed``; ``staleness`` drops gradients older than that many
-    updates (its worker pulls and computes again); ``None`` keeps them all.
+    updated since (who pushes when: ``worker_times``, ``seed`` and ``staleness`` below).
     ``step.fn.pushes`` records every applied gradient (worker, version, delay), and the
     workers keep the copies they pulled: use a fresh ``step(loss_fn)`` for each run.
     See :mod:`parallelkit.strategies.offdevice.asynchronous`.
@@ -250,11 +238,6 @@ class ParameterServer(OffDeviceStrategy):
         if self.mode == "async":
             refuse_accumulation(repr(self), accumulate, ASYNC_ACCUMULATION)
         check_precision(precision)
-
-        def pull(state: TrainState):
-            # every shard to every worker, with the key, the model state and the loss scale
-            return jax.device_put((state.params, state.rng, state.model_state, state.loss_scale), self.replicated)
-
         push_update = ShardedUpdate(self.shard_storage, precision)
         if self.mode == "async":
             workers = AsyncWorkers(self.num_replicas, self.worker_times, self.staleness, self.seed)
@@ -262,7 +245,7 @@ class ParameterServer(OffDeviceStrategy):
             return Step(pushes, self.place_batch, self, precision)
         compute = replica_gradients(_flat_loss(loss_fn), self.mesh, precision, accumulate)
         place = accumulated_placement(self.place_batch, accumulate, self.num_replicas)
-        return Step(PushPullStep(pull, compute, push_update), place, self, precision)
+        return Step(PushPullStep(self.pull, compute, push_update), place, self, precision)
 
     def unreplicate(self, tree: PyTree) -> PyTree:
         """One host copy; sharded parameters come back as the original tree."""

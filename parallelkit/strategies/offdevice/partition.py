@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
@@ -12,9 +11,6 @@ import numpy as np
 from flax import struct
 
 from ...core.contract import PyTree
-
-if TYPE_CHECKING:
-    pass
 
 
 def check_num_shards(num_shards: int) -> None:

@@ -1,12 +1,9 @@
 """The off-device strategies' shared parts: host memory, each replica's gradient rows, and one step's stages.
 
-Central storage and parameter servers keep the state off the compute devices and run a
-step in three stages: pull the parameters to every device, compute each replica's
-gradients as a row of its own (no collective between the devices), push the rows to the
-owners of the state, which update it. This module holds what both use: where host memory
-is (:func:`host_sharding`), the rows (:class:`ReplicaRows`, :func:`replica_gradients`,
-:func:`push_rows`, :func:`join_rows`, :func:`mean_rows`) and the step that runs the stages
-(:class:`PushPullStep`).
+Central storage and parameter servers run a step in three stages (:mod:`.central` describes them); this
+module holds what both use: where host memory is (:func:`host_sharding`), each replica's gradients as a row
+of its own (:class:`ReplicaRows`, :func:`replica_gradients`, :func:`push_rows`, :func:`join_rows`,
+:func:`mean_rows`) and the step that runs the stages (:class:`PushPullStep`).
 """
 
 from __future__ import annotations
@@ -107,11 +104,10 @@ def replica_gradients(loss_fn: LossFn, mesh: Mesh, precision: Precision | None =
         rows = [value_and_grad(loss_fn)(params, b[i * len(b) // n : (i + 1) * len(b) // n],
                                         rng=fold_in(key, i), model_state=model_state) for i in range(n)]
 
-    Each replica draws its own randomness (its index folded into the step's key, as
-    under ``pmap``). ``params``, ``rng`` and ``model_state`` arrive replicated on the
-    mesh (the pull); the rows stay sharded on ``data``, so the program holds no
-    collective of its own: the reduction is the owner's job. (A model that averages
-    BatchNorm statistics over the ``data`` axis adds that all-reduce to the forward pass.)
+    ``params``, ``rng`` and ``model_state`` arrive replicated on the mesh (the pull); the rows
+    stay sharded on ``data``, so the program holds no collective of its own: the reduction is
+    the owner's job. (A model that averages BatchNorm statistics over the ``data`` axis adds
+    that all-reduce to the forward pass.)
     With ``accumulate=K`` each replica scans ``K`` microbatches of its slice and averages
     their gradients locally: the rows, and so the push, are the same size as with ``K = 1``.
     """

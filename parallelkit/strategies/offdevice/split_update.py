@@ -77,9 +77,8 @@ def check_update_splits(
 ) -> None:
     """Raise a ValueError if ``tx`` run on each piece of ``params`` differs from ``tx`` run on the whole.
 
-    The probe is one small program, compiled and run on the host CPU: the whole tree's
-    ``tx.init`` and two ``tx.update`` calls (:func:`probe_gradients` at each of
-    :data:`SCALES`), and the same for every piece.
+    The probe (the module docstring's) is one small program, compiled and run on the host CPU, its
+    gradients :func:`probe_gradients` at each of :data:`SCALES`.
 
     Args:
       tx: the optimizer.

@@ -7,11 +7,8 @@ each pass are recorded as :class:`~parallelkit.strategies.pipeline.schedules.Slo
 timeline in seconds from the start of the step, drawn and checked like a computed one.
 
 After every pass the timeline also keeps two figures about memory, which are different
-things: the executor's own count of the activations it keeps for the backward passes
-(the stash: bookkeeping of the arrays it holds, not a reading of device memory), and,
-where the backend reports it, the device's own bytes in use (``jax.Device.memory_stats()``:
-GPUs and TPUs do; the CPU backend reports nothing, so on simulated devices there is no
-such reading).
+things: the executor's own count of what it keeps for the backward passes, and the device's
+own reading of its bytes in use (:class:`Timeline`'s ``stashed`` and ``in_use`` say how each is made).
 """
 
 from __future__ import annotations
@@ -44,8 +41,8 @@ class Timeline:
         device memory.
       in_use: ``(time, stage, bytes)`` after every pass: the bytes in use on the stage's
         first device, as the device reports them (``memory_stats()["bytes_in_use"]``: all of
-        its arrays, parameters and gradients included). Empty where the backend reports no
-        memory statistics, as the CPU backend does.
+        its arrays, parameters and gradients included; GPUs and TPUs report it). Empty where the
+        backend reports no memory statistics, as the CPU backend does (so on simulated devices).
       moved: ``(what, stage, microbatch, bytes)`` for every array handed to a stage's devices:
         ``what`` is ``"batch"`` (the microbatch, to the first and last stage), ``"activations"``
         (from the stage above) or ``"gradients"`` (from the stage below); ``bytes`` are those

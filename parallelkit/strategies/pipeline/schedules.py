@@ -139,18 +139,19 @@ def one_f_one_b_schedule(stages: int, microbatches: int, forward: float = 1, bac
       The slots, forwards first (by stage, then microbatch), then backwards likewise.
     """
     _check_counts(stages, microbatches, forward, backward)
-    orders = [_one_f_one_b_order(stages, microbatches, s) for s in range(stages)]
+    orders = [_one_f_one_b_order(min(stages - 1 - s, microbatches), microbatches) for s in range(stages)]
     return timed(orders, {"forward": forward, "backward": backward})
 
 
-def _one_f_one_b_order(stages: int, microbatches: int, s: int) -> list[tuple[str, int, int]]:
-    """Stage ``s``'s 1F1B order: ``stages - 1 - s`` forward passes, then one forward and one backward in turn,
-    then the backward passes left; ``(kind, microbatch, chunk 0)`` each."""
-    warmup = min(stages - 1 - s, microbatches)
-    order = [("forward", m, 0) for m in range(warmup)]
-    for m in range(microbatches - warmup):
-        order += [("forward", warmup + m, 0), ("backward", m, 0)]
-    return order + [("backward", m, 0) for m in range(microbatches - warmup, microbatches)]
+def _one_f_one_b_order(warmup: int, total: int, numbered=lambda kind, k: (kind, k, 0)) -> list[tuple[str, int, int]]:
+    """A stage's 1F1B order of ``total`` passes of each kind: ``warmup`` forward passes, then one forward and one
+    backward in turn, then the backward passes left. Pass ``k`` of a kind is ``numbered(kind, k)``, its
+    ``(kind, microbatch, chunk)``: by default microbatch ``k`` of chunk 0 (stage ``s`` of plain 1F1B warms up
+    with ``stages - 1 - s``)."""
+    order = [numbered("forward", k) for k in range(warmup)]
+    for j in range(total - warmup):
+        order += [numbered("forward", warmup + j), numbered("backward", j)]
+    return order + [numbered("backward", j) for j in range(total - warmup, total)]
 
 
 def interleaved_schedule(
@@ -202,13 +203,8 @@ def interleaved_schedule(
     def numbered(kind: str, k: int) -> tuple[str, int, int]:
         return (kind, (k // group) * stages + k % stages, chunk(k, kind))
 
-    orders = []
-    for s in range(stages):
-        warmup = min((stages - 1 - s) * 2 + (virtual - 1) * stages, total)
-        order = [numbered("forward", k) for k in range(warmup)]
-        for j in range(total - warmup):
-            order += [numbered("forward", warmup + j), numbered("backward", j)]
-        orders.append(order + [numbered("backward", j) for j in range(total - warmup, total)])
+    warmups = [min((stages - 1 - s) * 2 + (virtual - 1) * stages, total) for s in range(stages)]
+    orders = [_one_f_one_b_order(warmup, total, numbered) for warmup in warmups]
     return timed(orders, {"forward": forward / virtual, "backward": backward / virtual}, virtual)
 
 
@@ -241,7 +237,7 @@ def zero_bubble_schedule(stages: int, microbatches: int, forward: float = 1, bac
     orders = []
     for s in range(stages):
         order = []
-        for kind, m, chunk in _one_f_one_b_order(stages, microbatches, s):
+        for kind, m, chunk in _one_f_one_b_order(min(stages - 1 - s, microbatches), microbatches):
             order.append((kind, m, chunk))
             if kind == "backward" and m >= s:  # the weight pass of microbatch m - s
                 order.append(("weight", m - s, chunk))

@@ -52,14 +52,8 @@ class Pipeline(Strategy):
     which equals the single-device step on :func:`~parallelkit.strategies.pipeline.sequential_loss`
     (the loss of a step is the mean of its microbatches' losses). Each stage's parameters
     and optimizer state live on its own devices only; activations and their gradients
-    are copied between the stages' devices. ``schedule`` decides only the order:
-    ``"gpipe"`` runs every forward pass, then every backward pass; ``"1f1b"`` alternates
-    them, so a stage holds the inputs of at most ``stages - stage`` microbatches instead
-    of all ``m``; ``"interleaved"`` gives each stage ``virtual`` chunks of layers that are
-    not neighbours (stage ``s`` runs the model's runs ``s``, ``s + stages``, ...), which
-    shrinks the bubble ``virtual`` times for ``virtual`` times the hand-overs; ``"zb-h1"``
-    splits each backward pass into the input's gradient and the weights', and runs the
-    weights' later, in the gaps (:mod:`~parallelkit.strategies.pipeline.schedules`).
+    are copied between the stages' devices. ``schedule`` decides only the order (each is described,
+    with what it costs and saves, in :mod:`~parallelkit.strategies.pipeline.schedules`).
     With ``data > 1`` each stage is a group of ``data`` devices that split every microbatch;
     each device adds up its own slices' gradients, and the stage all-reduces them once a
     step, after its last backward pass (as DDP's ``no_sync`` does for accumulated
@@ -266,19 +260,19 @@ class Pipeline(Strategy):
 
     def place_batch(self, batch: Batch) -> list[Batch]:
         """The global batch as ``microbatches`` host slices (each stage places its own); a clear error if not."""
-        pipe, size = self, batch_size(batch)
-        if size % pipe.microbatches:
+        size = batch_size(batch)
+        if size % self.microbatches:
             raise ValueError(
-                f"A batch of {size} examples does not split into {pipe.microbatches} equal microbatches. "
-                f"Use a batch size divisible by {pipe.microbatches}, or another microbatch count."
+                f"A batch of {size} examples does not split into {self.microbatches} equal microbatches. "
+                f"Use a batch size divisible by {self.microbatches}, or another microbatch count."
             )
-        micro = size // pipe.microbatches
-        if micro % pipe.data:
+        micro = size // self.microbatches
+        if micro % self.data:
             raise ValueError(
-                f"A microbatch of {micro} examples does not split over the {pipe.data} devices of a stage. "
-                f"Use a batch size divisible by microbatches x data = {pipe.microbatches * pipe.data}."
+                f"A microbatch of {micro} examples does not split over the {self.data} devices of a stage. "
+                f"Use a batch size divisible by microbatches x data = {self.microbatches * self.data}."
             )
-        return [jax.tree.map(lambda x, m=m: x[m * micro : (m + 1) * micro], batch) for m in range(pipe.microbatches)]
+        return [jax.tree.map(lambda x, m=m: x[m * micro : (m + 1) * micro], batch) for m in range(self.microbatches)]
 
     def step(self, head_loss: HeadLoss, accumulate: int = 1, precision: Precision | None = None) -> PipelineStep:
         """The training step for ``head_loss(output, batch) -> loss or (loss, aux)`` on the last layer's output.
@@ -436,43 +430,37 @@ class PipelineStep(Step):
         grads, outputs, self.timeline = self.passes(params, microbatches, scale)
         losses, auxes = zip(*outputs, strict=True)
         metrics = {"loss": jnp.mean(jnp.stack(losses)), **jax.tree.map(lambda *v: jnp.mean(jnp.stack(v)), *auxes)}
-        if scale is None:
-            new_params, opt_states = zip(
-                *(
-                    programs.update(params[s], state.opt_state[s], grads[s], tx=state.tx)
-                    for s in range(pipe.model_stages)
-                ),
-                strict=True,
-            )
-        else:
-            new_params, opt_states, finite = self._scaled_updates(state, params, grads, scale)
+        new_params, opt_states, finite = self._updates(state, params, grads, scale)
+        if scale is not None:
             metrics |= {"loss_scale": scale, "grads_finite": finite}
             state = state.replace(loss_scale=next_scale(precision, state.loss_scale, finite))
         # Donating the old step counter marks the old state as consumed, which Step checks on every call.
         step = programs.next_step(state.step)
         return state.replace(step=step, params=pipe.layer_params(new_params), opt_state=list(opt_states)), metrics
 
-    def _scaled_updates(self, state: TrainState, params: list, grads: list, scale: jax.Array) -> tuple:
-        """Each stage's gradients unscaled; the stages' updates, all skipped unless every stage's are finite.
+    def _updates(self, state: TrainState, params: list, grads: list, scale: jax.Array | None) -> tuple:
+        """Each stage's update. With a loss ``scale``, each stage's gradients unscaled, and the stages' updates
+        all skipped unless every stage's are finite.
 
-        Returns ``(params, opt_states, finite)``, ``finite`` on stage 0's devices (where the scale lives).
+        Returns ``(params, opt_states, finite)``, ``finite`` on stage 0's devices (where the scale lives), or
+        None without a scale.
         """
         pipe = self.pipeline
         stages = range(pipe.model_stages)
+        if scale is None:
+            updated = [programs.update(params[s], state.opt_state[s], grads[s], tx=state.tx) for s in stages]
+            return (*zip(*updated, strict=True), None)
         unscaled = [
             programs.unscaled(grads[s], jax.device_put(scale, pipe.replicated(s)), precision=self.precision)
             for s in stages
         ]
         finite = jnp.all(jnp.stack([jax.device_put(f, pipe.replicated(0)) for _, f in unscaled]))
         everywhere = [jax.device_put(finite, pipe.replicated(s)) for s in stages]
-        new_params, opt_states = zip(
-            *(
-                programs.guarded_update(params[s], state.opt_state[s], unscaled[s][0], everywhere[s], tx=state.tx)
-                for s in stages
-            ),
-            strict=True,
-        )
-        return new_params, opt_states, finite
+        updated = [
+            programs.guarded_update(params[s], state.opt_state[s], unscaled[s][0], everywhere[s], tx=state.tx)
+            for s in stages
+        ]
+        return (*zip(*updated, strict=True), finite)
 
     def passes(
         self, params: list[list[PyTree]], microbatches: list[Batch], scale: jax.Array | None = None
