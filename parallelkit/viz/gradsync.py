@@ -17,7 +17,6 @@ gradients, each change redrawing :func:`gradient_sync_figure` (``pk.widgets.Grad
 
 from __future__ import annotations
 
-import io
 from collections.abc import Sequence
 
 import numpy as np
@@ -25,6 +24,7 @@ from matplotlib.figure import Figure
 
 from ..measure.gradsync import GradSync, RingTrace
 from ..widgets.dashboard import in_notebook
+from .placement import png
 
 _CMAP = "RdBu_r"  # gradients are signed: red positive, blue negative, white zero
 
@@ -207,9 +207,7 @@ class GradSyncExplorer:
             def redraw(_=None):
                 i, k = steps.value, layers.value
                 label.value = f"step {self.syncs[i].step} · layer <b>{self.syncs[i].layers[k]}</b>"
-                buffer = io.BytesIO()
-                self.figure(i, k).savefig(buffer, format="png", dpi=80)
-                image.value = buffer.getvalue()
+                image.value = png(self.figure(i, k))
 
             steps.observe(redraw, "value")
             layers.observe(redraw, "value")

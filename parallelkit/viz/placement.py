@@ -15,6 +15,7 @@ in notebooks alike (a notebook displays a returned ``Figure`` as an image).
 
 from __future__ import annotations
 
+import io
 import re
 from collections.abc import Mapping, Sequence
 
@@ -265,6 +266,13 @@ def annotate_bar(ax, bar, text: str) -> None:
         va="bottom",
         fontsize=8,
     )
+
+
+def png(figure: Figure) -> bytes:
+    """The figure as PNG bytes, at the resolution the live widgets show it (an ``ipywidgets.Image``'s value)."""
+    buffer = io.BytesIO()
+    figure.savefig(buffer, format="png", dpi=80)
+    return buffer.getvalue()
 
 
 def collectives_figure(
