@@ -29,14 +29,6 @@ from .placement import png
 _CMAP = "RdBu_r"  # gradients are signed: red positive, blue negative, white zero
 
 
-def _layer_index(sync: GradSync, layer: int | str) -> int:
-    if isinstance(layer, str):
-        if layer not in sync.layers:
-            raise ValueError(f"No layer {layer!r}; the layers are {list(sync.layers)}.")
-        return sync.layers.index(layer)
-    return layer
-
-
 def gradient_sync_figure(sync: GradSync, layer: int | str = 0, max_elements: int = 512) -> Figure:
     """One layer's gradient on every replica, before and after the all-reduce, and their norms.
 
@@ -50,7 +42,9 @@ def gradient_sync_figure(sync: GradSync, layer: int | str = 0, max_elements: int
       ``after``; ``axes[2]`` has one bar per replica, its gradient's L2 norm, and a line
       at the synced gradient's norm.
     """
-    k = _layer_index(sync, layer)
+    if isinstance(layer, str) and layer not in sync.layers:
+        raise ValueError(f"No layer {layer!r}; the layers are {list(sync.layers)}.")
+    k = sync.layers.index(layer) if isinstance(layer, str) else layer
     n = sync.replicas
     before = sync.before[k].reshape(n, -1)[:, :max_elements]
     after = sync.after[k].reshape(n, -1)[:, :max_elements]

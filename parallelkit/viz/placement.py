@@ -58,10 +58,6 @@ def leaf_label(path: str) -> str:
     return "/".join(parts) if parts else path
 
 
-def _logical_bytes(row: LeafPlacement) -> int:
-    return int(np.prod(row.shape, dtype=np.int64)) * jnp.dtype(row.dtype).itemsize
-
-
 def held_fractions(rows: Sequence[LeafPlacement], devices: Sequence[int]) -> np.ndarray:
     """``[leaf, device]``: the fraction of each leaf that each device holds (1 = a full copy).
 
@@ -77,7 +73,7 @@ def held_fractions(rows: Sequence[LeafPlacement], devices: Sequence[int]) -> np.
                 f"{row.path} lives on device(s) {missing}, which are not among the columns "
                 f"{list(devices)}. Pass devices=None to draw every device that holds something."
             )
-        logical = _logical_bytes(row)
+        logical = int(np.prod(row.shape, dtype=np.int64)) * jnp.dtype(row.dtype).itemsize
         fraction = row.bytes_per_device / logical if logical else 1.0
         for d in row.devices:
             fractions[i, column[d]] = fraction
