@@ -368,8 +368,5 @@ def split(dataset: Dataset, fraction: float = 0.8, seed: int = 0) -> tuple[Datas
     if not 0 < cut < len(dataset):
         raise ValueError(f"fraction={fraction} of {len(dataset)} examples leaves one side empty.")
     order = np.random.default_rng(seed).permutation(len(dataset))
-    first, rest = order[:cut], order[cut:]
-    return (
-        Dataset(dataset.x[first], dataset.y[first], dataset.num_classes, dataset.name),
-        Dataset(dataset.x[rest], dataset.y[rest], dataset.num_classes, dataset.name),
-    )
+    parts = (order[:cut], order[cut:])
+    return tuple(Dataset(dataset.x[part], dataset.y[part], dataset.num_classes, dataset.name) for part in parts)
