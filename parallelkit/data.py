@@ -339,30 +339,22 @@ def batches(
     for name, value in (("steps", steps), ("epochs", epochs)):
         if value is not None and value < 0:
             raise ValueError(f"{name} must be >= 0, got {value}.")
-    return _batches(dataset, batch_size, steps, epochs, seed, shuffle)
 
+    def generate() -> Iterator[dict[str, np.ndarray]]:  # a generator of its own, so that the checks above run now
+        rng = np.random.default_rng(seed)
+        per_epoch = len(dataset) // batch_size
+        step = epoch = 0
+        while epochs is None or epoch < epochs:
+            order = rng.permutation(len(dataset)) if shuffle else np.arange(len(dataset))
+            for i in range(per_epoch):
+                if steps is not None and step >= steps:
+                    return
+                idx = order[i * batch_size : (i + 1) * batch_size]
+                yield {"x": dataset.x[idx], "y": dataset.y[idx]}
+                step += 1
+            epoch += 1
 
-def _batches(
-    dataset: Dataset,
-    batch_size: int,
-    steps: int | None,
-    epochs: int | None,
-    seed: int,
-    shuffle: bool,
-) -> Iterator[dict[str, np.ndarray]]:
-    # A separate generator, so that batches() checks its arguments when called.
-    rng = np.random.default_rng(seed)
-    per_epoch = len(dataset) // batch_size
-    step = epoch = 0
-    while epochs is None or epoch < epochs:
-        order = rng.permutation(len(dataset)) if shuffle else np.arange(len(dataset))
-        for i in range(per_epoch):
-            if steps is not None and step >= steps:
-                return
-            idx = order[i * batch_size : (i + 1) * batch_size]
-            yield {"x": dataset.x[idx], "y": dataset.y[idx]}
-            step += 1
-        epoch += 1
+    return generate()
 
 
 def split(dataset: Dataset, fraction: float = 0.8, seed: int = 0) -> tuple[Dataset, Dataset]:
@@ -376,8 +368,5 @@ def split(dataset: Dataset, fraction: float = 0.8, seed: int = 0) -> tuple[Datas
     if not 0 < cut < len(dataset):
         raise ValueError(f"fraction={fraction} of {len(dataset)} examples leaves one side empty.")
     order = np.random.default_rng(seed).permutation(len(dataset))
-    first, rest = order[:cut], order[cut:]
-    return (
-        Dataset(dataset.x[first], dataset.y[first], dataset.num_classes, dataset.name),
-        Dataset(dataset.x[rest], dataset.y[rest], dataset.num_classes, dataset.name),
-    )
+    parts = (order[:cut], order[cut:])
+    return tuple(Dataset(dataset.x[part], dataset.y[part], dataset.num_classes, dataset.name) for part in parts)

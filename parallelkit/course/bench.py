@@ -220,33 +220,22 @@ def _forward(args: argparse.Namespace) -> list[str]:
             ["--strategies", *args.strategies] if args.strategies else [])  # fmt: skip
 
 
-def _run_child(args: argparse.Namespace, n: int) -> list[dict]:
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "rows.json"
-        command = [sys.executable, "-m", "parallelkit.course.bench", "--child", str(n), "--child-out", str(out)]
-        env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "PJRT_NPROC")}
-        done = subprocess.run([*command, *_forward(args)], env=env, timeout=args.timeout, check=False)
-        if done.returncode != 0:
-            raise RuntimeError(f"The benchmark child for {n} device(s) failed (exit {done.returncode}); see above.")
-        return json.loads(out.read_text())
-
-
-def _run_layout(args: argparse.Namespace, processes: int, per_process: int) -> list[dict]:
+def _run_child(args: argparse.Namespace, n: int = 0, layout: tuple[int, int] | None = None) -> list[dict]:
+    """The rows of a child process with ``n`` devices, or of the processes of ``layout`` (processes, devices each)."""
     from ..run.distributed import launch
 
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "rows.json"
-        command = [
-            sys.executable,
-            "-m",
-            "parallelkit.course.bench",
-            "--worker",
-            "--child-out",
-            str(out),
-            *_forward(args),
-        ]
-        env = {"PJRT_NPROC": str(per_process)} if args.cores_as_devices else None
-        launch(command, processes, per_process, timeout=args.timeout, env=env, stream=False)
+        role = ["--worker"] if layout else ["--child", str(n)]
+        command = [sys.executable, "-m", "parallelkit.course.bench", *role, "--child-out", str(out), *_forward(args)]
+        if layout:
+            env = {"PJRT_NPROC": str(layout[1])} if args.cores_as_devices else None
+            launch(command, *layout, timeout=args.timeout, env=env, stream=False)
+        else:
+            env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "PJRT_NPROC")}
+            done = subprocess.run(command, env=env, timeout=args.timeout, check=False)
+            if done.returncode != 0:
+                raise RuntimeError(f"The benchmark child for {n} device(s) failed (exit {done.returncode}); see above.")
         return json.loads(out.read_text())
 
 
@@ -346,7 +335,7 @@ def main(argv: list[str] | None = None) -> int:
         rows += _run_child(args, n)
     for processes, per_process in layouts:
         print(f"bench: {processes} processes x {per_process} device(s) ...", flush=True)
-        rows += _run_layout(args, processes, per_process)
+        rows += _run_child(args, layout=(processes, per_process))
     add_ratios(rows)
     print(format_table(rows, args.cores_as_devices))
     _save(args, argv, counts, layouts, rows)

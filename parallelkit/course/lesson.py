@@ -219,16 +219,12 @@ def _collective_difference(
     ops = {c.op for c in parse_collectives(jax.jit(learner).lower(*args).compile().as_text())}
     for op in never:
         if op in ops:
-            return f"it compiles to {_a(op)}; write it without one (this exercise builds it by hand)"
+            article = "an" if op[0] in "aeiou" else "a"  # an all-reduce, a collective-permute
+            return f"it compiles to {article} {op}; write it without one (this exercise builds it by hand)"
     for op in needs:
         if op not in ops:
             return f"the right values, but its program has no {op}: the exercise asks for one"
     return None
-
-
-def _a(op: str) -> str:
-    """An HLO collective's name with its article: 'an all-reduce', 'a collective-permute'."""
-    return f"{'an' if op[0] in 'aeiou' else 'a'} {op}"
 
 
 def check_orders(orders: Any, stages: int, microbatches: int) -> bool | None:

@@ -26,41 +26,37 @@ from ..run.training import FitResult
 from ..strategies import catalog
 
 
-class _TourStrategies(Mapping):
-    """The catalog's strategies of the tour, by name, each a constructor taking the device count (read live)."""
+class _Tour(Mapping):
+    """The catalog's strategies of the tour, by name, each a constructor taking the device count (read live);
+    with ``only_meant_to_differ``, those that differ from SingleDevice by design."""
+
+    def __init__(self, only_meant_to_differ: bool = False):
+        self.only_meant_to_differ = only_meant_to_differ
+
+    def _entries(self) -> list[catalog.Entry]:
+        return [e for e in catalog.entries(tour=True) if e.meant_to_differ or not self.only_meant_to_differ]
 
     def __getitem__(self, name: str) -> Callable[[int], StrategyProtocol]:
         entry = catalog.get(name)
-        if not entry.tour:
-            raise KeyError(f"{name!r} is in the catalog but not in the tour.")
+        if entry not in self._entries():
+            raise KeyError(
+                f"{name!r} is in the catalog but not in the tour{' as meant to differ' * self.only_meant_to_differ}."
+            )
         return entry.make
 
     def __iter__(self) -> Iterator[str]:
-        return iter([e.name for e in catalog.entries(tour=True)])
+        return iter([e.name for e in self._entries()])
 
     def __len__(self) -> int:
-        return len(catalog.entries(tour=True))
-
-
-class _MeantToDiffer(Set):
-    """The names of the tour's strategies that differ from SingleDevice by design (read live from the catalog)."""
-
-    def __contains__(self, name: object) -> bool:
-        return name in set(self)
-
-    def __iter__(self) -> Iterator[str]:
-        return iter([e.name for e in catalog.entries(tour=True) if e.meant_to_differ])
-
-    def __len__(self) -> int:
-        return len(list(iter(self)))
+        return len(self._entries())
 
 
 # Every strategy of one process that the catalog puts in the tour, built for n devices.
 # MultiWorkerMirrored runs here over this process's devices (across processes: `python -m
 # parallelkit launch`). Left out: Hybrid, which needs d x k devices, and Pipeline, which
-# needs the model cut into stages.
-STRATEGIES: Mapping[str, Callable[[int], StrategyProtocol]] = _TourStrategies()
-MEANT_TO_DIFFER: Set[str] = _MeantToDiffer()  # each push applied alone: not the single-device step
+# needs the model cut into stages. MEANT_TO_DIFFER: each push applied alone, not the single-device step.
+STRATEGIES: Mapping[str, Callable[[int], StrategyProtocol]] = _Tour()
+MEANT_TO_DIFFER: Set[str] = _Tour(only_meant_to_differ=True).keys()
 
 
 @dataclass(frozen=True)

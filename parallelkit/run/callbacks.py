@@ -23,6 +23,7 @@ on an error). Live views (``pk.widgets.TimingDashboard``,
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -78,6 +79,18 @@ class History:
     @property
     def losses(self) -> np.ndarray:
         return self.metric("loss")
+
+    def record(self, step: int, start: float, metrics: dict[str, jax.Array], size: int, state: PyTree) -> StepRecord:
+        """Wait for a dispatched step (its new ``state`` and ``metrics``), then record it, timed from ``start``.
+
+        Metrics come to the host as floats, or NumPy arrays for those with axes (an MoE model's tokens per expert).
+        """
+        jax.block_until_ready((state, metrics))
+        host = {k: float(v) if np.ndim(v) == 0 else np.asarray(v) for k, v in metrics.items()}
+        record = StepRecord(step, host, time.perf_counter() - start, step == 1)
+        self.batch_size = size
+        self.records.append(record)
+        return record
 
     @property
     def times(self) -> StepTimes:

@@ -241,11 +241,7 @@ class Checkpoints:
         try:
             out = self.manager.restore(step, args=args)
         except (ValueError, KeyError, TypeError) as err:
-            raise ValueError(
-                f"The checkpoint at step {step} in {self.directory} does not fit {strategy!r} with these parameters "
-                f"and optimizer ({type(err).__name__}: {err}). Restore with the model and optimizer that saved it; "
-                "a ParameterServer checkpoint restores only onto a ParameterServer with the same number of shards."
-            ) from err
+            raise self._does_not_fit(step, strategy, f"{type(err).__name__}: {err}") from err
         tree, meta = out[STATE], out[META]
         extras = {"rng": tree.get("rng"), "model_state": tree.get("model_state")}
         scale = None if "loss_scale" not in tree else LossScaleState(**tree["loss_scale"])
@@ -279,11 +275,14 @@ class Checkpoints:
             None,
         )
         if problem:
-            raise ValueError(
-                f"The checkpoint at step {step} in {self.directory} does not fit {strategy!r} with these parameters "
-                f"and optimizer (first difference: {problem}). Restore with the model and optimizer that saved it; "
-                "a ParameterServer checkpoint restores only onto a ParameterServer with the same number of shards."
-            )
+            raise self._does_not_fit(step, strategy, f"first difference: {problem}")
+
+    def _does_not_fit(self, step: int, strategy: Strategy, why: str) -> ValueError:
+        return ValueError(
+            f"The checkpoint at step {step} in {self.directory} does not fit {strategy!r} with these parameters "
+            f"and optimizer ({why}). Restore with the model and optimizer that saved it; "
+            "a ParameterServer checkpoint restores only onto a ParameterServer with the same number of shards."
+        )
 
     def close(self) -> None:
         """Finish pending writes and release the directory."""

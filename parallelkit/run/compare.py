@@ -36,7 +36,7 @@ from ..core.contract import Batch, LossFn, PyTree, batch_size
 from ..core.mesh import is_count
 from ..core.protocol import StrategyProtocol
 from ..measure.timing import StepTimes
-from .callbacks import Callback, History, StepRecord
+from .callbacks import Callback, History
 from .training import FitResult, fit
 
 RTOL, ATOL = 1e-5, 1e-6  # the float32 tolerance of every equivalence in parallelkit
@@ -206,11 +206,7 @@ def _interleaved(strategies, loss_fn, params, tx, batches, seed) -> dict[str, Fi
     def one(name: str, i: int, batch: Batch) -> None:
         start = time.perf_counter()
         states[name], metrics = compiled[name](states[name], batch)
-        jax.block_until_ready((states[name], metrics))
-        seconds = time.perf_counter() - start
-        host = {k: float(v) if np.ndim(v) == 0 else np.asarray(v) for k, v in metrics.items()}
-        histories[name].records.append(StepRecord(i, host, seconds, i == 1))
-        histories[name].batch_size = batch_size(batch)
+        histories[name].record(i, start, metrics, batch_size(batch), states[name])
 
     order, enabled = np.random.default_rng(seed), gc.isenabled()
     try:

@@ -224,19 +224,19 @@ def fit(
                 with _interrupts_deferred():  # between the old state's donation and the new one's binding
                     state, metrics = step(state, batch)
                     pending = (i, start, metrics, batch.size if isinstance(batch, Placed) else batch_size(batch))
-                record, pending = _record(pending, state, history), None
+                record, pending = history.record(*pending, state), None
                 for cb in hooks:
                     cb.on_step_end(record)
         except KeyboardInterrupt:
             interrupted = True
             if pending is not None:  # interrupted while waiting for a step: its state is the one we hold
-                _record(pending, state, history)
+                history.record(*pending, state)
             log.warning("fit interrupted after %d steps; returning the state so far.", len(history.records))
         except Exception as err:
             # The state of the last completed step is intact (the step rebinds it at once): hand it over with the error.
             if pending is not None:
                 with contextlib.suppress(Exception):  # a step that failed on the device leaves nothing to keep
-                    _record(pending, state, history)
+                    history.record(*pending, state)
             err.fit_result = FitResult(state, history, strategy, True, resumed_from)
             err.add_note(
                 f"pk.fit stopped after {len(history.records)} completed steps; the state after the last one is in "
@@ -302,21 +302,6 @@ def _check_resume(resume: bool, checkpoint_dir: str | Path | None, state: TrainS
         )
     if resume and state is not None:
         raise ValueError("Give state or resume=True, not both: resuming restores the state from checkpoint_dir.")
-
-
-def _record(pending: tuple, state: TrainState, history: History) -> StepRecord:
-    """Wait for the dispatched step, then record it: its state is the run's state from here on."""
-    i, start, metrics, size = pending
-    jax.block_until_ready((state, metrics))
-    record = StepRecord(i, {k: _host(v) for k, v in metrics.items()}, time.perf_counter() - start, i == 1)
-    history.batch_size = size
-    history.records.append(record)
-    return record
-
-
-def _host(value: jax.Array) -> float | np.ndarray:
-    """A metric on the host: a float, or a NumPy array for a metric with axes (an MoE model's tokens per expert)."""
-    return float(value) if np.ndim(value) == 0 else np.asarray(value)
 
 
 @contextlib.contextmanager

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 from matplotlib.figure import Figure
+from matplotlib.patches import Rectangle
 
 
 def routing_figure(
@@ -30,7 +31,7 @@ def routing_figure(
     fig = Figure(figsize=(10, 3.6), layout="constrained")
     heat, bars = fig.subplots(1, 2, width_ratios=(1.2, 1))
     image = heat.imshow(routed, aspect="auto", cmap="viridis", interpolation="nearest")
-    heat.add_patch(_row_outline(heat, step, experts))
+    heat.add_patch(Rectangle((-0.5, step - 0.5), experts, 1, fill=False, edgecolor="white", linewidth=2))
     heat.set_xlabel("expert"), heat.set_ylabel("step"), heat.set_xticks(range(experts))
     heat.set_title("token-choices routed to each expert", fontsize=10)
     fig.colorbar(image, ax=heat, shrink=0.85)
@@ -46,12 +47,6 @@ def routing_figure(
     if title:
         fig.suptitle(title)
     return fig
-
-
-def _row_outline(ax, row: int, width: int):
-    from matplotlib.patches import Rectangle
-
-    return Rectangle((-0.5, row - 0.5), width, 1, fill=False, edgecolor="white", linewidth=2)
 
 
 def alltoall_figure(devices: int, payload_bytes: float, title: str = "") -> Figure:

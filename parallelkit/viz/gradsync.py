@@ -17,7 +17,6 @@ gradients, each change redrawing :func:`gradient_sync_figure` (``pk.widgets.Grad
 
 from __future__ import annotations
 
-import io
 from collections.abc import Sequence
 
 import numpy as np
@@ -25,16 +24,9 @@ from matplotlib.figure import Figure
 
 from ..measure.gradsync import GradSync, RingTrace
 from ..widgets.dashboard import in_notebook
+from .placement import png
 
 _CMAP = "RdBu_r"  # gradients are signed: red positive, blue negative, white zero
-
-
-def _layer_index(sync: GradSync, layer: int | str) -> int:
-    if isinstance(layer, str):
-        if layer not in sync.layers:
-            raise ValueError(f"No layer {layer!r}; the layers are {list(sync.layers)}.")
-        return sync.layers.index(layer)
-    return layer
 
 
 def gradient_sync_figure(sync: GradSync, layer: int | str = 0, max_elements: int = 512) -> Figure:
@@ -50,7 +42,9 @@ def gradient_sync_figure(sync: GradSync, layer: int | str = 0, max_elements: int
       ``after``; ``axes[2]`` has one bar per replica, its gradient's L2 norm, and a line
       at the synced gradient's norm.
     """
-    k = _layer_index(sync, layer)
+    if isinstance(layer, str) and layer not in sync.layers:
+        raise ValueError(f"No layer {layer!r}; the layers are {list(sync.layers)}.")
+    k = sync.layers.index(layer) if isinstance(layer, str) else layer
     n = sync.replicas
     before = sync.before[k].reshape(n, -1)[:, :max_elements]
     after = sync.after[k].reshape(n, -1)[:, :max_elements]
@@ -207,9 +201,7 @@ class GradSyncExplorer:
             def redraw(_=None):
                 i, k = steps.value, layers.value
                 label.value = f"step {self.syncs[i].step} · layer <b>{self.syncs[i].layers[k]}</b>"
-                buffer = io.BytesIO()
-                self.figure(i, k).savefig(buffer, format="png", dpi=80)
-                image.value = buffer.getvalue()
+                image.value = png(self.figure(i, k))
 
             steps.observe(redraw, "value")
             layers.observe(redraw, "value")

@@ -11,7 +11,6 @@ change trains one real pipeline step and draws its timeline (``pk.widgets.Pipeli
 
 from __future__ import annotations
 
-import io
 from collections.abc import Sequence
 from typing import Any
 
@@ -25,6 +24,7 @@ from ..strategies.pipeline import Pipeline, Timeline
 from ..strategies.pipeline.schedules import Slot, bubble_fraction, makespan
 from ..strategies.pipeline.stages import HeadLoss, Layer
 from ..widgets.dashboard import in_notebook
+from .placement import png
 
 COLORS = {"forward": "tab:blue", "backward": "tab:orange", "weight": "tab:green"}
 HATCHES = ("", "//", "..", "xx")  # a stage's chunks of layers (an interleaved schedule's), told apart
@@ -135,9 +135,7 @@ class PipelineExplorer:
             def redraw(_=None):
                 pipe, timeline = self.run(stages.value, micro.value, schedule.value)
                 label.value = measured_summary(pipe, timeline)
-                buffer = io.BytesIO()
-                pipeline_gantt_figure(timeline.slots, measured=True).savefig(buffer, format="png", dpi=80)
-                image.value = buffer.getvalue()
+                image.value = png(pipeline_gantt_figure(timeline.slots, measured=True))
 
             for control in (stages, micro, schedule):
                 control.observe(redraw, "value")

@@ -15,6 +15,7 @@ in notebooks alike (a notebook displays a returned ``Figure`` as an image).
 
 from __future__ import annotations
 
+import io
 import re
 from collections.abc import Mapping, Sequence
 
@@ -57,10 +58,6 @@ def leaf_label(path: str) -> str:
     return "/".join(parts) if parts else path
 
 
-def _logical_bytes(row: LeafPlacement) -> int:
-    return int(np.prod(row.shape, dtype=np.int64)) * jnp.dtype(row.dtype).itemsize
-
-
 def held_fractions(rows: Sequence[LeafPlacement], devices: Sequence[int]) -> np.ndarray:
     """``[leaf, device]``: the fraction of each leaf that each device holds (1 = a full copy).
 
@@ -76,7 +73,7 @@ def held_fractions(rows: Sequence[LeafPlacement], devices: Sequence[int]) -> np.
                 f"{row.path} lives on device(s) {missing}, which are not among the columns "
                 f"{list(devices)}. Pass devices=None to draw every device that holds something."
             )
-        logical = _logical_bytes(row)
+        logical = int(np.prod(row.shape, dtype=np.int64)) * jnp.dtype(row.dtype).itemsize
         fraction = row.bytes_per_device / logical if logical else 1.0
         for d in row.devices:
             fractions[i, column[d]] = fraction
@@ -265,6 +262,13 @@ def annotate_bar(ax, bar, text: str) -> None:
         va="bottom",
         fontsize=8,
     )
+
+
+def png(figure: Figure) -> bytes:
+    """The figure as PNG bytes, at the resolution the live widgets show it (an ``ipywidgets.Image``'s value)."""
+    buffer = io.BytesIO()
+    figure.savefig(buffer, format="png", dpi=80)
+    return buffer.getvalue()
 
 
 def collectives_figure(

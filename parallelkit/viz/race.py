@@ -18,7 +18,6 @@ redraws the figure as they go (``pk.widgets.StrategyRace`` is the same class).
 from __future__ import annotations
 
 import html
-import io
 import time
 from collections.abc import Callable, Iterable, Mapping
 from typing import TextIO
@@ -33,8 +32,8 @@ from ..run.compare import Run, fresh_batches, run_side_by_side
 from ..run.training import Callback, FitResult, History, RunInfo, StepRecord
 from ..strategies import Strategy
 from ..widgets.dashboard import in_notebook
-from ..widgets.live import LiveTimes, RaceStandings, format_race, race_rows
-from .placement import annotate_bar
+from ..widgets.live import LiveTimes, RaceStandings, format_race, number_or_dash, race_rows
+from .placement import annotate_bar, png
 
 _REFERENCE, _OTHER = "0.55", "tab:blue"
 
@@ -112,13 +111,8 @@ class StrategyRace:
         # runs[name].times beside the reference's; runs[name].max_param_diff from its parameters
 
     Args:
-      strategies: name -> strategy, raced in this order.
-      loss_fn, params, tx: the model's loss, its initial parameters and the optimizer,
-        shared by every run.
-      batches: a function returning a fresh iterable of global batches (for example
-        ``lambda: pk.data.batches(dataset, 64, steps=30)``), or a list of batches; each
-        run sees the same batches.
-      steps: stop each run after this many steps (default: when the batches end).
+      strategies, loss_fn, params, tx, batches, steps: as for :func:`~parallelkit.run.compare.run_side_by_side`
+        (the strategies raced in their order, each on the same batches).
       batch_size: global batch size, for throughput while a run is going (read from the
         data at the end of each run otherwise).
       reference: the name ratios and efficiencies are relative to; by default the first
@@ -271,10 +265,6 @@ class _RaceCallback(Callback):
         self.race.draw(chart=True)
 
 
-def _fmt(value: float, spec: str) -> str:
-    return "–" if value != value else f"{value:{spec}}"
-
-
 class _RaceWidgets:
     """A header, a live table and the chart; the table cells carry CSS classes a browser test can find."""
 
@@ -306,11 +296,11 @@ class _RaceWidgets:
                 ("name", r.name),
                 ("devices", str(r.devices)),
                 ("steps", f"{r.steps_done}{total}"),
-                ("median", _fmt(r.median_seconds * 1e3, ".2f") + " ms"),
-                ("throughput", _fmt(r.samples_per_second, ",.0f")),
-                ("ratio", _fmt(r.ratio_to_reference, ".2f")),
-                ("efficiency", _fmt(r.scaling_efficiency, ".0%")),
-                ("loss", _fmt(r.final_loss, ".4f")),
+                ("median", number_or_dash(r.median_seconds * 1e3, ".2f") + " ms"),
+                ("throughput", number_or_dash(r.samples_per_second, ",.0f")),
+                ("ratio", number_or_dash(r.ratio_to_reference, ".2f")),
+                ("efficiency", number_or_dash(r.scaling_efficiency, ".0%")),
+                ("loss", number_or_dash(r.final_loss, ".4f")),
             ]
             tds = "".join(
                 f"<td class='pk-race-{k}' style='padding:0 8px;text-align:right'>{html.escape(v)}</td>"
@@ -320,8 +310,4 @@ class _RaceWidgets:
             body.append(f"<tr class='pk-race-row' data-name='{name}' data-steps='{r.steps_done}'>{tds}</tr>")
         self.table.value = f"<table><tr>{head}</tr>{''.join(body)}</table>"
         if chart:
-            from ..viz.race import race_figure
-
-            buffer = io.BytesIO()
-            race_figure(s).savefig(buffer, format="png", dpi=80)
-            self.chart.value = buffer.getvalue()
+            self.chart.value = png(race_figure(s))

@@ -19,7 +19,7 @@ from typing import TextIO
 
 from ..core.devices import device_summary
 from ..run.training import Callback, History, RunInfo, StepRecord
-from .live import LiveTimes, TimingSummary, format_summary, svg_polyline
+from .live import LiveTimes, TimingSummary, format_summary, number_or_dash, svg_polyline
 
 
 def in_notebook() -> bool:
@@ -123,10 +123,6 @@ class TimingDashboard(Callback):
         display(self.widget)
 
 
-def _fmt(value: float, spec: str, unit: str = "") -> str:
-    return "–" if value != value else f"{value:{spec}}{unit}"
-
-
 class _DashboardWidgets:
     """The ipywidgets of one dashboard; every field has a CSS class a browser test can find."""
 
@@ -156,16 +152,16 @@ class _DashboardWidgets:
         self.progress.value = min(s.steps_done, self.progress.max)
         total = f"/{s.steps_total}" if s.steps_total else ""
         throughput = (
-            _fmt(s.samples_per_second, ",.0f", " samples/s")
+            number_or_dash(s.samples_per_second, ",.0f", " samples/s")
             if s.samples_per_second == s.samples_per_second
-            else _fmt(s.steps_per_second, ",.1f", " steps/s")
+            else number_or_dash(s.steps_per_second, ",.1f", " steps/s")
         )
         values = {
             "steps": f"step <b class='pk-value'>{s.steps_done}</b>{total}",
-            "compile": f"compile <b class='pk-value'>{_fmt(s.compile_seconds, '.2f', ' s')}</b>",
-            "median": f"median <b class='pk-value'>{_fmt(s.median_seconds * 1e3, '.2f', ' ms')}</b>",
+            "compile": f"compile <b class='pk-value'>{number_or_dash(s.compile_seconds, '.2f', ' s')}</b>",
+            "median": f"median <b class='pk-value'>{number_or_dash(s.median_seconds * 1e3, '.2f', ' ms')}</b>",
             "throughput": f"<b class='pk-value'>{throughput}</b>",
-            "loss": f"loss <b class='pk-value'>{_fmt(s.loss, '.4f')}</b>",
+            "loss": f"loss <b class='pk-value'>{number_or_dash(s.loss, '.4f')}</b>",
         }
         for name, html in values.items():
             self.fields[name].value = html

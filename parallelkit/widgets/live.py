@@ -85,6 +85,11 @@ class LiveTimes:
         )
 
 
+def number_or_dash(value: float, spec: str, unit: str = "") -> str:
+    """``value`` formatted by ``spec``, then ``unit``; a dash for nan (nothing measured yet)."""
+    return "–" if value != value else f"{value:{spec}}{unit}"
+
+
 def format_summary(s: TimingSummary) -> str:
     """One line of text: the dashboard outside a notebook, and its headline inside one.
 
@@ -207,7 +212,7 @@ def format_race(standings: RaceStandings) -> str:
             (r.scaling_efficiency, 12, ".0%"),
             (r.final_loss, 10, ".4f"),
         )
-        cells = "".join(f"{'–' if v != v else format(v, spec):>{width}}" for v, width, spec in numbers)  # nan: not run
+        cells = "".join(f"{number_or_dash(v, spec):>{width}}" for v, width, spec in numbers)
         lines.append(f"{r.name:<16}{r.devices:>9}{steps:>8}{cells}")
     if standings.simulated:
         lines.append(f"simulated CPU devices, {device_summary().simulation}")

@@ -125,7 +125,9 @@ def check_unique(ids_or_hosts: Sequence, what: str) -> None:
         seen.add(item)
 
 
-def _from_task_lists(cluster: Mapping[str, Sequence[str]], role: str, index: int, source: str) -> ClusterSpec:
+def _from_task_lists(
+    cluster: Mapping[str, Sequence[str]], role: str, index: int, where: str, source: str, local_devices: int | None
+) -> ClusterSpec:
     unknown = sorted(set(cluster) - set(TF_ROLES))
     if unknown:
         log.warning("Ignoring TF task types %s: only %s become JAX processes.", unknown, TF_ROLES)
@@ -133,12 +135,12 @@ def _from_task_lists(cluster: Mapping[str, Sequence[str]], role: str, index: int
         raise ClusterError(f"job_name/task type {role!r} is not one of {TF_ROLES}, so it has no JAX process id.")
     tasks = [(r, i, host) for r in TF_ROLES for i, host in enumerate(_hosts(cluster.get(r)))]
     if not tasks:
-        raise ClusterError(f"The cluster from {source} lists no chief, worker or ps hosts.")
+        raise ClusterError(f"The cluster from {where} lists no chief, worker or ps hosts.")
     check_unique([host for _, _, host in tasks], "host:port")
     count = len(_hosts(cluster.get(role)))
     if not 0 <= index < count:
         raise ClusterError(
-            f"Task index {index} is out of range: {source} lists {count} {role} host(s). "
+            f"Task index {index} is out of range: {where} lists {count} {role} host(s). "
             f"Use a task index from 0 to {max(count - 1, 0)}."
         )
     process_id = next(p for p, (r, i, _) in enumerate(tasks) if (r, i) == (role, index))
@@ -148,7 +150,7 @@ def _from_task_lists(cluster: Mapping[str, Sequence[str]], role: str, index: int
             f"The first task's address {coordinator!r} needs a port (host:port) to host the coordinator."
         )
     return ClusterSpec(
-        coordinator, len(tasks), process_id, source, role, index, hosts=tuple(host for _, _, host in tasks)
+        coordinator, len(tasks), process_id, source, role, index, local_devices, tuple(host for _, _, host in tasks)
     )
 
 
@@ -215,31 +217,24 @@ def resolve_cluster(
                 "Pass --worker_hosts, --job_name and --task_index (and --ps_hosts if there are parameter servers)."
             )
         cluster = {"worker": _hosts(worker_hosts), "ps": _hosts(ps_hosts)}
-        spec = _from_task_lists(cluster, job_name, int(task_index), "the ps_hosts/worker_hosts flags")
-        return _with_devices(spec, "tf_flags", local_devices)
+        where = "the ps_hosts/worker_hosts flags"
+        return _from_task_lists(cluster, job_name, int(task_index), where, "tf_flags", local_devices)
 
     if env.get("TF_CONFIG"):
         try:
             config = json.loads(env["TF_CONFIG"])
             cluster, task = config["cluster"], config["task"]
-            spec = _from_task_lists(cluster, task["type"], int(task["index"]), "TF_CONFIG")
+            return _from_task_lists(cluster, task["type"], int(task["index"]), "TF_CONFIG", "TF_CONFIG", local_devices)
         except (ValueError, KeyError, TypeError) as err:
             raise ClusterError(
                 f"TF_CONFIG is not valid ({type(err).__name__}: {err}). It must be JSON like "
                 '{"cluster": {"worker": ["host:port", ...]}, "task": {"type": "worker", "index": 0}}.'
             ) from err
-        return _with_devices(spec, "TF_CONFIG", local_devices)
 
     detected = [name for names, name in _AUTO_MARKERS.items() if all(var in env for var in names)]
     if detected:
         return ClusterSpec(None, None, None, f"auto ({', '.join(detected)})", local_devices=local_devices)
     return ClusterSpec(None, 1, 0, "single", local_devices=local_devices)
-
-
-def _with_devices(spec: ClusterSpec, source: str, local_devices: int | None) -> ClusterSpec:
-    from dataclasses import replace
-
-    return replace(spec, source=source, local_devices=local_devices)
 
 
 def split_address(address: str) -> tuple[str, int]:
