@@ -156,11 +156,11 @@ def moe_layer(
         ``capacity_factor <= 0``, tokens that ``groups`` does not divide; under expert
         parallelism, the errors of :func:`expert_parallel`.
     """
-    axis = _active_expert_axis()
-    if axis is not None:
-        mesh = axes.active()[0]
+    active = axes.active()
+    axis = None if active is None else active[1].mesh_axes(EXPERT)
+    if active is not None and axes.split_size(active[0], axis) > 1:
         return expert_parallel(
-            x, params, mesh=mesh, axis=axis, top_k=top_k, capacity_factor=capacity_factor, groups=groups
+            x, params, mesh=active[0], axis=axis, top_k=top_k, capacity_factor=capacity_factor, groups=groups
         )
     tokens, dim, _ = _check(x, params, top_k, capacity_factor, groups)
     cap = capacity(tokens // groups, params["router"].shape[1], top_k, capacity_factor)
@@ -211,7 +211,7 @@ def expert_parallel(
     names = axes.axis_names(axis)
     if not names or any(name not in mesh.shape for name in names):
         raise ValueError(f"expert_parallel(axis={axis!r}): the mesh has axes {dict(mesh.shape)}; name one of them.")
-    n = math.prod(mesh.shape[name] for name in names)
+    n = axes.split_size(mesh, axis)
     if experts % n:
         raise ValueError(
             f"{experts} experts do not split over the {n} devices of mesh axis {axis!r}: "
@@ -243,16 +243,6 @@ def expert_parallel(
     )
     back = jnp.reshape(y, x.shape, out_sharding=jax.typeof(x).sharding.spec if said else None)
     return back, _aux(sums, tokens, top_k)
-
-
-def _active_expert_axis() -> MeshAxes:
-    """The mesh axes the active rules give the logical axis ``expert``, when they span more than one device."""
-    active = axes.active()
-    if active is None:
-        return None
-    mesh, rules = active
-    axis = rules.mesh_axes(EXPERT)
-    return axis if math.prod(mesh.shape[name] for name in axes.axis_names(axis)) > 1 else None
 
 
 def check_routing(experts: int, top_k: int, capacity_factor: float) -> None:
