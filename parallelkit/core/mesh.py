@@ -39,6 +39,11 @@ def is_count(size: object, least: int = 1) -> bool:
     return isinstance(size, int | np.integer) and not isinstance(size, bool) and bool(size >= least)
 
 
+def is_number(x: object) -> bool:
+    """Whether ``x`` is a real number (NumPy scalars too); a bool is not."""
+    return isinstance(x, int | float | np.integer | np.floating) and not isinstance(x, bool)
+
+
 def make_mesh(
     devices: Sequence[jax.Device] | None = None,
     *,

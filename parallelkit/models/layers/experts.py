@@ -25,13 +25,12 @@ from fractions import Fraction
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from ...core import axes
 from ...core.axes import EXPERT, MeshAxes
-from ...core.mesh import is_count
+from ...core.mesh import is_count, is_number
 
 Params = Mapping[str, jax.Array]
 # name -> the logical names of its axes; every leaf but the router has the experts on its leading axis
@@ -270,10 +269,7 @@ def check_routing(experts: int, top_k: int, capacity_factor: float) -> None:
             "when the step compiles: pass it as a Python number (close over it, or mark it static with "
             "jax.jit(..., static_argnames='capacity_factor'))."
         )
-    number = isinstance(capacity_factor, int | float | np.integer | np.floating) and not isinstance(
-        capacity_factor, bool
-    )
-    if not number:
+    if not is_number(capacity_factor):
         raise TypeError(f"capacity_factor={capacity_factor!r} is not a number: pass one such as 1.25.")
     if not (math.isfinite(capacity_factor) and capacity_factor > 0):
         raise ValueError(
