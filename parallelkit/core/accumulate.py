@@ -33,6 +33,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from .contract import Batch, PyTree, batch_size
 from .mesh import is_count
+from .precision import cast_floating, is_floating
 
 SUPPORTED = (
     "SingleDevice, Mirrored (both backends), MultiWorkerMirrored, TensorParallel, FullySharded, Hybrid, SPMD, "
@@ -199,9 +200,7 @@ class ReplicaCopies:
     reduction across devices, so it runs in the parameters' dtype, leaf by leaf, and each sum is laid
     out as the strategy lays out its gradients (``place_grads``). Each replica draws with its own split
     of the step's key, as under :class:`Accumulation`. Fully sharded strategies use it under 16-bit
-    compute, where :class:`Accumulation`'s rows left part of the reduction to the partitioner. The
-    price: each device holds its replica's whole gradient (in the parameters' dtype) while it is
-    reduced. Conceptually, with ``n`` replicas::
+    compute (why, and at what price: :mod:`parallelkit.core.precision`). Conceptually, with ``n`` replicas::
 
         grads = mean(float32(grad(loss)(compute(params), b_r)) for b_r in split(batch, n))
 
@@ -257,12 +256,8 @@ def replica_copies(
     [2.0, 2.0, 2.0]
     """
 
-    def floating(x) -> bool:
-        return jnp.issubdtype(jnp.result_type(x), jnp.floating)
-
     def forward(params):
-        cast = jax.tree.map(lambda p: p.astype(dtype) if floating(p) else p, params)
-        copied = jax.tree.map(lambda p: jnp.broadcast_to(p, (replicas, *jnp.shape(p))), cast)
+        copied = jax.tree.map(lambda p: jnp.broadcast_to(p, (replicas, *jnp.shape(p))), cast_floating(params, dtype))
         return jax.tree.map(lambda c: checkpoint_name(c, COPIES), place(copied))
 
     @jax.custom_vjp
@@ -274,7 +269,7 @@ def replica_copies(
 
     def bwd(dtypes, cotangents):
         def back(c, like):
-            if not floating(like):
+            if not is_floating(like):
                 return np.zeros(c.shape[1:], jax.dtypes.float0)
             return c.astype(like.dtype).sum(0)
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
@@ -43,6 +44,11 @@ def axis_names(entry: MeshAxes) -> tuple[str, ...]:
     ((), ('data',), ('data', 'model'))
     """
     return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def split_size(mesh: Mesh, entry: MeshAxes) -> int:
+    """How many pieces ``entry`` (as :func:`axis_names` reads it) cuts a dimension into on ``mesh``."""
+    return math.prod(mesh.shape[axis] for axis in axis_names(entry))
 
 
 @dataclass(frozen=True)
@@ -116,13 +122,18 @@ _ACTIVE: contextvars.ContextVar[tuple[Mesh, AxisRules] | None] = contextvars.Con
 
 
 @contextlib.contextmanager
-def active_rules(mesh: Mesh, rules: AxisRules) -> Iterator[None]:
-    """Make :func:`constrain` use ``rules`` on ``mesh`` inside the block (a strategy wraps its tracing in it)."""
-    token = _ACTIVE.set((mesh, rules))
+def _setting(variable: contextvars.ContextVar, value: object) -> Iterator[None]:
+    """``variable`` set to ``value`` inside the block."""
+    token = variable.set(value)
     try:
         yield
     finally:
-        _ACTIVE.reset(token)
+        variable.reset(token)
+
+
+def active_rules(mesh: Mesh, rules: AxisRules) -> contextlib.AbstractContextManager:
+    """Make :func:`constrain` use ``rules`` on ``mesh`` inside the block (a strategy wraps its tracing in it)."""
+    return _setting(_ACTIVE, (mesh, rules))
 
 
 def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
@@ -201,18 +212,13 @@ def active() -> tuple[Mesh, AxisRules] | None:
 _CONTEXT_METHOD: contextvars.ContextVar[str | None] = contextvars.ContextVar("context_method", default=None)
 
 
-@contextlib.contextmanager
-def context_method(name: str) -> Iterator[None]:
+def context_method(name: str) -> contextlib.AbstractContextManager:
     """Inside the block, attention whose ``length`` the active rules split uses method ``name``.
 
     :func:`parallelkit.models.layers.attention.attend` reads it when it is traced (``"allgather"``
     when no block is open); :func:`parallelkit.models.layers.attention.method` checks the name first.
     """
-    token = _CONTEXT_METHOD.set(name)
-    try:
-        yield
-    finally:
-        _CONTEXT_METHOD.reset(token)
+    return _setting(_CONTEXT_METHOD, name)
 
 
 def active_context_method() -> str | None:

@@ -60,10 +60,6 @@ def backends_started() -> bool:
     return xla_bridge.backends_are_initialized()
 
 
-def _strip_force_count(flags: str) -> str:
-    return re.sub(rf"{_FORCE_COUNT_FLAG}=\S*", "", flags).strip()
-
-
 def simulate_devices(n: int, *, cores_as_devices: bool = False, force_cpu: bool = False) -> list[jax.Device]:
     """Split the host CPU into ``n`` XLA devices; call it before any JAX work.
 
@@ -151,7 +147,8 @@ def configure_cpu_devices(n: int) -> None:
     count is smaller (never lowers it, and keeps a value the user set). See the module
     docstring for why a loop on simulated devices needs the threads.
     """
-    os.environ["XLA_FLAGS"] = f"{_strip_force_count(os.environ.get('XLA_FLAGS', ''))} {_FORCE_COUNT_FLAG}={n}".strip()
+    flags = re.sub(rf"{_FORCE_COUNT_FLAG}=\S*", "", os.environ.get("XLA_FLAGS", "")).strip()
+    os.environ["XLA_FLAGS"] = f"{flags} {_FORCE_COUNT_FLAG}={n}".strip()
     if 2 * n > _cores() and _POOL_SIZE_VAR not in os.environ:
         os.environ[_POOL_SIZE_VAR] = str(2 * n)
     jax.config.update("jax_num_cpu_devices", n)

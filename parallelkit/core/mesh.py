@@ -39,6 +39,11 @@ def is_count(size: object, least: int = 1) -> bool:
     return isinstance(size, int | np.integer) and not isinstance(size, bool) and bool(size >= least)
 
 
+def is_number(x: object) -> bool:
+    """Whether ``x`` is a real number (NumPy scalars too); a bool is not."""
+    return isinstance(x, int | float | np.integer | np.floating) and not isinstance(x, bool)
+
+
 def make_mesh(
     devices: Sequence[jax.Device] | None = None,
     *,
@@ -80,8 +85,15 @@ def make_mesh(
     if not isinstance(explicit, bool):
         raise ValueError(f"make_mesh(explicit={explicit!r}): pass True (Explicit axes) or False (Auto axes).")
     devices = resolve_devices(devices)
-    for name in axes:
-        _check_axis_name(name)
+    for name in axes:  # refuse an empty name, and one that differs from the kit's own only by case or spaces
+        if not name.strip():
+            raise ValueError(f"Mesh axis name {name!r} is empty: name it, for example {MODEL}=... or {SEQ}=....")
+        near = [axis for axis in AXES if axis == name.strip().lower()]
+        if near and name != near[0]:
+            raise ValueError(
+                f"Mesh axis {name!r} is not the kit's {near[0]!r}: axis names are exact, and rules for {near[0]!r} "
+                f"would never split it. Write {near[0]}=...."
+            )
     sizes = {DATA: data, **{name: axes[name] for name in AXES if name in axes}, **axes}
     for name, size in sizes.items():
         if size is not None and not is_count(size):
@@ -124,18 +136,6 @@ def is_explicit(mesh: Mesh) -> bool:
         f"The mesh's axes are {dict(zip(mesh.axis_names, mesh.axis_types, strict=True))}: a strategy runs every "
         "axis Auto or every axis Explicit. Build it with pk.mesh.make_mesh(..., explicit=True or False)."
     )
-
-
-def _check_axis_name(name: str) -> None:
-    """Refuse an empty axis name, and one that differs from the kit's own only by case or spaces."""
-    if not name.strip():
-        raise ValueError(f"Mesh axis name {name!r} is empty: name it, for example {MODEL}=... or {SEQ}=....")
-    near = [axis for axis in AXES if axis == name.strip().lower()]
-    if near and name != near[0]:
-        raise ValueError(
-            f"Mesh axis {name!r} is not the kit's {near[0]!r}: axis names are exact, and rules for {near[0]!r} "
-            f"would never split it. Write {near[0]}=...."
-        )
 
 
 def _spell(sizes: dict[str, int | None]) -> str:

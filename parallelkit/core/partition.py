@@ -22,7 +22,6 @@ step ``count`` are replicated.
 
 from __future__ import annotations
 
-import math
 import re
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -33,7 +32,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from .axes import MODEL, axis_names
+from .axes import MODEL, axis_names, split_size
 
 PyTree = Any
 Rules = Sequence[tuple[str, P]]
@@ -182,7 +181,7 @@ def check_specs(params: PyTree, specs: PyTree, mesh: Mesh) -> None:
                     f"The partition spec {spec} of {label} names mesh axis {missing[0]!r}, but the mesh has only "
                     f"{tuple(mesh.shape)}. Use those axis names in the rules (or build the mesh with that axis)."
                 )
-            parts = math.prod(mesh.shape[axis] for axis in axes)
+            parts = split_size(mesh, entry)
             if shape[dim] % parts:
                 raise ValueError(
                     f"{label} has shape {shape}: its dimension {dim} ({shape[dim]}) does not split evenly over "

@@ -54,6 +54,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from .mesh import is_number
+
 PyTree = Any
 
 DEFAULT_PERIOD = 2000  # finite steps in a row before a dynamic scale doubles (jmp, Keras)
@@ -210,8 +212,7 @@ class Precision:
 
 def _positive(x: Any) -> bool:
     """A number (NumPy scalars too) > 0 that float32 holds."""
-    number = isinstance(x, int | float | np.integer | np.floating) and not isinstance(x, bool | np.bool_)
-    return number and math.isfinite(x) and 0 < x <= FLOAT32_MAX
+    return is_number(x) and math.isfinite(x) and 0 < x <= FLOAT32_MAX
 
 
 def cast_floating(tree: PyTree, dtype: jnp.dtype) -> PyTree:
@@ -221,17 +222,19 @@ def cast_floating(tree: PyTree, dtype: jnp.dtype) -> PyTree:
     dtype(bfloat16)
     """
 
-    def cast(x):
-        return x.astype(dtype) if jnp.issubdtype(jnp.result_type(x), jnp.floating) else x
+    return jax.tree.map(lambda x: x.astype(dtype) if is_floating(x) else x, tree)
 
-    return jax.tree.map(cast, tree)
+
+def is_floating(x: Any) -> bool:
+    """Whether ``x`` (an array, a scalar or a dtype) is floating point."""
+    return jnp.issubdtype(jnp.result_type(x), jnp.floating)
 
 
 def check_param_dtypes(params: PyTree, precision: Precision) -> None:
     """Raise unless every floating parameter is in ``precision.params`` dtype (it runs while tracing)."""
     for path, x in jax.tree_util.tree_flatten_with_path(params)[0]:
         dtype = jnp.result_type(x)
-        if jnp.issubdtype(dtype, jnp.floating) and dtype != precision.param_dtype:
+        if is_floating(dtype) and dtype != precision.param_dtype:
             raise ValueError(
                 f"The parameter {jax.tree_util.keystr(path)} is {dtype}, but the precision policy keeps parameters "
                 f"in {precision.params}: initialise the state with {precision.params} parameters, or pass "
@@ -297,13 +300,8 @@ def select(finite: jax.Array, new: PyTree, old: PyTree) -> PyTree:
 
 
 def guarded(precision: Precision | None, old: Any, new: Any, finite: jax.Array | None) -> tuple[Any, dict]:
-    """The state after an update, skipped unless ``finite``; and the metrics the loss scale adds.
-
-    ``old`` and ``new`` are :class:`~parallelkit.TrainState` s before and after the update: with a loss
-    scale, the parameters, optimizer state, model state and key come from ``new`` only where every
-    gradient was finite (the step counter from ``new`` always), and the dynamic scale moves on.
-    Without one, ``new`` as it is and no metrics.
-    """
+    """The state after an update (``new``; ``old``: the one before it), skipped unless ``finite`` as the module
+    docstring says, and the metrics the loss scale adds; without a loss scale, ``new`` as it is and no metrics."""
     if precision is None or precision.loss_scale is None:
         return new, {}
     kept = select(finite, (new.params, new.opt_state, new.model_state, new.rng),

@@ -107,18 +107,18 @@ class StepTraffic:
 
     def table(self) -> str:
         """The flows as a text table, measured beside the formula."""
-        head = f"{self.strategy}: {self.replicas} replica(s), P = {self.param_bytes:,} B, M = {self.metric_bytes} B"
+
+        def row(f: Flow) -> str:
+            expected = "n/a" if f.expected is None else f"{f.expected:,.0f}"
+            return f"  {f.link:<17}{f.what:<36}{f.measured:>11,.0f}{expected:>11}  {f.formula}  [{f.source}]"
+
         lines = [
-            head,
+            f"{self.strategy}: {self.replicas} replica(s), P = {self.param_bytes:,} B, M = {self.metric_bytes} B",
             f"  {'link':<17}{'what':<36}{'measured B':>11}{'formula B':>11}  formula  [measured from]",
+            *map(row, self.flows),
         ]
-        row = "  {:<17}{:<36}{:>11,.0f}{:>11}  {}  [{}]"
-        for f in self.flows:
-            lines.append(row.format(f.link, f.what, f.measured, _figure(f.expected), f.formula, f.source))
         if self.owner_flows:
-            lines.append("  at the owner(s), once per step (not per replica):")
-        for f in self.owner_flows:
-            lines.append(row.format(f.link, f.what, f.measured, _figure(f.expected), f.formula, f.source))
+            lines += ["  at the owner(s), once per step (not per replica):", *map(row, self.owner_flows)]
         if self.bus_bytes:
             lines.append(f"  bus bytes per device (derived by NCCL's bus-bandwidth convention, not measured): "
                          f"{self.bus_bytes:,.0f}")  # fmt: skip
@@ -126,7 +126,3 @@ class StepTraffic:
             loads = ", ".join(f"{b:,}" for b in self.owner_bytes)
             lines.append(f"  owner load (gradient bytes in = parameter bytes out, per step): {loads}")
         return "\n".join(lines)
-
-
-def _figure(expected: float | None) -> str:
-    return "n/a" if expected is None else f"{expected:,.0f}"

@@ -98,14 +98,10 @@ class StepWatch:
         if self.warned or "grads_finite" not in metrics:
             return
         self.pending.append((metrics["grads_finite"], metrics["loss_scale"]))
-        while self.pending and all(_ready(x) for x in self.pending[0]):
+        while self.pending and all(not isinstance(x, jax.Array) or x.is_ready() for x in self.pending[0]):
             message = self.count.update(*jax.device_get(self.pending.popleft()))
             if message is not None:
                 warnings.warn(f"{message} {ADVICE}", SkippedStepsWarning, stacklevel=3)
                 self.warned = True
                 self.pending.clear()
                 return
-
-
-def _ready(x: Any) -> bool:
-    return not isinstance(x, jax.Array) or x.is_ready()

@@ -152,8 +152,7 @@ class Step:
         # Donation deletes every leaf at once, so the step counter tells (a cheap check).
         if is_deleted(getattr(state, "step", None)):
             raise ValueError(DONATED_STATE)
-        if self.precision is not None:
-            state = with_loss_scale(state, self.precision)
+        state = with_loss_scale(state, self.precision)
         try:
             out = self.fn(state, self._placed(batch))
         except LossInputError as err:  # raised while tracing, at the first call: the steps that run pay nothing

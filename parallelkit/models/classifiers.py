@@ -51,13 +51,10 @@ class MLP(nnx.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         x = x.reshape(x.shape[0], -1)
+        run = maybe_remat(lambda layer, x: jax.nn.relu(apply_layer(layer, x)), self.remat)
         for layer in self.hidden:
-            x = maybe_remat(_dense_relu, self.remat)(layer, x)
+            x = run(layer, x)
         return apply_layer(self.head, x)
-
-
-def _dense_relu(layer: nnx.Linear, x: jax.Array) -> jax.Array:
-    return jax.nn.relu(apply_layer(layer, x))
 
 
 class CNN(nnx.Module):
@@ -200,18 +197,28 @@ class _Block(nnx.Module):
     def __call__(self, x: jax.Array, heads: int, rate: float, key: jax.Array | None) -> jax.Array:
         batch, tokens, dim = x.shape
         keys = [None] * 3 if key is None else list(jax.random.split(key, 3))
-        projected = gather_columns(self.attn_norm(x), (self.query, self.key, self.value), "heads")
-        q, k, v = (
-            constrain(y.reshape(batch, tokens, heads, dim // heads), ("batch", "length", "heads", None))
-            for y in projected
-        )
+        q, k, v = project_heads(self, x, heads)
         weights = jax.nn.softmax(jnp.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(dim // heads), axis=-1)
         weights = apply_dropout(weights, rate, keys[0])
         attended = jnp.einsum("bhqk,bkhd->bqhd", weights, v).reshape(batch, tokens, dim)
         x = constrain(x + apply_dropout(scatter_rows(attended, self.out, "heads"), rate, keys[1]), RESIDUAL)
-        (hidden,) = gather_columns(self.mlp_norm(x), (self.mlp_in,), "mlp")
-        hidden = constrain(jax.nn.gelu(hidden), ("batch", "length", "mlp"))
-        return constrain(x + apply_dropout(scatter_rows(hidden, self.mlp_out, "mlp"), rate, keys[2]), RESIDUAL)
+        return constrain(x + apply_dropout(feed_forward(self, x), rate, keys[2]), RESIDUAL)
+
+
+def project_heads(block: nnx.Module, x: jax.Array, heads: int) -> tuple[jax.Array, ...]:
+    """The queries, keys and values ``(batch, length, heads, head_dim)`` of a transformer's or GPT's ``block``."""
+    batch, length, dim = x.shape
+    projected = gather_columns(block.attn_norm(x), (block.query, block.key, block.value), "heads")
+    return tuple(
+        constrain(y.reshape(batch, length, heads, dim // heads), ("batch", "length", "heads", None)) for y in projected
+    )
+
+
+def feed_forward(block: nnx.Module, x: jax.Array) -> jax.Array:
+    """The MLP branch of a transformer's or GPT's ``block``: ``mlp_norm``, ``mlp_in``, GELU, ``mlp_out``."""
+    (hidden,) = gather_columns(block.mlp_norm(x), (block.mlp_in,), "mlp")
+    hidden = constrain(jax.nn.gelu(hidden), ("batch", "length", "mlp"))
+    return scatter_rows(hidden, block.mlp_out, "mlp")
 
 
 class Tower(nnx.Module):
@@ -344,33 +351,43 @@ def as_layers(module: Any) -> Layers:
 
         return Layers([dense_layer(i) for i in range(len(linears))], [params for _, params in parts])
     if isinstance(module, Transformer):
-        (embed, embed_params), (norm, norm_params), (head, head_params) = map(
-            graph_and_params, (module.embed, module.norm, module.head)
-        )
-
-        def embedding(params: dict, batch: dict) -> jax.Array:
-            x = batch["x"].reshape(batch["x"].shape[0], batch["x"].shape[1], -1)
-            return nnx.merge(embed, nnx.State(params["embed"]))(x) + params["position"][None]
-
-        def block_layer(graphdef):
-            return lambda params, x: nnx.merge(graphdef, nnx.State(params))(x, module.heads, 0.0, None)
-
-        def classify(params: dict, x: jax.Array) -> jax.Array:
-            x = nnx.merge(norm, nnx.State(params["norm"]))(x).mean(axis=1)
-            return nnx.merge(head, nnx.State(params["head"]))(x)
-
-        blocks = [graph_and_params(block) for block in module.blocks]
-        return Layers(
-            [embedding, *(block_layer(graphdef) for graphdef, _ in blocks), classify],
-            [
-                {"embed": embed_params, "position": module.position[...]},
-                *(params for _, params in blocks),
-                {"norm": norm_params, "head": head_params},
-            ],
+        return stack_layers(
+            module,
+            lambda embed, position, x: embed(x.reshape(x.shape[0], x.shape[1], -1)) + position[None],
+            lambda block, x: block(x, module.heads, 0.0, None),
+            lambda x: x.mean(axis=1),
         )
     raise TypeError(
         f"as_layers knows the kit's MLP, Transformer and GPT, not {type(module).__name__}: write the model as a list "
         "of functions apply_i(params_i, x) -> y with a list of their parameters."
+    )
+
+
+def stack_layers(module: nnx.Module, embedding: Callable, run_block: Callable, pool: Callable) -> Layers:
+    """A :class:`Transformer` or GPT as :func:`as_layers` gives it: ``embedding(embed, position, batch["x"])``,
+    ``run_block(block, x)`` for each block, and the head on ``pool`` of the final norm's output."""
+    (embed, embed_params), (norm, norm_params), (head, head_params) = map(
+        graph_and_params, (module.embed, module.norm, module.head)
+    )
+
+    def embed_layer(params: dict, batch: dict) -> jax.Array:
+        return embedding(nnx.merge(embed, nnx.State(params["embed"])), params["position"], batch["x"])
+
+    def block_layer(graphdef):
+        return lambda params, x: run_block(nnx.merge(graphdef, nnx.State(params)), x)
+
+    def classify(params: dict, x: jax.Array) -> jax.Array:
+        x = pool(nnx.merge(norm, nnx.State(params["norm"]))(x))
+        return nnx.merge(head, nnx.State(params["head"]))(x)
+
+    blocks = [graph_and_params(block) for block in module.blocks]
+    return Layers(
+        [embed_layer, *(block_layer(graphdef) for graphdef, _ in blocks), classify],
+        [
+            {"embed": embed_params, "position": module.position[...]},
+            *(params for _, params in blocks),
+            {"norm": norm_params, "head": head_params},
+        ],
     )
 
 

@@ -48,8 +48,12 @@ def from_nnx(module: nnx.Module) -> Functional:
     ['mean', 'var']
     """
     graphdef, params, rest = nnx.split(module, nnx.Param, ...)
-    rest_dict = nnx.to_pure_dict(rest)
-    _record_axes(nnx.to_pure_dict(params), param_axes(module))
+    rest_dict, params, axes = nnx.to_pure_dict(rest), nnx.to_pure_dict(params), param_axes(module)
+    # Recorded for declared_axes; a module that declares none forgets an older record for trees like these.
+    if any(names is not None for names in jax.tree.leaves(axes, is_leaf=lambda x: x is None or isinstance(x, tuple))):
+        _DECLARED[_signature(params)] = axes
+    else:
+        _DECLARED.pop(_signature(params), None)
     takes = set(inspect.signature(type(module).__call__).parameters)
 
     def apply(params: dict, x: jax.Array, *, rng: jax.Array | None = None, model_state=None, train: bool = True):
@@ -71,7 +75,7 @@ def from_nnx(module: nnx.Module) -> Functional:
             return out
         return out, nnx.to_pure_dict(nnx.split(model, nnx.Param, ...)[2])
 
-    return Functional(apply, nnx.to_pure_dict(params), rest_dict or None)
+    return Functional(apply, params, rest_dict or None)
 
 
 def functional(module: nnx.Module) -> tuple[Callable[..., Any], dict]:
@@ -160,19 +164,6 @@ def declared_axes(params: dict) -> dict | None:
     return _DECLARED.get(_signature(params))
 
 
-def _record_axes(params: dict, axes: dict) -> None:
-    """Record ``axes`` for trees like ``params``; forget an older record when ``axes`` declares nothing."""
-    key = _signature(params)
-    if any(names is not None for names in jax.tree.leaves(axes, is_leaf=_is_axes)):
-        _DECLARED[key] = axes
-    else:
-        _DECLARED.pop(key, None)
-
-
 def _signature(params: dict) -> tuple:
     leaves, treedef = jax.tree.flatten(params)
     return treedef, tuple(tuple(np.shape(leaf)) for leaf in leaves)
-
-
-def _is_axes(x: object) -> bool:
-    return x is None or isinstance(x, tuple)

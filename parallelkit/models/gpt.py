@@ -18,12 +18,12 @@ from flax import nnx
 
 from ..core.axes import constrain
 from ..core.mesh import is_count
-from .classifiers import Layers, cross_entropy
-from .functional import graph_and_params, with_axes
+from .classifiers import Layers, cross_entropy, feed_forward, project_heads, stack_layers
+from .functional import with_axes
 from .layers import attention
 from .layers.basic import apply_dropout, apply_layer, dense, layer_norm
 from .layers.experts import check_routing, moe_layer
-from .layers.sequence import RESIDUAL, gather_columns, scatter_rows
+from .layers.sequence import RESIDUAL, scatter_rows
 
 _INIT = nnx.initializers.normal(0.02)  # GPT-2's initialisation of every weight matrix and embedding
 LOAD_BALANCING = 0.01  # the weight of the load-balancing loss (the Switch Transformer's alpha)
@@ -99,8 +99,15 @@ class GPT(nnx.Module):
     ):
         if dim % heads:
             raise ValueError(f"dim={dim} must divide into heads={heads} equal heads: choose a multiple of {heads}.")
+        if experts and not is_count(experts):
+            raise ValueError(f"GPT(experts={experts!r}): give a whole number of experts >= 1 (or 0 for a dense MLP).")
         if experts:
-            _check_experts(experts, top_k, capacity_factor, groups)
+            check_routing(experts, top_k, capacity_factor)
+        if experts and not is_count(groups):
+            raise ValueError(
+                f"GPT(groups={groups!r}): the tokens route in a whole number >= 1 of groups (under ExpertParallel, "
+                "the number of devices the tokens are split over)."
+            )
         self.heads, self.max_length, self.dropout_rate = heads, max_length, dropout
         self.routing = dict(top_k=top_k, capacity_factor=capacity_factor, groups=groups) if experts else None
         self.embed = nnx.Embed(vocab, dim, embedding_init=with_axes(_INIT, ("vocab", "embed")), rngs=rngs)
@@ -153,42 +160,16 @@ class GPT(nnx.Module):
         if self.routing is not None:
             raise TypeError("A GPT with experts is not a list of layers (its blocks return the router's aux): "
                             "train it with pk.ExpertParallel, or build it without experts for a pipeline.")  # fmt: skip
-        (embed, embed_params), (norm, norm_params), (head, head_params) = map(
-            graph_and_params, (self.embed, self.norm, self.head)
+        return stack_layers(
+            self,
+            lambda embed, position, tokens: embed(tokens) + position[: tokens.shape[1]][None],
+            lambda block, x: block(x, self.heads, 0.0, None)[0],
+            lambda x: x,
         )
-
-        def embedding(params: dict, batch: dict) -> jax.Array:
-            tokens = batch["x"]
-            return nnx.merge(embed, nnx.State(params["embed"]))(tokens) + params["position"][: tokens.shape[1]][None]
-
-        def block_layer(graphdef):
-            return lambda params, x: nnx.merge(graphdef, nnx.State(params))(x, self.heads, 0.0, None)[0]
-
-        def logits(params: dict, x: jax.Array) -> jax.Array:
-            return nnx.merge(head, nnx.State(params["head"]))(nnx.merge(norm, nnx.State(params["norm"]))(x))
-
-        blocks = [graph_and_params(block) for block in self.blocks]
-        return Layers(
-            [embedding, *(block_layer(graphdef) for graphdef, _ in blocks), logits],
-            [{"embed": embed_params, "position": self.position[...]}, *(params for _, params in blocks),
-             {"norm": norm_params, "head": head_params}],
-        )  # fmt: skip
 
 
 # What the MoE GPT reports of each MoE layer: pk.experts.moe_layer's aux
 MOE_METRICS = ("load_balancing_loss", "router_z_loss", "dropped_fraction", "tokens_per_expert", "kept_per_expert")
-
-
-def _check_experts(experts: int, top_k: int, capacity_factor: float, groups: int) -> None:
-    """A ValueError for MoE settings that cannot route, said in the model's own words."""
-    if not is_count(experts):
-        raise ValueError(f"GPT(experts={experts!r}): give a whole number of experts >= 1 (or 0 for a dense MLP).")
-    check_routing(experts, top_k, capacity_factor)
-    if not is_count(groups):
-        raise ValueError(
-            f"GPT(groups={groups!r}): the tokens route in a whole number >= 1 of groups (under ExpertParallel, "
-            "the number of devices the tokens are split over)."
-        )
 
 
 class _CausalBlock(nnx.Module):
@@ -214,18 +195,12 @@ class _CausalBlock(nnx.Module):
         keys = [None, None] if key is None else list(jax.random.split(key))
         # gather_columns and scatter_rows are the layers themselves, or Megatron's sequence-parallel edges
         # (all-gather of the tokens in, reduce-scatter out) under rules that split the residual stream.
-        projected = gather_columns(self.attn_norm(x), (self.query, self.key, self.value), "heads")
-        q, k, v = (
-            constrain(y.reshape(batch, length, heads, dim // heads), ("batch", "length", "heads", None))
-            for y in projected
-        )
-        attended = constrain(attention.attend(q, k, v, causal=True), ("batch", "length", "heads", None))
+        q, k, v = project_heads(self, x, heads)
+        attended = constrain(attention.attend(q, k, v, causal=True), attention.NAMES)
         x = x + apply_dropout(scatter_rows(attended.reshape(batch, length, dim), self.out, "heads"), rate, keys[0])
         x = constrain(x, RESIDUAL)
         if routing is None:
-            (hidden,) = gather_columns(self.mlp_norm(x), (self.mlp_in,), "mlp")
-            hidden = constrain(jax.nn.gelu(hidden), ("batch", "length", "mlp"))
-            out, aux = scatter_rows(hidden, self.mlp_out, "mlp"), None
+            out, aux = feed_forward(self, x), None
         else:
             out, aux = moe_layer(self.mlp_norm(x), self.moe.params(), **routing)
         return constrain(x + apply_dropout(out, rate, keys[1]), RESIDUAL), aux

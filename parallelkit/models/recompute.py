@@ -91,14 +91,10 @@ def remat(fn: Callable[..., Any], policy: str = "nothing_saveable") -> Callable[
     """
     saveable = checkpoint_policy(policy)
     if isinstance(fn, nnx.Module):
-        return functools.partial(nnx.remat(_call, policy=saveable), fn)
+        return functools.partial(nnx.remat(lambda module, *args: module(*args), policy=saveable), fn)
     return nnx.remat(fn, policy=saveable)
 
 
 def maybe_remat(fn: Callable[..., Any], policy: str | None) -> Callable[..., Any]:
     """``remat(fn, policy)``, or ``fn`` itself when ``policy`` is None (a model's ``remat=False``)."""
     return fn if policy is None else remat(fn, policy)
-
-
-def _call(module: nnx.Module, *args: Any) -> Any:
-    return module(*args)

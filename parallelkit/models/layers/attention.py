@@ -15,7 +15,6 @@ on a mesh axis of more than one device (:func:`method` picks which).
 from __future__ import annotations
 
 import contextlib
-import math
 from collections.abc import Callable
 from functools import partial
 
@@ -100,22 +99,28 @@ def _allgather(q: jax.Array, k: jax.Array, v: jax.Array, *, axis: str, causal: b
     return _normalise(*_block(q, k, v, visible))
 
 
-def _pass_on(k: jax.Array, v: jax.Array, axis: str, size: int) -> tuple[jax.Array, jax.Array]:
-    """One step of the ring: every device sends its keys and values to the next."""
-    return lax.ppermute((k, v), axis, [(j, (j + 1) % size) for j in range(size)])
-
-
-def _ring(q: jax.Array, k: jax.Array, v: jax.Array, *, axis: str, size: int, causal: bool) -> jax.Array:
-    # At step s device i holds the keys and values of block (i - s) mod n: n - 1 permutes of one block.
-    i = lax.axis_index(axis)
-    state = _block(q, k, v, _diagonal(q.shape[1]) if causal else None)  # its own block: the only one partly masked
+def _ring(
+    q: jax.Array, k: jax.Array, v: jax.Array, *, axis: str, size: int, causal: bool, zigzag: bool = False
+) -> jax.Array:
+    # At step s device i holds the keys and values of block (i - s) mod n: n - 1 permutes of one block. In the
+    # contiguous order block i - s is wholly in the past for s <= i, wholly in the future otherwise: skipped.
+    # Zig-zag: device i holds chunks i and 2n-1-i of 2n (a chunk c = length / 2n). Against any other device's
+    # block, either all its queries see the first half of the keys (an earlier device's) or the second half of
+    # its queries sees all the keys (a later device's): 2c^2 scores on every device at every step.
+    i, c = lax.axis_index(axis), q.shape[1] // 2
+    positions, past, future = jnp.arange(q.shape[1]), _add_block, _skip_block
+    if zigzag:
+        q, k, v = (_zigzag(x, axis, size) for x in (q, k, v))
+        positions = jnp.concatenate([i * c + jnp.arange(c), (2 * size - 1 - i) * c + jnp.arange(c)])
+        past, future = _add_first_keys, _add_to_last_queries
+    state = _block(q, k, v, _causal(positions, positions) if causal else None)  # its own: the only one partly masked
     for s in range(1, size):
-        k, v = _pass_on(k, v, axis, size)
-        if causal:  # block i - s is wholly in the past for s <= i, wholly in the future otherwise: skipped
-            state = lax.cond(s <= i, _add_block, _skip_block, q, state, k, v)
+        k, v = lax.ppermute((k, v), axis, [(j, (j + 1) % size) for j in range(size)])  # each to the next device
+        if causal:
+            state = lax.cond(s <= i, past, future, q, state, k, v)
         else:
             state = _add_block(q, state, k, v)
-    return _normalise(*state)
+    return _zigzag(_normalise(*state), axis, size, back=True) if zigzag else _normalise(*state)
 
 
 def _add_block(q: jax.Array, state: Block, k: jax.Array, v: jax.Array) -> Block:
@@ -126,23 +131,6 @@ def _add_block(q: jax.Array, state: Block, k: jax.Array, v: jax.Array) -> Block:
 def _skip_block(q: jax.Array, state: Block, k: jax.Array, v: jax.Array) -> Block:
     """``state`` unchanged: a block wholly in the future adds nothing."""
     return state
-
-
-def _ring_zigzag(q: jax.Array, k: jax.Array, v: jax.Array, *, axis: str, size: int, causal: bool) -> jax.Array:
-    # Device i holds chunks i and 2n-1-i of 2n (a chunk c = length / 2n). Against any other device's block,
-    # either all its queries see the first half of the keys (an earlier device's) or the second half of its
-    # queries sees all the keys (a later device's): 2c^2 scores on every device at every step.
-    q, k, v = (_to_zigzag(x, axis, size) for x in (q, k, v))
-    i, c = lax.axis_index(axis), q.shape[1] // 2
-    positions = jnp.concatenate([i * c + jnp.arange(c), (2 * size - 1 - i) * c + jnp.arange(c)])
-    state = _block(q, k, v, _causal(positions, positions) if causal else None)
-    for s in range(1, size):
-        k, v = _pass_on(k, v, axis, size)
-        if causal:
-            state = lax.cond(s <= i, _add_first_keys, _add_to_last_queries, q, state, k, v)
-        else:
-            state = _add_block(q, state, k, v)
-    return _from_zigzag(_normalise(*state), axis, size)
 
 
 def _add_first_keys(q: jax.Array, state: Block, k: jax.Array, v: jax.Array) -> Block:
@@ -168,23 +156,18 @@ def _zigzag_pairs(size: int) -> tuple[list[tuple[int, int]], list[tuple[int, int
     return [(d, home[2 * d]) for d in range(size)], [(d, home[2 * d + 1]) for d in range(size)]
 
 
-def _to_zigzag(x: jax.Array, axis: str, size: int) -> jax.Array:
-    """This device's chunks i and 2n-1-i of the sequence, from the contiguous chunks 2i and 2i+1 (two permutes)."""
+def _zigzag(x: jax.Array, axis: str, size: int, *, back: bool = False) -> jax.Array:
+    """This device's chunks i and 2n-1-i of the sequence, from the contiguous chunks 2i and 2i+1 (two permutes);
+    with ``back``, the inverse: chunks 2i and 2i+1 back on device i."""
     c = x.shape[1] // 2
     evens, odds = _zigzag_pairs(size)
-    even, odd = lax.ppermute(x[:, :c], axis, evens), lax.ppermute(x[:, c:], axis, odds)
     i_even = lax.axis_index(axis) % 2 == 0  # chunk i has i's parity, chunk 2n-1-i the other
-    return jnp.where(i_even, jnp.concatenate([even, odd], 1), jnp.concatenate([odd, even], 1))
-
-
-def _from_zigzag(x: jax.Array, axis: str, size: int) -> jax.Array:
-    """The inverse of :func:`_to_zigzag`: chunks 2i and 2i+1 back on device i."""
-    c = x.shape[1] // 2
-    evens, odds = _zigzag_pairs(size)
-    i_even = lax.axis_index(axis) % 2 == 0
+    if not back:
+        even, odd = lax.ppermute(x[:, :c], axis, evens), lax.ppermute(x[:, c:], axis, odds)
+        return jnp.where(i_even, jnp.concatenate([even, odd], 1), jnp.concatenate([odd, even], 1))
     even, odd = jnp.where(i_even, x[:, :c], x[:, c:]), jnp.where(i_even, x[:, c:], x[:, :c])
-    back = [(b, a) for a, b in evens], [(b, a) for a, b in odds]
-    return jnp.concatenate([lax.ppermute(even, axis, back[0]), lax.ppermute(odd, axis, back[1])], 1)
+    evens, odds = [(b, a) for a, b in evens], [(b, a) for a, b in odds]
+    return jnp.concatenate([lax.ppermute(even, axis, evens), lax.ppermute(odd, axis, odds)], 1)
 
 
 def _ulysses(q: jax.Array, k: jax.Array, v: jax.Array, *, axis: str, causal: bool) -> jax.Array:
@@ -266,7 +249,7 @@ def _shard_mapped(
             f"Use a length divisible by {2 * size}, or method='ring'."
         )
     if method == "ulysses":
-        heads = q.shape[2] // _split(mesh, spec[2])
+        heads = q.shape[2] // axes.split_size(mesh, spec[2])
         if heads % size:
             raise ValueError(
                 f"Ulysses splits the heads over mesh axis {axis!r}: {heads} head(s) do not divide by its {size} "
@@ -275,7 +258,7 @@ def _shard_mapped(
     body: Callable = {
         "allgather": partial(_allgather, axis=axis, causal=causal),
         "ring": partial(_ring, axis=axis, size=size, causal=causal),
-        "ring_zigzag": partial(_ring_zigzag, axis=axis, size=size, causal=causal),
+        "ring_zigzag": partial(_ring, axis=axis, size=size, causal=causal, zigzag=True),
         "ulysses": partial(_ulysses, axis=axis, causal=causal),
     }[method]
     # check_vma=False: JAX 0.10.2's varying-axes check rejects a lax.cond inside shard_map under
@@ -299,7 +282,7 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = True) -> 
     if found is not None:
         mesh, rules = found
         spec = rules.spec(NAMES)
-        if spec[1] is not None and _split(mesh, spec[1]) > 1:
+        if spec[1] is not None and axes.split_size(mesh, spec[1]) > 1:
             if not isinstance(spec[1], str):
                 raise ValueError(
                     f"The axis rules put 'length' on several mesh axes {spec[1]}; context parallel attention "
@@ -339,14 +322,9 @@ def _check_arrays(q: jax.Array, k: jax.Array, v: jax.Array) -> None:
         )
 
 
-def _split(mesh: Mesh, entry: MeshAxes) -> int:
-    """How many pieces a spec entry cuts a dimension into."""
-    return math.prod(mesh.shape[a] for a in axes.axis_names(entry))
-
-
 def _check_split(shape: tuple[int, ...], spec: P, mesh: Mesh) -> None:
     for size, entry, name in zip(shape, spec, ("batch", "length", "heads"), strict=False):
-        pieces = _split(mesh, entry)
+        pieces = axes.split_size(mesh, entry)
         if size % pieces:
             raise ValueError(
                 f"The {name} {size} does not split over the {pieces} devices of mesh axis {entry!r}: "

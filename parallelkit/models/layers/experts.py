@@ -25,13 +25,12 @@ from fractions import Fraction
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from ...core import axes
 from ...core.axes import EXPERT, MeshAxes
-from ...core.mesh import is_count
+from ...core.mesh import is_count, is_number
 
 Params = Mapping[str, jax.Array]
 # name -> the logical names of its axes; every leaf but the router has the experts on its leading axis
@@ -156,11 +155,11 @@ def moe_layer(
         ``capacity_factor <= 0``, tokens that ``groups`` does not divide; under expert
         parallelism, the errors of :func:`expert_parallel`.
     """
-    axis = _active_expert_axis()
-    if axis is not None:
-        mesh = axes.active()[0]
+    active = axes.active()
+    axis = None if active is None else active[1].mesh_axes(EXPERT)
+    if active is not None and axes.split_size(active[0], axis) > 1:
         return expert_parallel(
-            x, params, mesh=mesh, axis=axis, top_k=top_k, capacity_factor=capacity_factor, groups=groups
+            x, params, mesh=active[0], axis=axis, top_k=top_k, capacity_factor=capacity_factor, groups=groups
         )
     tokens, dim, _ = _check(x, params, top_k, capacity_factor, groups)
     cap = capacity(tokens // groups, params["router"].shape[1], top_k, capacity_factor)
@@ -211,7 +210,7 @@ def expert_parallel(
     names = axes.axis_names(axis)
     if not names or any(name not in mesh.shape for name in names):
         raise ValueError(f"expert_parallel(axis={axis!r}): the mesh has axes {dict(mesh.shape)}; name one of them.")
-    n = math.prod(mesh.shape[name] for name in names)
+    n = axes.split_size(mesh, axis)
     if experts % n:
         raise ValueError(
             f"{experts} experts do not split over the {n} devices of mesh axis {axis!r}: "
@@ -245,16 +244,6 @@ def expert_parallel(
     return back, _aux(sums, tokens, top_k)
 
 
-def _active_expert_axis() -> MeshAxes:
-    """The mesh axes the active rules give the logical axis ``expert``, when they span more than one device."""
-    active = axes.active()
-    if active is None:
-        return None
-    mesh, rules = active
-    axis = rules.mesh_axes(EXPERT)
-    return axis if math.prod(mesh.shape[name] for name in axes.axis_names(axis)) > 1 else None
-
-
 def check_routing(experts: int, top_k: int, capacity_factor: float) -> None:
     """Raise unless ``top_k`` is a whole number in ``1..experts`` and ``capacity_factor`` a finite number > 0.
 
@@ -280,10 +269,7 @@ def check_routing(experts: int, top_k: int, capacity_factor: float) -> None:
             "when the step compiles: pass it as a Python number (close over it, or mark it static with "
             "jax.jit(..., static_argnames='capacity_factor'))."
         )
-    number = isinstance(capacity_factor, int | float | np.integer | np.floating) and not isinstance(
-        capacity_factor, bool
-    )
-    if not number:
+    if not is_number(capacity_factor):
         raise TypeError(f"capacity_factor={capacity_factor!r} is not a number: pass one such as 1.25.")
     if not (math.isfinite(capacity_factor) and capacity_factor > 0):
         raise ValueError(
