@@ -116,7 +116,7 @@ def _worker(args: argparse.Namespace) -> None:
     from jax import lax
     from jax.sharding import PartitionSpec as P
 
-    from parallelkit.course.bench import LEARNING_RATE, _measure, _model, compare, trained_params
+    from parallelkit.course.bench import LEARNING_RATE, _model, _run
     from parallelkit.measure.inspect import compiled_text
 
     n = jax.device_count()
@@ -147,11 +147,11 @@ def _worker(args: argparse.Namespace) -> None:
     rows["mesh"] = [[d.id, d.process_index] for d in strategy.mesh.devices.flat]  # position -> device, process
     state = strategy.init(params, optax.sgd(LEARNING_RATE))
     rows["hlo"]["step"] = allreduces(compiled_text(strategy.step(loss), state, batches[0]))
-    _, _, seconds = _measure(strategy, loss, params, batches, args.warmup)
-    rows["step_s"] = float(np.median(seconds))
+    rows["step_s"] = float(_run(strategy, loss, params, batches, args.warmup).times.median)
     checked = batches[: args.check_steps]
-    single = trained_params(pk.SingleDevice(jax.local_devices()[0]), loss, params, checked)
-    rows["max_param_diff"], rows["equals_single"] = compare(trained_params(strategy, loss, params, checked), single)
+    single = _run(pk.SingleDevice(jax.local_devices()[0]), loss, params, checked).params
+    check = _run(strategy, loss, params, checked, against=single)
+    rows["max_param_diff"], rows["equals_single"] = check.max_param_diff, check.equals_reference
     if jax.process_index() == 0:
         Path(args.child_out).write_text(json.dumps(rows))
 

@@ -226,3 +226,35 @@ def test_no_strategy_inherits_more_than_one_level_below_its_family():
     for name, cls in _strategy_classes().items():
         ancestors = [c for c in cls.__mro__[1:] if c.__module__.startswith("parallelkit")]
         assert ancestors in allowed, f"{name} inherits {[c.__name__ for c in ancestors]}"
+
+
+def _missing_names(path: Path) -> list[str]:
+    """The names ``path`` imports from parallelkit, at any depth of its code, that parallelkit does not have."""
+    import importlib
+
+    missing = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "parallelkit":
+            module = importlib.import_module(node.module)
+            for alias in node.names:
+                if not hasattr(module, alias.name):
+                    try:  # a submodule, imported by name
+                        importlib.import_module(f"{node.module}.{alias.name}")
+                    except ModuleNotFoundError:
+                        missing.append(f"{path.name}:{node.lineno}: {node.module}.{alias.name}")
+    return missing
+
+
+def test_scripts_import_only_names_the_package_has():
+    """The benchmarks and examples import parts of the kit inside functions, which run only in a child process or
+    a long run: a name the package lost would fail there, far from the change that lost it."""
+    scripts = sorted((PACKAGE.parent / "benchmarks").glob("*.py")) + sorted((PACKAGE.parent / "examples").glob("*.py"))
+    assert len(scripts) > 10
+    missing = [name for path in scripts for name in _missing_names(path)]
+    assert not missing, "imported from parallelkit but not defined there:\n" + "\n".join(missing)
+
+
+def test_the_script_import_check_sees_a_lost_name(tmp_path):
+    script = tmp_path / "bench.py"
+    script.write_text("def main():\n    from parallelkit.course.bench import _model, trained_params\n")
+    assert _missing_names(script) == ["bench.py:2: parallelkit.course.bench.trained_params"]

@@ -7,8 +7,8 @@ import os
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 from .cluster import (
     ENV_HEARTBEAT_TIMEOUT,
@@ -42,10 +42,14 @@ def initialize(
     num_processes: int | None = None,
     process_id: int | None = None,
     *,
+    local_devices: int | None = None,
+    ps_hosts: str | Sequence[str] | None = None,
+    worker_hosts: str | Sequence[str] | None = None,
+    job_name: str | None = None,
+    task_index: int | None = None,
     initialization_timeout: int | None = None,
     heartbeat_timeout: int | None = None,
     shutdown_timeout: int | None = None,
-    **cluster: Any,
 ) -> ClusterSpec:
     """Join the cluster this process belongs to; call it once, before any JAX work.
 
@@ -62,9 +66,8 @@ def initialize(
 
     Args:
       coordinator_address, num_processes, process_id: explicit cluster, as for JAX.
-      **cluster: ``local_devices`` (on CPU, simulate this many devices in this process) and the
-        TensorFlow-style flags ``ps_hosts``, ``worker_hosts``, ``job_name``, ``task_index``, as for
-        :func:`resolve_cluster`.
+      local_devices: on CPU, simulate this many devices in this process.
+      ps_hosts, worker_hosts, job_name, task_index: TensorFlow-style cluster flags.
       initialization_timeout: seconds to wait for every process to join (default 60,
         or the launcher's ``PK_INIT_TIMEOUT``).
       heartbeat_timeout: seconds without a heartbeat before a peer counts as dead (default 30).
@@ -79,7 +82,16 @@ def initialize(
       DeviceCountError: ``local_devices`` asked for after JAX started with another count.
     """
     global _joined
-    spec = resolve_cluster(coordinator_address, num_processes, process_id, **cluster)
+    spec = resolve_cluster(
+        coordinator_address,
+        num_processes,
+        process_id,
+        local_devices=local_devices,
+        ps_hosts=ps_hosts,
+        worker_hosts=worker_hosts,
+        job_name=job_name,
+        task_index=task_index,
+    )
     log.info("parallelkit cluster: %s", spec.describe())
     _exit_with_launcher()
     if _joined is not None:
