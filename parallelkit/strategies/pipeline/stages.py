@@ -211,10 +211,12 @@ def next_step(step: jax.Array) -> jax.Array:
 
 
 @partial(jax.jit, static_argnames=("tx",), donate_argnames=("params", "opt_state"))
-def update(params, opt_state, grads, *, tx: optax.GradientTransformation):
-    """One optimizer update of a stage's parameters from its summed gradients."""
-    updates, opt_state = tx.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state
+def update(params, opt_state, grads, finite=None, *, tx: optax.GradientTransformation):
+    """One optimizer update of a stage's parameters from its summed gradients; with ``finite`` (every stage's
+    gradients finite, under a loss scale), applied only where it is True, else the stage as it was."""
+    updates, new_opt_state = tx.update(grads, opt_state, params)
+    new = (optax.apply_updates(params, updates), new_opt_state)
+    return new if finite is None else select(finite, new, (params, opt_state))
 
 
 @partial(jax.jit, static_argnames=("precision",))
@@ -222,10 +224,3 @@ def unscaled(grads, scale, *, precision: Precision):
     """A stage's summed gradients divided by the loss scale (float32), and whether they are all finite."""
     grads = unscale(grads, precision, scale)
     return grads, all_finite(grads)
-
-
-@partial(jax.jit, static_argnames=("tx",), donate_argnames=("params", "opt_state"))
-def guarded_update(params, opt_state, grads, finite, *, tx: optax.GradientTransformation):
-    """:func:`update`, applied only where ``finite`` (every stage's gradients finite); else the stage as it was."""
-    updates, new_opt_state = tx.update(grads, opt_state, params)
-    return select(finite, (optax.apply_updates(params, updates), new_opt_state), (params, opt_state))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Sequence
 from functools import cached_property, lru_cache, partial
 from typing import Any
@@ -24,6 +25,7 @@ from ...core.state import TrainState, check_same_tree
 from ...core.step import Step
 from ...measure.inspect import Collective, parse_collectives
 from ...measure.traffic import bus_bytes, per_replica_bytes
+from ...models.functional import param_bytes
 from ..base import Strategy
 from ..offdevice.split_update import check_update_splits
 from . import schedules
@@ -246,15 +248,11 @@ class Pipeline(Strategy):
         if opt_state is not None:
             expected = [jax.eval_shape(tx.init, p) for p in per_stage]
             check_same_tree(expected, list(opt_state), what="opt_state", against="[tx.init(stage params), ...]")
-        placed, opt_states = [], []
-        for s in range(self.model_stages):
-            where = self.replicated(s)
-            stage = _placed_copy(per_stage[s], where)
-            placed.append(stage)
-            if opt_state is None:
-                opt_states.append(jax.jit(tx.init, out_shardings=where)(stage))
-            else:
-                opt_states.append(_placed_copy(opt_state[s], where))
+        placed = [_placed_copy(p, self.replicated(s)) for s, p in enumerate(per_stage)]
+        if opt_state is None:
+            opt_states = [jax.jit(tx.init, out_shardings=self.replicated(s))(p) for s, p in enumerate(placed)]
+        else:
+            opt_states = [_placed_copy(o, self.replicated(s)) for s, o in enumerate(opt_state)]
         step = jax.device_put(jnp.zeros((), jnp.int32), self.replicated(0))
         return TrainState(step=step, params=self.layer_params(placed), opt_state=opt_states, tx=tx)
 
@@ -315,21 +313,21 @@ class Pipeline(Strategy):
         Returns:
           A :class:`~parallelkit.measure.traffic.StepTraffic`; ``print(traffic.table())`` shows it.
         """
-        step = PipelineStep(self, loss_fn)
+        step, params = PipelineStep(self, loss_fn), self.stage_params(state.params)
         microbatches = self.place_batch(batch)
-        moved: dict[tuple[str, int], int] = {}
-        for what, stage, _, nbytes in step.passes(self.stage_params(state.params), microbatches)[2].moved:
-            moved[what, stage] = moved.get((what, stage), 0) + nbytes
+        moved: Counter[tuple[str, int]] = Counter()
+        for what, stage, _, nbytes in step.passes(params, microbatches)[2].moved:
+            moved[what, stage] += nbytes
         m, d, last = self.microbatches, self.data, self.model_stages - 1
-        outputs = step.output_shapes(self.stage_params(state.params), microbatches[0])
-        metric_bytes = _nbytes(outputs[last])
+        outputs = step.output_shapes(params, microbatches[0])
+        metric_bytes = param_bytes(outputs[last])
         total = sum(np.asarray(x).nbytes for x in jax.tree.leaves(batch))
         flows = [Flow(H2D, "batch, to stage 0", moved["batch", 0], total / d, "B/d", "placed microbatches")]
         if last > 0:
             flows.append(Flow(H2D, f"batch, to stage {last} (labels)", moved["batch", last], total / d, "B/d",
                               "placed microbatches"))  # fmt: skip
         for s in range(last):
-            boundary = _nbytes(outputs[s]) / d
+            boundary = param_bytes(outputs[s]) / d
             for what, to in (("activations", s + 1), ("gradients", s)):
                 arrow = f"{s} -> {s + 1}" if what == "activations" else f"{s + 1} -> {s}"
                 flows.append(Flow(D2D, f"{what}, stage {arrow}", moved[what, to], m * boundary, f"m x A_{s}/d",
@@ -337,7 +335,7 @@ class Pipeline(Strategy):
         found = step.stage_collectives(state, microbatches[0]) if d > 1 else []
         flows += _collective_flows(found, m, metric_bytes, state, self)
         every_call = [c for _, kind, c in found for _ in range(_calls(kind, m))]
-        return StepTraffic(repr(self), self.pattern, d, _nbytes(state.params), metric_bytes, tuple(flows),
+        return StepTraffic(repr(self), self.pattern, d, param_bytes(state.params), metric_bytes, tuple(flows),
                            bus_bytes=bus_bytes(every_call))  # fmt: skip
 
     pattern = "pipeline"
@@ -354,11 +352,6 @@ class Pipeline(Strategy):
 
 # One guarded function per layer function, so that pipelines of the same layers share compiled programs.
 _guarded = lru_cache(maxsize=256)(guard_inputs)
-
-
-def _nbytes(tree: Any) -> int:
-    """Bytes of every array (or shape) in ``tree``."""
-    return sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
 
 
 def _calls(program: str, m: int) -> int:
@@ -378,7 +371,7 @@ def _collective_flows(
     flows = []
     for s in range(pipe.model_stages if found else 0):
         measured = totals.pop((s, "reduce", "all-reduce"), 0)
-        flows.append(Flow(D2D, f"gradients of stage {s} (all-reduce)", measured, _nbytes(stage_params[s]),
+        flows.append(Flow(D2D, f"gradients of stage {s} (all-reduce)", measured, param_bytes(stage_params[s]),
                           f"P_{s}", "compiled HLO, once a step"))  # fmt: skip
     if found:
         measured = totals.pop((last, "forward", "all-reduce"), 0)
@@ -447,19 +440,16 @@ class PipelineStep(Step):
         """
         pipe = self.pipeline
         stages = range(pipe.model_stages)
-        if scale is None:
-            updated = [programs.update(params[s], state.opt_state[s], grads[s], tx=state.tx) for s in stages]
-            return (*zip(*updated, strict=True), None)
-        unscaled = [
-            programs.unscaled(grads[s], jax.device_put(scale, pipe.replicated(s)), precision=self.precision)
-            for s in stages
-        ]
-        finite = jnp.all(jnp.stack([jax.device_put(f, pipe.replicated(0)) for _, f in unscaled]))
-        everywhere = [jax.device_put(finite, pipe.replicated(s)) for s in stages]
-        updated = [
-            programs.guarded_update(params[s], state.opt_state[s], unscaled[s][0], everywhere[s], tx=state.tx)
-            for s in stages
-        ]
+        finite, everywhere = None, [None for _ in stages]
+        if scale is not None:
+            unscaled = [
+                programs.unscaled(grads[s], jax.device_put(scale, pipe.replicated(s)), precision=self.precision)
+                for s in stages
+            ]
+            grads = [g for g, _ in unscaled]
+            finite = jnp.all(jnp.stack([jax.device_put(f, pipe.replicated(0)) for _, f in unscaled]))
+            everywhere = [jax.device_put(finite, pipe.replicated(s)) for s in stages]
+        updated = [programs.update(params[s], state.opt_state[s], grads[s], everywhere[s], tx=state.tx) for s in stages]
         return (*zip(*updated, strict=True), finite)
 
     def passes(
