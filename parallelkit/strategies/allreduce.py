@@ -1,19 +1,19 @@
 """All-reduce by hand: the algorithms behind ``lax.psum``, written with ``lax.ppermute``.
 
 An all-reduce leaves on every device the sum of every device's array. Libraries
-pick among several algorithms for it (TensorFlow's ``cross_device_ops``:
-``ReductionToOneDevice``, ``HierarchicalCopyAllReduce``, ``NcclAllReduce``); here
+pick among several algorithms for it (TensorFlow's ``cross_device_ops``, named below;
+its ``NcclAllReduce`` is the library's own, as ``lax.psum`` is here); here
 each is a few lines of JAX, called inside ``jax.shard_map`` over named mesh axes,
 returning what ``lax.psum`` returns (up to the order of the additions):
 
-- :func:`reduce_to_one_allreduce`: every device sends its array to device 0, which
-  adds them and sends the sum back, one device at a time;
-- :func:`ring_allreduce`: a reduce-scatter then an all-gather around a ring, each
-  device sending ``1/n`` of the array per round (NCCL's ring);
-- :func:`tree_allreduce`: recursive halving, then recursive doubling, between
-  partners ``2^k`` apart (Rabenseifner's algorithm: a butterfly, the tree's cousin);
-- :func:`hierarchical_allreduce`: a ring inside each group (a machine), a ring
-  across groups on one ``1/g`` slice each, and a ring inside the group again.
+- :func:`reduce_to_one_allreduce` (``ReductionToOneDevice``): every device sends its
+  array to device 0, which adds them and sends the sum back, one device at a time;
+- :func:`ring_allreduce` (``NcclAllReduce(all_reduce_alg='ring')``, ``CollectiveCommunication.RING``):
+  a reduce-scatter then an all-gather around a ring, each device sending ``1/n`` of the array per round (NCCL's ring);
+- :func:`tree_allreduce` (no TensorFlow counterpart): recursive halving, then recursive doubling,
+  between partners ``2^k`` apart (MPI's Rabenseifner algorithm: a butterfly, the tree's cousin);
+- :func:`hierarchical_allreduce` (``HierarchicalCopyAllReduce``): a ring inside each group (a
+  machine), a ring across groups on one ``1/g`` slice each, and a ring inside the group again.
 
 Each has a cost in the alpha-beta model (:class:`Cost`: a latency ``alpha`` per
 message in sequence, ``1/beta`` per byte in sequence), summed from the cost model's
@@ -276,15 +276,6 @@ def hierarchical_allreduce(x: jax.Array, inner_axis: str, outer_axis: str) -> ja
     """
     inner, outer = lax.axis_size(inner_axis), lax.axis_size(outer_axis)
     return _hierarchical(x, (outer_axis, inner_axis), inner, outer)
-
-
-TENSORFLOW_NAMES = {
-    "psum": "NcclAllReduce (the library's own all-reduce)",
-    "reduce_to_one": "ReductionToOneDevice",
-    "hierarchical": "HierarchicalCopyAllReduce",
-    "ring": "NcclAllReduce(all_reduce_alg='ring') / CollectiveCommunication.RING",
-    "tree": "(no TensorFlow counterpart; MPI's Rabenseifner all-reduce)",
-}
 
 
 @dataclass(frozen=True)

@@ -123,8 +123,6 @@ class PipelineExplorer:
         if self._widgets is None:
             import ipywidgets as w
 
-            from ..viz.pipeline import pipeline_gantt_figure
-
             stages = w.IntSlider(min(2, self.max_stages), 1, self.max_stages, description="stages")
             micro = w.SelectionSlider(options=self.microbatch_choices, value=self.microbatch_choices[-1])
             micro.description = "microbatches"

@@ -118,9 +118,7 @@ def placement_figure(rows: Sequence[LeafPlacement], devices: Sequence[int] | Non
         devices = sorted({d for row in rows for d in row.devices})
     devices = list(devices)
     fractions = held_fractions(rows, devices)
-    held = np.zeros_like(fractions)
-    for i, row in enumerate(rows):
-        held[i] = np.where(fractions[i] > 0, row.bytes_per_device, 0)
+    held = np.where(fractions > 0, np.array([row.bytes_per_device for row in rows], float).reshape(-1, 1), 0.0)
 
     fig = Figure(
         figsize=(2.6 + 0.75 * max(len(devices), 2), 1.4 + 0.3 * max(len(rows), 1)),
@@ -205,18 +203,16 @@ def partition_figure(partition: Partition, devices: Sequence[int] | None = None,
         for piece in partition.pieces(j):
             width = piece.stop - piece.start
             ax.barh(j, width, left=left, height=0.7, color=colors[piece.path], edgecolor="white")
-            if width < 0.15 * widest:  # too narrow for a label: the legend names its colour
-                left += width
-                continue
-            ax.text(
-                left + width / 2,
-                j,
-                f"{leaf_label(piece.path)}[{piece.start}:{piece.stop}]",
-                ha="center",
-                va="center",
-                fontsize=7,
-                clip_on=True,
-            )
+            if width >= 0.15 * widest:  # else too narrow for a label: the legend names its colour
+                ax.text(
+                    left + width / 2,
+                    j,
+                    f"{leaf_label(piece.path)}[{piece.start}:{piece.stop}]",
+                    ha="center",
+                    va="center",
+                    fontsize=7,
+                    clip_on=True,
+                )
             left += width
     labels = []
     for j, (a, b) in enumerate(partition.bounds):
