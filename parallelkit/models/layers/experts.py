@@ -5,11 +5,9 @@ groups, each group routes on its own, and one-hot dispatch and combine masks mov
 tokens into each expert's fixed-size buffer and back with einsums. On one device (or
 under rules that do not split the logical axis ``expert``) every expert runs there;
 traced under a strategy whose rules map ``expert`` to a mesh axis of size ``n > 1``
-it becomes :func:`expert_parallel`: inside ``jax.shard_map`` each device routes its
-own group, one ``jax.lax.all_to_all`` sends every expert's slots to the device that
-holds that expert, each device applies its ``experts / n`` experts, and a second
-all-to-all brings the results back to be combined. The expert weights stay split
-along their leading axis; they are never gathered.
+it becomes :func:`expert_parallel`, where one ``jax.lax.all_to_all`` sends each expert's
+slots to the device that holds it and a second brings the results back: the expert
+weights stay split along their leading axis, never gathered.
 
 >>> params = init_moe_params(jax.random.key(0), dim=4, hidden=8, experts=4)
 >>> y, aux = moe_layer(jnp.ones((2, 3, 4)), params, top_k=2)
@@ -161,8 +159,7 @@ def moe_layer(
         return expert_parallel(
             x, params, mesh=active[0], axis=axis, top_k=top_k, capacity_factor=capacity_factor, groups=groups
         )
-    tokens, dim, _ = _check(x, params, top_k, capacity_factor, groups)
-    cap = capacity(tokens // groups, params["router"].shape[1], top_k, capacity_factor)
+    tokens, dim, _, cap = _check(x, params, top_k, capacity_factor, groups)
     y, sums = _moe_groups(x.reshape(groups, -1, dim), params, top_k, cap, _experts)
     return y.reshape(x.shape), _aux(sums, tokens, top_k)
 
@@ -206,7 +203,7 @@ def expert_parallel(
         do not split evenly over ``axis``; ``groups`` other than the device count.
     """
     groups = mesh.size if groups is None else groups
-    tokens, dim, experts = _check(x, params, top_k, capacity_factor, groups)
+    tokens, dim, experts, cap = _check(x, params, top_k, capacity_factor, groups)
     names = axes.axis_names(axis)
     if not names or any(name not in mesh.shape for name in names):
         raise ValueError(f"expert_parallel(axis={axis!r}): the mesh has axes {dict(mesh.shape)}; name one of them.")
@@ -222,7 +219,6 @@ def expert_parallel(
             f"devices of mesh {dict(mesh.shape)} the tokens are split over, got groups={groups}: "
             f"pass groups={mesh.size} (and the same groups to the single-device run it should equal)."
         )
-    cap = capacity(tokens // groups, experts, top_k, capacity_factor)
 
     def exchange(dispatched: jax.Array, local: Params) -> jax.Array:
         mine = jax.lax.all_to_all(dispatched, axis, 0, 1, tiled=True)  # each expert's slots to its device
@@ -279,8 +275,8 @@ def check_routing(experts: int, top_k: int, capacity_factor: float) -> None:
         )
 
 
-def _check(x: jax.Array, params: Params, top_k: int, capacity_factor: float, groups: int) -> tuple[int, int, int]:
-    """``(tokens, dim, experts)``, or a ValueError saying what is wrong with the arguments."""
+def _check(x: jax.Array, params: Params, top_k: int, capacity_factor: float, groups: int) -> tuple[int, int, int, int]:
+    """``(tokens, dim, experts, a group's capacity)``, or a ValueError saying what is wrong with the arguments."""
     missing = [name for name in REQUIRED if name not in params]
     unknown = [name for name in params if name not in SHAPES]
     if missing or unknown:
@@ -310,7 +306,7 @@ def _check(x: jax.Array, params: Params, top_k: int, capacity_factor: float, gro
             f"{tokens} tokens do not cut into groups={groups!r} equal groups: use a whole number of groups that "
             f"divides {tokens}."
         )
-    return tokens, dim, experts
+    return tokens, dim, experts, capacity(tokens // groups, experts, top_k, capacity_factor)
 
 
 def _route(group: jax.Array, router: jax.Array, top_k: int, cap: int):

@@ -496,8 +496,7 @@ class PipelineStep(Step):
                     out = send("activations", out, stage + 1, m)  # activations move to the next stage
             elif kind == "weight":  # zb-h1: the parameters' gradients, from what the backward pass kept
                 program, arguments = self._backward(stage, wrt="params")
-                x, batch, cotangent = held[stage].pop(m)
-                grads[stage], out = program(params[stage], x, batch, cotangent, grads[stage], **arguments)
+                grads[stage], out = program(params[stage], *held[stage].pop(m), grads[stage], **arguments)
             else:
                 x, batch = stash[stage].pop(m)
                 cotangent = seed if stage == last else received
