@@ -14,9 +14,8 @@ schedule: a schedule changes only the order in which they are called.
   (GPipe's re-materialisation, Huang et al. 2019);
 - :func:`backward_input`: a zero-bubble schedule's backward pass, the input's gradient
   alone; its weight pass is :func:`backward` with ``wrt="params"``;
-- :func:`backward_unreduced`: :func:`backward` where a stage has several ``data`` devices:
-  each adds its own slice's gradients to its own sum, nothing all-reduced until
-  :func:`reduce_unreduced` does it once a step;
+- :func:`backward_unreduced`: :func:`backward` on each of a stage's ``data`` devices alone,
+  until :func:`reduce_unreduced` all-reduces their sums once a step;
 - :func:`update`: one optimizer update of the stage's own parameters (and :func:`next_step`,
   the step counter).
 """

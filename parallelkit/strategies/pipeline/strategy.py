@@ -407,13 +407,12 @@ class PipelineStep(Step):
         self.orders = schedules.stage_orders(plan)
         self.split_backward = any(slot.kind == "weight" for slot in plan)  # zb-h1: backward and weight passes
         last = pipeline.model_stages - 1
-        # The static arguments of each stage's programs: its layers, and whether it is first or last.
+        # The static arguments of each stage's programs: the shared ones, its layers, and whether it is first or last.
+        shared = dict(head_loss=head_loss, precision=precision)
         self.statics = [
-            dict(layers=tuple(pipeline.layers[i] for i in layers), head_loss=head_loss, first=s == 0, last=s == last)
+            dict(layers=tuple(pipeline.layers[i] for i in layers), first=s == 0, last=s == last, **shared)
             for s, layers in enumerate(pipeline.stage_layers)
         ]
-        if precision is not None:
-            self.statics = [dict(statics, precision=precision) for statics in self.statics]
         self.timeline: Timeline | None = None
 
     def _run(self, state: TrainState, microbatches: list[Batch]) -> tuple[TrainState, dict[str, jax.Array]]:
@@ -485,9 +484,8 @@ class PipelineStep(Step):
             return placed
 
         def task(kind: str, stage: int, m: int, received: Any) -> Any:
-            ends = stage in (0, last)  # the first stage reads the batch, the last its labels
-            if kind == "forward":
-                batch = send("batch", microbatches[m], stage, m) if ends else None
+            if kind == "forward":  # the first stage reads the batch, the last its labels
+                batch = send("batch", microbatches[m], stage, m) if stage in (0, last) else None
                 stash[stage][m] = (received, batch)
                 out = programs.forward(params[stage], received, batch, **statics[stage])
                 if stage == last:
@@ -495,8 +493,8 @@ class PipelineStep(Step):
                 else:
                     out = send("activations", out, stage + 1, m)  # activations move to the next stage
             elif kind == "weight":  # zb-h1: the parameters' gradients, from what the backward pass kept
-                program, arguments = self._backward(stage, wrt="params")
-                grads[stage], out = program(params[stage], *held[stage].pop(m), grads[stage], **arguments)
+                kept = held[stage].pop(m)  # the input, batch and cotangent of the backward pass
+                grads[stage], out = self._backward(stage, params[stage], *kept, grads[stage], wrt="params")
             else:
                 x, batch = stash[stage].pop(m)
                 cotangent = seed if stage == last else received
@@ -504,8 +502,7 @@ class PipelineStep(Step):
                     held[stage][m] = (x, batch, cotangent)
                     out = programs.backward_input(params[stage], x, batch, cotangent, **statics[stage])
                 else:
-                    program, arguments = self._backward(stage)
-                    grads[stage], out = program(params[stage], x, batch, cotangent, grads[stage], **arguments)
+                    grads[stage], out = self._backward(stage, params[stage], x, batch, cotangent, grads[stage])
                 if stage > 0:
                     out = send("gradients", out, stage - 1, m)  # gradients move back up
             jax.block_until_ready((out, grads[stage]))
@@ -533,15 +530,15 @@ class PipelineStep(Step):
         rows = jax.tree.map(lambda p: jnp.zeros((pipe.data, *p.shape), p.dtype), params)
         return jax.device_put(rows, pipe.split(stage))
 
-    def _backward(self, stage: int, wrt: str = "both") -> tuple[Any, dict]:
-        """Run ``stage``'s backward program (``wrt="params"``: its weight pass) and its static arguments: the
-        gradients all-reduced in it, or with ``data > 1`` kept per device
+    def _backward(self, stage: int, *args: Any, wrt: str = "both", lower: bool = False) -> Any:
+        """Run ``stage``'s backward program (``wrt="params"``: its weight pass) on ``args``, or with ``lower`` lower it
+        for them: the gradients all-reduced in it, or with ``data > 1`` kept per device
         (:func:`~parallelkit.strategies.pipeline.stages.backward_unreduced`) until the step's one all-reduce."""
         pipe = self.pipeline
-        if pipe.data == 1:
-            return programs.backward, dict(self.statics[stage], wrt=wrt)
-        mesh = pipe.stage_meshes[stage % pipe.stages]
-        return programs.backward_unreduced, dict(self.statics[stage], mesh=mesh, wrt=wrt)
+        program, arguments = programs.backward, dict(self.statics[stage], wrt=wrt)
+        if pipe.data > 1:
+            program, arguments["mesh"] = programs.backward_unreduced, pipe.stage_meshes[stage % pipe.stages]
+        return (program.lower if lower else program)(*args, **arguments)
 
     def output_shapes(self, params: list[list[PyTree]], microbatch: Batch) -> list[Any]:
         """Per stage, the shapes of its forward pass's output for one microbatch (``(loss, aux)`` on the last).
@@ -578,11 +575,9 @@ class PipelineStep(Step):
             lowered = {"forward": programs.forward.lower(params[s], x, batch, **statics)}
             if self.split_backward:  # zb-h1 runs the input's gradient and the weight pass, not the fused backward
                 lowered["backward"] = programs.backward_input.lower(params[s], x, batch, cotangent, **statics)
-                weight, weight_statics = self._backward(s, wrt="params")
-                lowered["weight"] = weight.lower(params[s], x, batch, cotangent, grads, **weight_statics)
+                lowered["weight"] = self._backward(s, params[s], x, batch, cotangent, grads, wrt="params", lower=True)
             else:
-                backward, backward_statics = self._backward(s)
-                lowered["backward"] = backward.lower(params[s], x, batch, cotangent, grads, **backward_statics)
+                lowered["backward"] = self._backward(s, params[s], x, batch, cotangent, grads, lower=True)
             if pipe.data > 1:
                 lowered["reduce"] = programs.reduce_unreduced.lower(grads, where=pipe.replicated(s))
             for kind, program in lowered.items():
