@@ -1,7 +1,6 @@
 """A pipeline in one program: the circular (looping) pipeline, in ``jax.shard_map`` with ``lax.ppermute``.
 
-:class:`~parallelkit.Pipeline` drives its stages from the host: one thread per stage calls
-compiled programs in any order a schedule gives (1F1B and zero bubble included). This module
+:class:`~parallelkit.Pipeline` drives its stages from the host, one thread per stage. This module
 writes a pipeline the other way, as MaxText does: the whole forward pass is **one** compiled
 program over a ``stage`` mesh axis, its backward pass is JAX's own derivative of it, and the
 hand-overs are ``lax.ppermute`` instructions that the compiled HLO shows.

@@ -133,10 +133,7 @@ def one_f_one_b_schedule(stages: int, microbatches: int, forward: float = 1, bac
     ``stages - s`` microbatches at once, where GPipe's hold all of them
     (:func:`peak_in_flight`).
 
-    Args and Raises: as :func:`gpipe_schedule`.
-
-    Returns:
-      The slots, forwards first (by stage, then microbatch), then backwards likewise.
+    Args, Returns and Raises: as :func:`gpipe_schedule`.
     """
     _check_counts(stages, microbatches, forward, backward)
     orders = [_one_f_one_b_order(min(stages - 1 - s, microbatches), microbatches) for s in range(stages)]

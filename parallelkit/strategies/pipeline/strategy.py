@@ -532,8 +532,7 @@ class PipelineStep(Step):
 
     def _backward(self, stage: int, *args: Any, wrt: str = "both", lower: bool = False) -> Any:
         """Run ``stage``'s backward program (``wrt="params"``: its weight pass) on ``args``, or with ``lower`` lower it
-        for them: the gradients all-reduced in it, or with ``data > 1`` kept per device
-        (:func:`~parallelkit.strategies.pipeline.stages.backward_unreduced`) until the step's one all-reduce."""
+        for them: with ``data > 1``, :func:`~parallelkit.strategies.pipeline.stages.backward_unreduced`."""
         pipe = self.pipeline
         program, arguments = programs.backward, dict(self.statics[stage], wrt=wrt)
         if pipe.data > 1:
