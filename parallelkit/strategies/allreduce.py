@@ -313,9 +313,8 @@ class AllReduce:
             if n % self.group:
                 raise ValueError(f"AllReduce(hierarchical, group={self.group}) needs a multiple of it; got {n}.")
             return _hierarchical(x, axis, self.group, n // self.group)
-        return {"ring": ring_allreduce, "tree": tree_allreduce, "reduce_to_one": reduce_to_one_allreduce}[
-            self.algorithm
-        ](x, axis)
+        flat = {"ring": ring_allreduce, "tree": tree_allreduce, "reduce_to_one": reduce_to_one_allreduce}
+        return flat[self.algorithm](x, axis)
 
     def cost(self, n: int, nbytes: float) -> dict[str, Cost]:
         """The alpha-beta cost over ``n`` devices, per kind of link (``"inner"``, ``"outer"``).

@@ -5,8 +5,7 @@
 >>> [(float(p.get_x()), float(p.get_width())) for p in fig.axes[0].patches[:2]]
 [(0.0, 1.0), (1.0, 1.0)]
 
-The live view is here too: :class:`PipelineExplorer`, sliders for stages and microbatches whose every
-change trains one real pipeline step and draws its timeline (``pk.widgets.PipelineExplorer``).
+The live view is here too: :class:`PipelineExplorer` (``pk.widgets.PipelineExplorer``).
 """
 
 from __future__ import annotations

@@ -128,7 +128,6 @@ def placement_figure(rows: Sequence[LeafPlacement], devices: Sequence[int] | Non
     image = ax.imshow(fractions, cmap=_CMAP, vmin=0.0, vmax=1.0, aspect="auto")
     kinds = memory_kinds(rows, devices)
     for i, j in zip(*np.nonzero(fractions), strict=True):
-        dark = fractions[i, j] > 0.55
         host = kinds[i, j] in HOST_MEMORY_KINDS
         if host:
             ax.add_patch(
@@ -141,7 +140,7 @@ def placement_figure(rows: Sequence[LeafPlacement], devices: Sequence[int] | Non
             ha="center",
             va="center",
             fontsize=7,
-            color="white" if dark else "black",
+            color="white" if fractions[i, j] > 0.55 else "black",
         )
     ax.set_yticks(range(len(rows)), [f"{leaf_label(r.path)} {r.shape}" for r in rows], fontsize=8)
     totals = held.sum(axis=0)

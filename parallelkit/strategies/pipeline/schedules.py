@@ -13,9 +13,8 @@ Four schedules, in the order the field met them:
   fewer microbatches at once;
 - :func:`interleaved_schedule`: each stage holds ``virtual`` chunks of layers that are not
   neighbours (Megatron's virtual stages), so the bubble shrinks ``virtual`` times;
-- :func:`zero_bubble_schedule`: each backward pass split into the input's gradient
-  (``"backward"``, which the stage above waits for) and the weights' (``"weight"``,
-  which nobody waits for), the weight passes moved into the bubbles (ZB-H1).
+- :func:`zero_bubble_schedule`: each backward pass split in two (:class:`Slot`'s ``kind``),
+  the weight passes, which nobody waits for, moved into the bubbles (ZB-H1).
 
 >>> slots = gpipe_schedule(stages=2, microbatches=2)
 >>> [(s.stage, s.microbatch, s.start, s.end, s.kind) for s in slots[:3]]

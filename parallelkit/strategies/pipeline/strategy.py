@@ -245,13 +245,12 @@ class Pipeline(Strategy):
             "or FullySharded, which update every parameter at once.",
         )  # fmt: skip
         per_stage = self.stage_params(params)
-        if opt_state is not None:
-            expected = [jax.eval_shape(tx.init, p) for p in per_stage]
-            check_same_tree(expected, list(opt_state), what="opt_state", against="[tx.init(stage params), ...]")
         placed = [_placed_copy(p, self.replicated(s)) for s, p in enumerate(per_stage)]
         if opt_state is None:
             opt_states = [jax.jit(tx.init, out_shardings=self.replicated(s))(p) for s, p in enumerate(placed)]
         else:
+            expected = [jax.eval_shape(tx.init, p) for p in per_stage]
+            check_same_tree(expected, list(opt_state), what="opt_state", against="[tx.init(stage params), ...]")
             opt_states = [_placed_copy(o, self.replicated(s)) for s, o in enumerate(opt_state)]
         step = jax.device_put(jnp.zeros((), jnp.int32), self.replicated(0))
         return TrainState(step=step, params=self.layer_params(placed), opt_state=opt_states, tx=tx)
