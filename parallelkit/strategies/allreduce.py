@@ -232,8 +232,7 @@ def tree_allreduce(x: jax.Array, axis: Axis) -> jax.Array:
         part = jnp.where(upper, high, low) + arrived
     for d in reversed(distances):  # doubling: put my part and my partner's side by side
         arrived = lax.ppermute(part, axis, [(i, i ^ d) for i in range(n)])
-        upper = (me & d) != 0
-        part = jnp.where(upper, jnp.concatenate([arrived, part]), jnp.concatenate([part, arrived]))
+        part = jnp.where((me & d) != 0, jnp.concatenate([arrived, part]), jnp.concatenate([part, arrived]))
     return back(part)
 
 

@@ -51,11 +51,7 @@ Block = Callable[[Any, jax.Array], jax.Array]
 
 def sequential(block: Block, stacked: Any, x: jax.Array) -> jax.Array:
     """Every repeat of ``block`` in turn, on one device: what :func:`circular_pipeline` computes."""
-
-    def one(h, params):
-        return block(params, h), None
-
-    return lax.scan(one, x, stacked)[0]
+    return lax.scan(lambda h, params: (block(params, h), None), x, stacked)[0]
 
 
 def bubble_fraction(stages: int, microbatches: int, virtual: int = 1) -> float:

@@ -321,14 +321,11 @@ class Pipeline(Strategy):
         outputs = step.output_shapes(params, microbatches[0])
         metric_bytes = param_bytes(outputs[last])
         total = sum(np.asarray(x).nbytes for x in jax.tree.leaves(batch))
-        flows = [Flow(H2D, "batch, to stage 0", moved["batch", 0], total / d, "B/d", "placed microbatches")]
-        if last > 0:
-            flows.append(Flow(H2D, f"batch, to stage {last} (labels)", moved["batch", last], total / d, "B/d",
-                              "placed microbatches"))  # fmt: skip
+        ends = [(0, "batch, to stage 0"), (last, f"batch, to stage {last} (labels)")][: 2 if last else 1]
+        flows = [Flow(H2D, what, moved["batch", s], total / d, "B/d", "placed microbatches") for s, what in ends]
         for s in range(last):
             boundary = param_bytes(outputs[s]) / d
-            for what, to in (("activations", s + 1), ("gradients", s)):
-                arrow = f"{s} -> {s + 1}" if what == "activations" else f"{s + 1} -> {s}"
+            for what, to, arrow in (("activations", s + 1, f"{s} -> {s + 1}"), ("gradients", s, f"{s + 1} -> {s}")):
                 flows.append(Flow(D2D, f"{what}, stage {arrow}", moved[what, to], m * boundary, f"m x A_{s}/d",
                                   "arrays handed over"))  # fmt: skip
         found = step.stage_collectives(state, microbatches[0]) if d > 1 else []
