@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from ..core.mesh import is_count
 from ..measure.flops import dense_training_flops
 
 
@@ -58,7 +59,7 @@ class Transformer:
     def __post_init__(self) -> None:
         for field in ("layers", "d_model", "heads", "ffn", "vocab", "seq"):
             value = getattr(self, field)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            if not is_count(value):
                 raise ValueError(f"Transformer({field}={value!r}): a whole number >= 1.")
         if self.d_model % self.heads:
             raise ValueError(f"Transformer: d_model={self.d_model} does not split into heads={self.heads}.")
