@@ -266,16 +266,10 @@ class Checkpoints:
         """Compare the saved tree's paths, shapes and dtypes with ``target``'s before reading anything."""
         saved = _leaf_table(self._saved_tree(step))
         wanted = _leaf_table(target)
-        problem = next(
-            (
-                f"{path}: saved {saved.get(path, 'nothing')}, expected {wanted.get(path, 'nothing')}"
-                for path in sorted(saved.keys() | wanted.keys())
-                if saved.get(path) != wanted.get(path)
-            ),
-            None,
-        )
-        if problem:
-            raise self._does_not_fit(step, strategy, f"first difference: {problem}")
+        differ = [path for path in sorted(saved.keys() | wanted.keys()) if saved.get(path) != wanted.get(path)]
+        if differ:
+            first = f"{differ[0]}: saved {saved.get(differ[0], 'nothing')}, expected {wanted.get(differ[0], 'nothing')}"
+            raise self._does_not_fit(step, strategy, f"first difference: {first}")
 
     def _does_not_fit(self, step: int, strategy: Strategy, why: str) -> ValueError:
         return ValueError(
@@ -322,8 +316,7 @@ def restore(
     ``model_state`` and ``rng`` are templates for a state saved with them (see :meth:`Checkpoints.restore`).
 
     Raises:
-      FileNotFoundError: no checkpoint there.
-      ValueError: the checkpoint does not fit this model, optimizer or strategy.
+      FileNotFoundError, ValueError: as :meth:`Checkpoints.restore` (no checkpoint there; one that does not fit).
     """
     with Checkpoints(directory, keep=None) as ckpt:
         return ckpt.restore(strategy, params, tx, step, model_state=model_state, rng=rng).state
