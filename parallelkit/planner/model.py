@@ -126,7 +126,7 @@ class Transformer:
     @property
     def routed_params(self) -> int:
         """Every expert's weights in every layer (0 for a dense model): what an expert axis splits."""
-        return self.layers * self.experts * self.expert_params if self.experts else 0
+        return self.layers * self.experts * self.expert_params
 
     @property
     def active_params(self) -> int:
