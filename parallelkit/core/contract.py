@@ -34,7 +34,7 @@ def batch_size(batch: Batch) -> int:
     try:
         sizes = [x.shape[0] for x in jax.tree.leaves(batch)]  # on every step: keep it cheap
     except (IndexError, AttributeError):
-        raise ValueError(_SCALARS.format(_scalars(batch))) from None
+        raise ValueError(_no_batch_axis(batch)) from None
     if not sizes:
         raise ValueError("The batch holds no arrays.")
     if min(sizes) != max(sizes):
@@ -43,19 +43,15 @@ def batch_size(batch: Batch) -> int:
     return sizes[0]
 
 
-_SCALARS = (
-    "The batch holds {}, which has no leading (batch) axis: every array of a batch holds one row per example, "
-    "so the strategy can split it. Give it one value per example (np.full((batch_size,), value)), or keep a "
-    "constant out of the batch and close over it in the loss."
-)
-
-
-def _scalars(batch: Batch) -> str:
-    """The first batch leaf with no leading axis, by its path."""
-    for path, x in jax.tree_util.tree_flatten_with_path(batch)[0]:
-        if np.ndim(x) == 0:
-            return f"batch{jax.tree_util.keystr(path)} = {x!r}"
-    return "an array"
+def _no_batch_axis(batch: Batch) -> str:
+    """The message for a batch holding a leaf with no leading axis: the first such leaf, by its path."""
+    leaves = jax.tree_util.tree_flatten_with_path(batch)[0]
+    found = next((f"batch{jax.tree_util.keystr(p)} = {x!r}" for p, x in leaves if np.ndim(x) == 0), "an array")
+    return (
+        f"The batch holds {found}, which has no leading (batch) axis: every array of a batch holds one row per "
+        "example, so the strategy can split it. Give it one value per example (np.full((batch_size,), value)), or "
+        "keep a constant out of the batch and close over it in the loss."
+    )
 
 
 class LossInputError(ValueError):

@@ -181,8 +181,7 @@ def data_parallel_min_batch(
 
     Args:
         peak_flops: ``C``, one device's FLOP/s.
-        link_bytes_per_s_each_way: ``W``, the link bandwidth one device sends at, bytes/s
-            each way (e.g. ``hardware.PUBLISHED[...].link_bytes_per_s``).
+        link_bytes_per_s_each_way: ``W``, the link bandwidth above (``hardware.PUBLISHED[...].link_bytes_per_s``).
         bytes_per_value: bytes per gradient value (2: bfloat16, 4: float32).
         flops_per_param_token: FLOPs per parameter per token that the all-reduce overlaps.
 

@@ -124,16 +124,9 @@ def bus_bytes(found: Sequence[Collective]) -> float:
     return float(sum(sent_bytes(c.op, c.bytes, c.group_size or 1) for c in found))
 
 
-def _batch_bytes(strategy: Strategy, batch: Batch) -> tuple[int, int]:
-    """(bytes of the global batch, bytes one replica receives) after the strategy places it."""
-    total = sum(np.asarray(x).nbytes for x in jax.tree.leaves(batch))
-    placed = strategy.place_batch(batch)
-    leaves = jax.tree.leaves(placed)
-    if all(isinstance(x, jax.Array) for x in leaves):
-        held = _bytes_per_device(placed)
-        return total, max(held.values())  # devices that only split the model hold the same batch
-    # pmap's layout: host arrays of shape (replicas, per_replica, ...); row i goes to device i
-    return total, sum(np.asarray(x)[0].nbytes for x in leaves)
+def _host_bytes(tree) -> int:
+    """Bytes of ``tree``'s leaves as host arrays (one copy of each)."""
+    return sum(int(np.asarray(x).nbytes) for x in jax.tree.leaves(tree))
 
 
 def sizes(strategy: Strategy, loss_fn: LossFn, state: TrainState, batch: Batch) -> Sizes:
@@ -148,13 +141,19 @@ def sizes(strategy: Strategy, loss_fn: LossFn, state: TrainState, batch: Batch) 
     metric_bytes = sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves((loss, aux)))
     opt_leaves = jax.tree.leaves(state.opt_state)
     optimizer = sum(int(np.prod(strategy.logical_shape(x))) * x.dtype.itemsize for x in opt_leaves)
-    return Sizes(_param_bytes(params), metric_bytes, batch_size(batch), n, params, optimizer)
+    return Sizes(_host_bytes(params), metric_bytes, batch_size(batch), n, params, optimizer)
 
 
 def batch_flow(strategy: Strategy, batch: Batch) -> Flow:
     """The batch slice each replica receives, measured after placement, beside ``B/n``."""
-    total, per_replica = _batch_bytes(strategy, batch)
-    return Flow(H2D, "batch slice", per_replica, total / strategy.num_replicas, "B/n", "placed batch, per device")
+    placed = strategy.place_batch(batch)
+    leaves = jax.tree.leaves(placed)
+    if all(isinstance(x, jax.Array) for x in leaves):
+        per_replica = max(_bytes_per_device(placed).values())  # devices that only split the model hold the same batch
+    else:  # pmap's layout: host arrays of shape (replicas, per_replica, ...); row i goes to device i
+        per_replica = sum(np.asarray(x)[0].nbytes for x in leaves)
+    expected = _host_bytes(batch) / strategy.num_replicas
+    return Flow(H2D, "batch slice", per_replica, expected, "B/n", "placed batch, per device")
 
 
 def compiled_traffic(strategy: Strategy, loss_fn: LossFn, state: TrainState, batch: Batch) -> StepTraffic:
@@ -191,10 +190,6 @@ def step_traffic(strategy: Strategy, loss_fn: LossFn, state: TrainState, batch: 
       A :class:`StepTraffic`; ``print(traffic.table())`` shows it.
     """
     return strategy.traffic(loss_fn, state, batch)
-
-
-def _param_bytes(params) -> int:
-    return sum(int(np.asarray(x).nbytes) for x in jax.tree.leaves(params))
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
+from ..core.mesh import is_count
 from .build import kit_strategy
 from .memory import (
     CONTEXT_METHODS,
@@ -65,7 +66,7 @@ class Layout:
     def __post_init__(self) -> None:
         for axis in ("data", "tensor", "context", "stages", "microbatches", "expert"):
             value = getattr(self, axis)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            if not is_count(value):
                 raise ValueError(f"Layout({axis}={value!r}): a whole number >= 1.")
         if self.zero not in (0, 1, 2, 3):
             raise ValueError(f"Layout(zero={self.zero!r}): a ZeRO stage, 0 to 3.")

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from ..core.mesh import is_count
 from ..measure.flops import dense_training_flops
 
 
@@ -58,7 +59,7 @@ class Transformer:
     def __post_init__(self) -> None:
         for field in ("layers", "d_model", "heads", "ffn", "vocab", "seq"):
             value = getattr(self, field)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            if not is_count(value):
                 raise ValueError(f"Transformer({field}={value!r}): a whole number >= 1.")
         if self.d_model % self.heads:
             raise ValueError(f"Transformer: d_model={self.d_model} does not split into heads={self.heads}.")
@@ -125,7 +126,7 @@ class Transformer:
     @property
     def routed_params(self) -> int:
         """Every expert's weights in every layer (0 for a dense model): what an expert axis splits."""
-        return self.layers * self.experts * self.expert_params if self.experts else 0
+        return self.layers * self.experts * self.expert_params
 
     @property
     def active_params(self) -> int:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from ..core.mesh import is_count
 from .cluster import Cluster
 from .layout import Layout, activations
 from .memory import STATE_BYTES
@@ -142,7 +143,7 @@ def plan(
     Raises:
       ValueError: no layout fits; the message says by how much, and what would make one fit.
     """
-    if isinstance(global_batch_tokens, bool) or not isinstance(global_batch_tokens, int) or global_batch_tokens < 1:
+    if not is_count(global_batch_tokens):
         raise ValueError(f"plan(global_batch_tokens={global_batch_tokens!r}): the tokens a step, a whole number >= 1, "
                          f"for example {64 * model.seq} (64 sequences of {model.seq}).")  # fmt: skip
     if not 0 <= reserve < 1:

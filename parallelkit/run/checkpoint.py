@@ -36,6 +36,7 @@ import numpy as np
 import optax
 
 from ..core.contract import PyTree
+from ..core.mesh import is_count
 from ..core.partition import path_label
 from ..core.precision import LossScaleState
 from ..core.state import TrainState
@@ -114,9 +115,9 @@ class Checkpoints:
     """
 
     def __init__(self, directory: str | Path, *, every: int = 100, keep: int | None = 3):
-        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+        if not is_count(every):
             raise ValueError(f"every={every!r}: checkpoints are saved every K steps, so use an integer K >= 1.")
-        if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
+        if keep is not None and not is_count(keep):
             raise ValueError(f"keep={keep!r}: use an integer >= 1 (how many checkpoints to keep), or None for all.")
         self.directory = Path(directory).expanduser().absolute()  # orbax wants an absolute path
         self.every, self.keep = every, keep
@@ -228,14 +229,13 @@ class Checkpoints:
         template = strategy.init(params, tx, model_state=model_state, rng=rng)
         if "loss_scale" in self._saved_tree(step):  # a dynamic loss scale rides where the step counter does
             template = template.replace(loss_scale=_like_step(template, LossScaleState(np.float32(1), np.int32(0))))
-        logical = _is_logical(strategy, _state_tree(template))
+        placed = _state_tree(template)
+        logical = _is_logical(strategy, placed)
         if logical:  # read each shard straight into its place
-            target = jax.tree.map(
-                lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), _state_tree(template)
-            )
+            target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), placed)
         else:  # one host copy, placed below by strategy.init
-            target = jax.tree.map(np.asarray, strategy.unreplicate(_state_tree(template)))
-        del template
+            target = jax.tree.map(np.asarray, strategy.unreplicate(placed))
+        del template, placed
         self._check_fits(step, target, strategy)
         args = ocp.args.Composite(**{STATE: ocp.args.StandardRestore(target), META: ocp.args.JsonRestore()})
         try:
@@ -266,16 +266,10 @@ class Checkpoints:
         """Compare the saved tree's paths, shapes and dtypes with ``target``'s before reading anything."""
         saved = _leaf_table(self._saved_tree(step))
         wanted = _leaf_table(target)
-        problem = next(
-            (
-                f"{path}: saved {saved.get(path, 'nothing')}, expected {wanted.get(path, 'nothing')}"
-                for path in sorted(saved.keys() | wanted.keys())
-                if saved.get(path) != wanted.get(path)
-            ),
-            None,
-        )
-        if problem:
-            raise self._does_not_fit(step, strategy, f"first difference: {problem}")
+        differ = [path for path in sorted(saved.keys() | wanted.keys()) if saved.get(path) != wanted.get(path)]
+        if differ:
+            first = f"{differ[0]}: saved {saved.get(differ[0], 'nothing')}, expected {wanted.get(differ[0], 'nothing')}"
+            raise self._does_not_fit(step, strategy, f"first difference: {first}")
 
     def _does_not_fit(self, step: int, strategy: Strategy, why: str) -> ValueError:
         return ValueError(
@@ -322,8 +316,7 @@ def restore(
     ``model_state`` and ``rng`` are templates for a state saved with them (see :meth:`Checkpoints.restore`).
 
     Raises:
-      FileNotFoundError: no checkpoint there.
-      ValueError: the checkpoint does not fit this model, optimizer or strategy.
+      FileNotFoundError, ValueError: as :meth:`Checkpoints.restore` (no checkpoint there; one that does not fit).
     """
     with Checkpoints(directory, keep=None) as ckpt:
         return ckpt.restore(strategy, params, tx, step, model_state=model_state, rng=rng).state
