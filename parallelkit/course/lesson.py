@@ -14,7 +14,6 @@ the next cell, tagged ``solution`` and hidden until the learner opens it.
 
 from __future__ import annotations
 
-import numbers
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -22,6 +21,7 @@ import jax
 import numpy as np
 
 from ..core.devices import device_summary, simulate_devices
+from ..core.mesh import is_number
 from ..measure.inspect import COLLECTIVES, parse_collectives
 
 MODELS = ("mlp", "cnn", "transformer")  # the names pk.models.build knows
@@ -107,7 +107,7 @@ def check(prediction: Any, measured: Any, *, rtol: float = 0.1, what: str = "the
     if prediction is None:
         print(f"measured {what}: {_show(measured)} (set the prediction above and run the cell again to compare)")
         return None
-    if _is_number(prediction) and _is_number(measured):
+    if is_number(prediction) and is_number(measured):
         right = abs(prediction - measured) <= rtol * abs(measured)
     else:
         right = prediction == measured
@@ -116,12 +116,8 @@ def check(prediction: Any, measured: Any, *, rtol: float = 0.1, what: str = "the
     return bool(right)
 
 
-def _is_number(x: Any) -> bool:
-    return isinstance(x, numbers.Real) and not isinstance(x, bool)
-
-
 def _show(x: Any) -> str:
-    return f"{x:.4g}" if _is_number(x) else repr(x)
+    return f"{x:.4g}" if is_number(x) else repr(x)
 
 
 def check_function(
@@ -209,7 +205,7 @@ def _first_difference(got: Any, expected: Any, *, rtol: float, atol: float) -> s
 
 def _is_array(x: Any) -> bool:
     """A number or an array of numbers (what ``np.allclose`` compares), as opposed to a spec or a name."""
-    return isinstance(x, jax.Array | np.ndarray | np.generic) or _is_number(x)
+    return isinstance(x, jax.Array | np.ndarray | np.generic) or is_number(x)
 
 
 def _collective_difference(

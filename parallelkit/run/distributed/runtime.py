@@ -164,12 +164,10 @@ def initialize(
 def _exit_with_launcher(poll_seconds: float = 0.5) -> None:
     """Under the parallelkit launcher, end this process as soon as the launcher is gone.
 
-    The launcher kills its children on every signal it can catch, and on Linux the
-    kernel kills them when it dies; this watch covers the rest (SIGKILL of the
-    launcher on other systems, a process started by a child). It ends this process
-    when the launcher's pid no longer exists (seen from any descendant) or when this
-    process's parent changes (a dead parent hands its children to another, at once,
-    even while the dead launcher still awaits its reaper).
+    The last of the safeguards the launcher's module docstring lists, for SIGKILL of the launcher
+    on other systems and a process started by a child: it ends this process when the launcher's
+    pid no longer exists (seen from any descendant) or when this process's parent changes (a dead
+    parent hands its children to another, at once, even while the dead launcher awaits its reaper).
     """
     launcher = os.environ.get(ENV_LAUNCHER_PID)
     if not launcher or any(t.name == "pk-launcher-watch" for t in threading.enumerate()):
