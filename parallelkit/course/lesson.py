@@ -266,10 +266,9 @@ def check_orders(orders: Any, stages: int, microbatches: int) -> bool | None:
     if over:
         print(f"not yet: stage {over[0]} holds {held[over[0]]} microbatches at once, where 1F1B holds {most[over[0]]}")
         return False
-    if schedules.makespan(played) > schedules.makespan(target):
-        print(f"not yet: it takes {schedules.makespan(played):g} where 1F1B takes {schedules.makespan(target):g}")
+    took, best = schedules.makespan(played), schedules.makespan(target)
+    if took > best:
+        print(f"not yet: it takes {took:g} where 1F1B takes {best:g}")
         return False
-    print(
-        f"right: {schedules.makespan(played):g} time units, at most {list(held.values())} microbatches held per stage"
-    )
+    print(f"right: {took:g} time units, at most {list(held.values())} microbatches held per stage")
     return True

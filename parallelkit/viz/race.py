@@ -179,12 +179,11 @@ class StrategyRace(LiveView):
         and the standings say so.
         """
         self.show()
-        runs = run_side_by_side(
+        self.runs = run_side_by_side(
             self.strategies, self.loss_fn, self.params, self.tx, self.batches, steps=self.steps,
             reference=self.reference, callbacks=lambda name: [_RaceCallback(self, name)],
         )  # fmt: skip
-        self.runs = runs
-        self.interrupted = any(run.result.interrupted for run in runs.values())
+        self.interrupted = any(run.result.interrupted for run in self.runs.values())
         self.running = None
         if self.mode == "widget":  # the chart is up to date: the last run's end drew it
             self.draw()

@@ -179,11 +179,10 @@ def resolve_cluster(
     (2, 3, 'w0:2222')
     """
     env = os.environ if env is None else env
-    explicit = (coordinator_address, num_processes, process_id)
-    if any(v is not None for v in explicit):
-        if any(v is None for v in explicit):
-            names = ("coordinator_address", "num_processes", "process_id")
-            missing = [n for n, v in zip(names, explicit, strict=True) if v is None]
+    explicit = {"coordinator_address": coordinator_address, "num_processes": num_processes, "process_id": process_id}
+    if any(v is not None for v in explicit.values()):
+        missing = [name for name, v in explicit.items() if v is None]
+        if missing:
             raise ClusterError(
                 f"Explicit cluster arguments are incomplete: {', '.join(missing)} missing. Give all three, "
                 "or none to let the launcher, TF flags, TF_CONFIG or the scheduler describe the cluster."
