@@ -207,7 +207,6 @@ def launch(
             ENV_COORDINATOR: address,
             ENV_NUM_PROCESSES: str(processes),
             ENV_LAUNCHER_PID: str(os.getpid()),
-            # A little longer than the launcher's own check, which can name the missing process.
             ENV_INIT_TIMEOUT: str(init_timeout + 5),
             ENV_HEARTBEAT_TIMEOUT: str(heartbeat_timeout),
             ENV_SHUTDOWN_TIMEOUT: str(max(init_timeout, 10)),
@@ -335,13 +334,12 @@ def _watch(procs, readers, reports, lines, workdir, start, timeout, init_timeout
         if _kill(proc):
             report.killed_by_launcher = True
             report.returncode, report.seconds = proc.returncode, time.monotonic() - start
+            report.cause = "was still running and was stopped by the launcher (SIGKILL)"
     for reader in readers:  # let them pass on the last lines
         reader.join(timeout=1.0)
     _drain(lines, reports, stream, print_fn)
     for report in reports:
-        if report.killed_by_launcher:
-            report.cause = "was still running and was stopped by the launcher (SIGKILL)"
-        elif report.returncode:
+        if report.returncode and not report.killed_by_launcher:
             report.cause = explain_exit(report.returncode, report.output)
     if problem is None:
         return

@@ -176,22 +176,18 @@ def _exit_with_launcher(poll_seconds: float = 0.5) -> None:
     parent = os.getppid()
 
     def watch() -> None:
-        while os.getppid() == parent and _process_exists(int(launcher)):
+        while os.getppid() == parent:
+            try:
+                os.kill(int(launcher), 0)  # signal 0: only asks whether the launcher exists
+            except ProcessLookupError:
+                break
+            except PermissionError:  # it exists, under another user
+                pass
             time.sleep(poll_seconds)
         print("parallelkit: the launcher is gone; ending this cluster process.", file=sys.stderr, flush=True)
         os._exit(1)
 
     threading.Thread(target=watch, name="pk-launcher-watch", daemon=True).start()
-
-
-def _process_exists(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)  # signal 0: only asks whether the process exists
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # it exists, under another user
-        return True
-    return True
 
 
 def _cluster_did_not_form(spec: ClusterSpec, seconds: float) -> None:
