@@ -184,12 +184,11 @@ def _first_difference(got: Any, expected: Any, *, rtol: float, atol: float) -> s
     if got is None:
         return "it returns None: write its body (replace the ... or the raise) so that it returns a result"
     got_leaves, got_tree = jax.tree.flatten(got)
-    want_leaves, want_tree = jax.tree.flatten(expected)
+    want, want_tree = jax.tree.flatten_with_path(expected)
     if got_tree != want_tree:
         return f"it returns {got_tree} where the kit's answer is {want_tree}"
-    paths = [jax.tree_util.keystr(path) for path, _ in jax.tree.flatten_with_path(expected)[0]]
-    for path, mine, theirs in zip(paths, got_leaves, want_leaves, strict=True):
-        where = f" at {path}" if path else ""
+    for mine, (path, theirs) in zip(got_leaves, want, strict=True):
+        where = f" at {jax.tree_util.keystr(path)}" if path else ""
         if not (_is_array(mine) and _is_array(theirs)):  # a PartitionSpec, a name: equal or not
             if mine != theirs:
                 return f"it returns {mine!r}{where} where the kit's answer has {theirs!r}"

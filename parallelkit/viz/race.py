@@ -60,7 +60,6 @@ def race_figure(standings: RaceStandings, title: str = "") -> Figure:
       ``rows[k].scaling_efficiency``; ``axes[1].lines[0]`` is the ideal throughput.
     """
     rows = standings.rows
-    names = [r.name for r in rows]
     x = np.arange(len(rows))
     colors = [_REFERENCE if r.name == standings.reference else _OTHER for r in rows]
     median_ms = np.array([r.median_seconds * 1e3 for r in rows])
@@ -93,7 +92,7 @@ def race_figure(standings: RaceStandings, title: str = "") -> Figure:
     axes[2].set_ylim(0, max(1.1, top * 1.1))
 
     for ax in axes:
-        ax.set_xticks(x, [f"{n}\n{r.devices} dev" for n, r in zip(names, rows, strict=True)], fontsize=7)
+        ax.set_xticks(x, [f"{r.name}\n{r.devices} dev" for r in rows], fontsize=7)
         ax.tick_params(axis="y", labelsize=7)
     note = f" · simulated CPU devices, {device_summary().simulation}" if standings.simulated else ""
     state = " · interrupted" if standings.interrupted else ""

@@ -108,8 +108,7 @@ class TimingDashboard(LiveView, Callback):
 
     def on_step_end(self, record: StepRecord) -> None:
         self.log.add(record.seconds, record.metrics.get("loss", float("nan")))
-        now = time.monotonic()
-        if record.step <= 2 or now - self._last_draw >= self.min_interval:
+        if record.step <= 2 or time.monotonic() - self._last_draw >= self.min_interval:
             self.draw()
 
     def on_train_end(self, history: History | None, interrupted: bool) -> None:

@@ -22,9 +22,6 @@ JAX's failure modes, and what the launcher does about them:
   can catch; on Linux each child also asks the kernel for SIGKILL when the launcher
   dies (``PR_SET_PDEATHSIG``, see ``_guard.py``), and :func:`parallelkit.run.distributed.initialize` watches
   the launcher from every child and exits when it is gone (any OS, even after SIGKILL).
-
-Output is streamed line by line with a ``[p<i>]`` prefix, printed from the calling
-thread (so it lands in the right notebook cell).
 """
 
 from __future__ import annotations
@@ -179,7 +176,8 @@ def launch(
       grace: seconds the others get to exit on their own after one fails, before SIGKILL.
       host: the coordinator's address; loopback unless told otherwise.
       env: extra environment variables for every process.
-      stream: print each output line as ``[p<i>] line`` while it runs.
+      stream: print each output line as ``[p<i>] line`` while it runs, from the calling thread (so that it
+        lands in the right notebook cell).
       platform: ``"cpu"``: simulated CPU devices, ``JAX_PLATFORMS=cpu`` (the default, also on a
         machine with a GPU, so that the processes do not fight over it); ``"gpu"``: process ``i`` sees
         GPUs ``i*d .. i*d+d-1`` of this machine (``d = devices_per_process``) through
@@ -317,9 +315,8 @@ def _watch(procs, readers, reports, lines, workdir, start, timeout, init_timeout
         if problem is not None and now - problem[0].seconds > grace:
             break
         if problem is None:
-            late = [r for r in running if not r.joined and now > init_timeout + 2]
             # Those that started joining wait for those that did not: blame the latter.
-            late.sort(key=lambda r: r.started)
+            late = sorted((r for r in running if not r.joined and now > init_timeout + 2), key=lambda r: r.started)
             if late:
                 problem = (
                     late[0],

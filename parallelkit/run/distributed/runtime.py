@@ -202,11 +202,7 @@ def _cluster_did_not_form(spec: ClusterSpec, seconds: float) -> None:
 
 
 def _mark(stage: str) -> None:
-    """Tell a watching launcher how far this process got ("started" joining, "joined").
-
-    The launcher names the process that never started when a cluster does not form:
-    the ones that did start are all stuck waiting for it.
-    """
+    """Tell a watching launcher how far this process got ("started" joining, "joined"), so it names the laggard."""
     prefix = os.environ.get(ENV_READY_FILE)
     if prefix:
         Path(f"{prefix}.{stage}").touch()
