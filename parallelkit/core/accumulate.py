@@ -121,13 +121,11 @@ def _identity(tree: PyTree) -> PyTree:
 class Accumulation:
     """How one step accumulates: ``steps`` microbatches, on ``replicas`` rows of the program's batch.
 
-    With ``replicas == 1`` the program's batch is one replica's (a per-device program, or one
-    device): a plain scan. With ``replicas > 1`` the program sees the global batch (``jax.jit``
-    with shardings) and maps the gradient over the replicas with ``jax.vmap``.
-
     Args:
       steps: ``K``, the microbatches a step runs.
-      replicas: the replica axis the program maps over (1: none).
+      replicas: the replica axis the program maps over with ``jax.vmap`` where it sees the global batch
+        (``jax.jit`` with shardings); 1 where its batch is one replica's (a per-device program, or one
+        device): a plain scan.
       spmd_axes: the mesh axes that replica axis lies on (``vmap``'s ``spmd_axis_name``).
       place_microbatches: lays out the ``(K, replicas, micro, ...)`` batch.
       place_rows: lays out the per-replica gradient rows in the carry.

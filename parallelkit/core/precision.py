@@ -304,9 +304,8 @@ def guarded(precision: Precision | None, old: Any, new: Any, finite: jax.Array |
     docstring says, and the metrics the loss scale adds; without a loss scale, ``new`` as it is and no metrics."""
     if precision is None or precision.loss_scale is None:
         return new, {}
-    kept = select(finite, (new.params, new.opt_state, new.model_state, new.rng),
-                  (old.params, old.opt_state, old.model_state, old.rng))  # fmt: skip
-    params, opt_state, model_state, rng = kept
+    params, opt_state, model_state, rng = select(finite, (new.params, new.opt_state, new.model_state, new.rng),
+                                                 (old.params, old.opt_state, old.model_state, old.rng))  # fmt: skip
     state = new.replace(params=params, opt_state=opt_state, model_state=model_state, rng=rng,
                         loss_scale=next_scale(precision, old.loss_scale, finite))  # fmt: skip
     return state, {"loss_scale": precision.scale(old.loss_scale), "grads_finite": finite}

@@ -28,8 +28,7 @@ import numpy as np
 
 from .precision import MIN_SCALE, Precision
 
-# Skipped steps in a row after which a run with a fixed scale is stuck (a dynamic scale is stuck when it
-# skips at its floor: it halves on every skip, so it gets there in log2(initial_scale) + 1 steps).
+# Skipped steps in a row after which a run with a fixed scale is stuck (a dynamic one: see the module docstring).
 SKIPPED_STEPS_LIMIT = 20
 
 ADVICE = (

@@ -14,7 +14,6 @@ the next cell, tagged ``solution`` and hidden until the learner opens it.
 
 from __future__ import annotations
 
-import numbers
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -22,6 +21,7 @@ import jax
 import numpy as np
 
 from ..core.devices import device_summary, simulate_devices
+from ..core.mesh import is_number
 from ..measure.inspect import COLLECTIVES, parse_collectives
 
 MODELS = ("mlp", "cnn", "transformer")  # the names pk.models.build knows
@@ -107,7 +107,7 @@ def check(prediction: Any, measured: Any, *, rtol: float = 0.1, what: str = "the
     if prediction is None:
         print(f"measured {what}: {_show(measured)} (set the prediction above and run the cell again to compare)")
         return None
-    if _is_number(prediction) and _is_number(measured):
+    if is_number(prediction) and is_number(measured):
         right = abs(prediction - measured) <= rtol * abs(measured)
     else:
         right = prediction == measured
@@ -116,12 +116,8 @@ def check(prediction: Any, measured: Any, *, rtol: float = 0.1, what: str = "the
     return bool(right)
 
 
-def _is_number(x: Any) -> bool:
-    return isinstance(x, numbers.Real) and not isinstance(x, bool)
-
-
 def _show(x: Any) -> str:
-    return f"{x:.4g}" if _is_number(x) else repr(x)
+    return f"{x:.4g}" if is_number(x) else repr(x)
 
 
 def check_function(
@@ -188,12 +184,11 @@ def _first_difference(got: Any, expected: Any, *, rtol: float, atol: float) -> s
     if got is None:
         return "it returns None: write its body (replace the ... or the raise) so that it returns a result"
     got_leaves, got_tree = jax.tree.flatten(got)
-    want_leaves, want_tree = jax.tree.flatten(expected)
+    want, want_tree = jax.tree.flatten_with_path(expected)
     if got_tree != want_tree:
         return f"it returns {got_tree} where the kit's answer is {want_tree}"
-    paths = [jax.tree_util.keystr(path) for path, _ in jax.tree.flatten_with_path(expected)[0]]
-    for path, mine, theirs in zip(paths, got_leaves, want_leaves, strict=True):
-        where = f" at {path}" if path else ""
+    for mine, (path, theirs) in zip(got_leaves, want, strict=True):
+        where = f" at {jax.tree_util.keystr(path)}" if path else ""
         if not (_is_array(mine) and _is_array(theirs)):  # a PartitionSpec, a name: equal or not
             if mine != theirs:
                 return f"it returns {mine!r}{where} where the kit's answer has {theirs!r}"
@@ -209,7 +204,7 @@ def _first_difference(got: Any, expected: Any, *, rtol: float, atol: float) -> s
 
 def _is_array(x: Any) -> bool:
     """A number or an array of numbers (what ``np.allclose`` compares), as opposed to a spec or a name."""
-    return isinstance(x, jax.Array | np.ndarray | np.generic) or _is_number(x)
+    return isinstance(x, jax.Array | np.ndarray | np.generic) or is_number(x)
 
 
 def _collective_difference(
@@ -270,10 +265,9 @@ def check_orders(orders: Any, stages: int, microbatches: int) -> bool | None:
     if over:
         print(f"not yet: stage {over[0]} holds {held[over[0]]} microbatches at once, where 1F1B holds {most[over[0]]}")
         return False
-    if schedules.makespan(played) > schedules.makespan(target):
-        print(f"not yet: it takes {schedules.makespan(played):g} where 1F1B takes {schedules.makespan(target):g}")
+    took, best = schedules.makespan(played), schedules.makespan(target)
+    if took > best:
+        print(f"not yet: it takes {took:g} where 1F1B takes {best:g}")
         return False
-    print(
-        f"right: {schedules.makespan(played):g} time units, at most {list(held.values())} microbatches held per stage"
-    )
+    print(f"right: {took:g} time units, at most {list(held.values())} microbatches held per stage")
     return True

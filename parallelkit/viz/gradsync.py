@@ -118,17 +118,8 @@ def ring_figure(ring: RingTrace, step: int | None = None) -> Figure:
     for ax, k in zip(axes, shown, strict=False):
         s = ring.steps[k]
         ax.imshow(s.contributions, cmap="Greens", vmin=0, vmax=n, aspect="auto")
-        for r, c in np.ndindex(s.contributions.shape):
-            dark = s.contributions[r, c] > 0.6 * n
-            ax.text(
-                c,
-                r,
-                str(s.contributions[r, c]),
-                ha="center",
-                va="center",
-                fontsize=7,
-                color="white" if dark else "black",
-            )
+        for (r, c), held in np.ndenumerate(s.contributions):
+            ax.text(c, r, str(held), ha="center", va="center", fontsize=7, color="white" if held > 0.6 * n else "black")
         for t in s.transfers:
             # an arrow from the sender's cell to the receiver's cell of the same chunk
             ax.annotate(

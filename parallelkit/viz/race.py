@@ -31,7 +31,7 @@ from ..core.devices import device_summary
 from ..run.compare import Run, fresh_batches, run_side_by_side
 from ..run.training import Callback, FitResult, History, RunInfo, StepRecord
 from ..strategies import Strategy
-from ..widgets.dashboard import in_notebook
+from ..widgets.dashboard import LiveView
 from ..widgets.live import LiveTimes, RaceStandings, format_race, number_or_dash, race_rows
 from .placement import annotate_bar, png
 
@@ -60,7 +60,6 @@ def race_figure(standings: RaceStandings, title: str = "") -> Figure:
       ``rows[k].scaling_efficiency``; ``axes[1].lines[0]`` is the ideal throughput.
     """
     rows = standings.rows
-    names = [r.name for r in rows]
     x = np.arange(len(rows))
     colors = [_REFERENCE if r.name == standings.reference else _OTHER for r in rows]
     median_ms = np.array([r.median_seconds * 1e3 for r in rows])
@@ -93,7 +92,7 @@ def race_figure(standings: RaceStandings, title: str = "") -> Figure:
     axes[2].set_ylim(0, max(1.1, top * 1.1))
 
     for ax in axes:
-        ax.set_xticks(x, [f"{n}\n{r.devices} dev" for n, r in zip(names, rows, strict=True)], fontsize=7)
+        ax.set_xticks(x, [f"{r.name}\n{r.devices} dev" for r in rows], fontsize=7)
         ax.tick_params(axis="y", labelsize=7)
     note = f" · simulated CPU devices, {device_summary().simulation}" if standings.simulated else ""
     state = " · interrupted" if standings.interrupted else ""
@@ -101,7 +100,7 @@ def race_figure(standings: RaceStandings, title: str = "") -> Figure:
     return fig
 
 
-class StrategyRace:
+class StrategyRace(LiveView):
     """Train every strategy on the same model and data, comparing their step times as they go.
 
     It is :func:`~parallelkit.run.compare.run_side_by_side` (one ``pk.fit`` per strategy, in turn) with a
@@ -151,12 +150,10 @@ class StrategyRace:
             reference = next((n for n, s in strategies.items() if len(s.devices) == 1), next(iter(strategies)))
         if reference not in strategies:
             raise ValueError(f"reference={reference!r} is not one of the strategies {list(strategies)}.")
-        if mode not in ("auto", "widget", "text"):
-            raise ValueError(f"StrategyRace(mode={mode!r}): choose 'auto', 'widget' or 'text'.")
+        super().__init__(mode)
         self.strategies = dict(strategies)
         self.loss_fn, self.params, self.tx, self.batches = loss_fn, params, tx, batches
         self.steps, self.batch_size, self.reference = steps, batch_size, reference
-        self.mode = ("widget" if in_notebook() else "text") if mode == "auto" else mode
         self.min_interval, self.chart_interval, self.stream = min_interval, chart_interval, stream
         self.logs: dict[str, LiveTimes] = {
             name: LiveTimes(repr(s), len(s.devices), batch_size=batch_size) for name, s in self.strategies.items()
@@ -167,8 +164,6 @@ class StrategyRace:
         self.interrupted = False
         self.redraws = 0
         self.chart_redraws = 0
-        self._widgets: _RaceWidgets | None = None
-        self._shown = False
 
     # -- data ---------------------------------------------------------------------------------
     def standings(self) -> RaceStandings:
@@ -182,17 +177,12 @@ class StrategyRace:
         Interrupting the kernel stops the race after the current run's state is kept,
         and the standings say so.
         """
-        if self.mode == "widget" and not self._shown:
-            from IPython.display import display
-
-            display(self.widget)
-            self._shown = True
-        runs = run_side_by_side(
+        self.show()
+        self.runs = run_side_by_side(
             self.strategies, self.loss_fn, self.params, self.tx, self.batches, steps=self.steps,
             reference=self.reference, callbacks=lambda name: [_RaceCallback(self, name)],
         )  # fmt: skip
-        self.runs = runs
-        self.interrupted = any(run.result.interrupted for run in runs.values())
+        self.interrupted = any(run.result.interrupted for run in self.runs.values())
         self.running = None
         if self.mode == "widget":  # the chart is up to date: the last run's end drew it
             self.draw()
@@ -204,13 +194,10 @@ class StrategyRace:
         return {name: run.result for name, run in self.runs.items()}
 
     # -- views --------------------------------------------------------------------------------
-    @property
-    def widget(self):
-        """The ipywidgets box (built on first use)."""
-        if self._widgets is None:
-            self._widgets = _RaceWidgets()
-            self._widgets.update(self.standings(), chart=False)  # the chart appears when the first run ends
-        return self._widgets.box
+    def _build(self) -> _RaceWidgets:
+        widgets = _RaceWidgets()
+        widgets.update(self.standings(), chart=False)  # the chart appears when the first run ends
+        return widgets
 
     def draw(self, chart: bool = False) -> None:
         self.redraws += 1
@@ -224,11 +211,8 @@ class StrategyRace:
         self._widgets.update(standings, chart)
 
     def _ipython_display_(self) -> None:
-        from IPython.display import display
-
         if self.mode == "widget":
-            self._shown = True
-            display(self.widget)
+            super()._ipython_display_()
         else:
             print(format_race(self.standings()))
 

@@ -29,7 +29,36 @@ def in_notebook() -> bool:
     return shell is not None and "IPKernelApp" in shell.config
 
 
-class TimingDashboard(Callback):
+class LiveView:
+    """What the live views share: their ``mode`` (as their Args say), widgets built on first use by ``_build``."""
+
+    def __init__(self, mode: str):
+        if mode not in ("auto", "widget", "text"):
+            raise ValueError(f"{type(self).__name__}(mode={mode!r}): choose 'auto', 'widget' or 'text'.")
+        self.mode = ("widget" if in_notebook() else "text") if mode == "auto" else mode
+        self._widgets = None
+        self._shown = False
+
+    @property
+    def widget(self):
+        """The ipywidgets box (built on first use)."""
+        if self._widgets is None:
+            self._widgets = self._build()
+        return self._widgets.box
+
+    def show(self) -> None:
+        """Display the widgets, in widget mode, unless they are shown already."""
+        if self.mode == "widget" and not self._shown:
+            self._ipython_display_()
+
+    def _ipython_display_(self) -> None:
+        from IPython.display import display
+
+        self._shown = True
+        display(self.widget)
+
+
+class TimingDashboard(LiveView, Callback):
     """Step time, throughput, compile time vs steady state, devices and strategy, live.
 
     Pass it to :func:`parallelkit.fit` (``callbacks=[dash]``). In a notebook it shows
@@ -57,9 +86,7 @@ class TimingDashboard(Callback):
         stream: TextIO | None = None,
         title: str = "",
     ):
-        if mode not in ("auto", "widget", "text"):
-            raise ValueError(f"TimingDashboard(mode={mode!r}): choose 'auto', 'widget' or 'text'.")
-        self.mode = ("widget" if in_notebook() else "text") if mode == "auto" else mode
+        super().__init__(mode)
         self.batch_size = batch_size
         self.min_interval = min_interval
         self.stream = stream
@@ -67,8 +94,6 @@ class TimingDashboard(Callback):
         self.log = LiveTimes(batch_size=batch_size)
         self.redraws = 0
         self._last_draw = float("-inf")
-        self._widgets = None
-        self._shown = False
 
     # -- data ---------------------------------------------------------------------------------
     def summary(self) -> TimingSummary:
@@ -78,17 +103,12 @@ class TimingDashboard(Callback):
     def on_train_begin(self, info: RunInfo) -> None:
         self.log = LiveTimes(info.strategy, info.devices, info.simulated, info.steps, self.batch_size)
         self._last_draw = float("-inf")
-        if self.mode == "widget" and not self._shown:
-            from IPython.display import display
-
-            display(self.widget)
-            self._shown = True
+        self.show()
         self.draw()
 
     def on_step_end(self, record: StepRecord) -> None:
         self.log.add(record.seconds, record.metrics.get("loss", float("nan")))
-        now = time.monotonic()
-        if record.step <= 2 or now - self._last_draw >= self.min_interval:
+        if record.step <= 2 or time.monotonic() - self._last_draw >= self.min_interval:
             self.draw()
 
     def on_train_end(self, history: History | None, interrupted: bool) -> None:
@@ -99,12 +119,8 @@ class TimingDashboard(Callback):
         self.draw()
 
     # -- views --------------------------------------------------------------------------------
-    @property
-    def widget(self):
-        """The ipywidgets box (built on first use)."""
-        if self._widgets is None:
-            self._widgets = _DashboardWidgets(self.title)
-        return self._widgets.box
+    def _build(self) -> _DashboardWidgets:
+        return _DashboardWidgets(self.title)
 
     def draw(self) -> None:
         self._last_draw = time.monotonic()
@@ -115,12 +131,6 @@ class TimingDashboard(Callback):
         else:
             self.widget  # noqa: B018  (builds the widgets)
             self._widgets.update(summary, self.log.seconds[1:])
-
-    def _ipython_display_(self) -> None:
-        from IPython.display import display
-
-        self._shown = True
-        display(self.widget)
 
 
 class _DashboardWidgets:

@@ -113,18 +113,6 @@ def _check_position(process_id: int, num_processes: int, where: str) -> None:
         )
 
 
-def check_unique(ids_or_hosts: Sequence, what: str) -> None:
-    """Raise a ClusterError naming the first duplicate: two processes claiming one id (or address) hang JAX."""
-    seen = set()
-    for item in ids_or_hosts:
-        if item in seen:
-            raise ClusterError(
-                f"Duplicate {what} {item!r}: two processes would claim the same place and the cluster "
-                f"would wait forever for the missing one. Give every process its own {what}."
-            )
-        seen.add(item)
-
-
 def _from_task_lists(
     cluster: Mapping[str, Sequence[str]], role: str, index: int, where: str, source: str, local_devices: int | None
 ) -> ClusterSpec:
@@ -136,7 +124,13 @@ def _from_task_lists(
     tasks = [(r, i, host) for r in TF_ROLES for i, host in enumerate(_hosts(cluster.get(r)))]
     if not tasks:
         raise ClusterError(f"The cluster from {where} lists no chief, worker or ps hosts.")
-    check_unique([host for _, _, host in tasks], "host:port")
+    hosts = [host for _, _, host in tasks]
+    twice = [host for i, host in enumerate(hosts) if host in hosts[:i]]
+    if twice:
+        raise ClusterError(
+            f"Duplicate host:port {twice[0]!r}: two processes would claim the same place and the cluster "
+            "would wait forever for the missing one. Give every process its own host:port."
+        )
     count = len(_hosts(cluster.get(role)))
     if not 0 <= index < count:
         raise ClusterError(
@@ -144,14 +138,12 @@ def _from_task_lists(
             f"Use a task index from 0 to {max(count - 1, 0)}."
         )
     process_id = next(p for p, (r, i, _) in enumerate(tasks) if (r, i) == (role, index))
-    coordinator = tasks[0][2]
+    coordinator = hosts[0]
     if ":" not in coordinator:
         raise ClusterError(
             f"The first task's address {coordinator!r} needs a port (host:port) to host the coordinator."
         )
-    return ClusterSpec(
-        coordinator, len(tasks), process_id, source, role, index, local_devices, tuple(host for _, _, host in tasks)
-    )
+    return ClusterSpec(coordinator, len(tasks), process_id, source, role, index, local_devices, tuple(hosts))
 
 
 def resolve_cluster(
@@ -187,11 +179,10 @@ def resolve_cluster(
     (2, 3, 'w0:2222')
     """
     env = os.environ if env is None else env
-    explicit = (coordinator_address, num_processes, process_id)
-    if any(v is not None for v in explicit):
-        if any(v is None for v in explicit):
-            names = ("coordinator_address", "num_processes", "process_id")
-            missing = [n for n, v in zip(names, explicit, strict=True) if v is None]
+    explicit = {"coordinator_address": coordinator_address, "num_processes": num_processes, "process_id": process_id}
+    if any(v is not None for v in explicit.values()):
+        missing = [name for name, v in explicit.items() if v is None]
+        if missing:
             raise ClusterError(
                 f"Explicit cluster arguments are incomplete: {', '.join(missing)} missing. Give all three, "
                 "or none to let the launcher, TF flags, TF_CONFIG or the scheduler describe the cluster."

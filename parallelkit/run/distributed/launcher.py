@@ -22,13 +22,6 @@ JAX's failure modes, and what the launcher does about them:
   can catch; on Linux each child also asks the kernel for SIGKILL when the launcher
   dies (``PR_SET_PDEATHSIG``, see ``_guard.py``), and :func:`parallelkit.run.distributed.initialize` watches
   the launcher from every child and exits when it is gone (any OS, even after SIGKILL).
-
-Simulated clusters run on the CPU (``JAX_PLATFORMS=cpu`` in every child), so on a
-machine with one GPU the processes do not fight over it. ``platform="gpu"`` gives
-each process its own GPUs instead (``CUDA_VISIBLE_DEVICES``), the usual multi-GPU layout.
-
-Output is streamed line by line with a ``[p<i>]`` prefix, printed from the calling
-thread (so it lands in the right notebook cell).
 """
 
 from __future__ import annotations
@@ -145,11 +138,6 @@ def explain_exit(returncode: int, output: str) -> str:
     return f"exited with code {returncode}" + (f"; last output: {lines[-1].strip()}" if lines else "")
 
 
-def _informative(lines: Sequence[str]) -> list[str]:
-    """Output lines worth showing in an error: without gloo's connection chatter."""
-    return [line for line in lines if not line.lstrip().startswith("[Gloo]")]
-
-
 def _reader(index: int, stream, lines: queue.Queue) -> None:
     for line in iter(stream.readline, ""):
         lines.put((index, line.rstrip("\n")))
@@ -188,10 +176,12 @@ def launch(
       grace: seconds the others get to exit on their own after one fails, before SIGKILL.
       host: the coordinator's address; loopback unless told otherwise.
       env: extra environment variables for every process.
-      stream: print each output line as ``[p<i>] line`` while it runs.
+      stream: print each output line as ``[p<i>] line`` while it runs, from the calling thread (so that it
+        lands in the right notebook cell).
       platform: ``"cpu"``: simulated CPU devices, ``JAX_PLATFORMS=cpu`` (the default, also on a
-        machine with a GPU); ``"gpu"``: process ``i`` sees GPUs ``i*d .. i*d+d-1`` of this machine
-        (``d = devices_per_process``) through ``CUDA_VISIBLE_DEVICES``.
+        machine with a GPU, so that the processes do not fight over it); ``"gpu"``: process ``i`` sees
+        GPUs ``i*d .. i*d+d-1`` of this machine (``d = devices_per_process``) through
+        ``CUDA_VISIBLE_DEVICES``, the usual multi-GPU layout.
 
     Returns:
       One :class:`ProcessReport` per process, all with exit code 0.
@@ -215,7 +205,6 @@ def launch(
             ENV_COORDINATOR: address,
             ENV_NUM_PROCESSES: str(processes),
             ENV_LAUNCHER_PID: str(os.getpid()),
-            # A little longer than the launcher's own check, which can name the missing process.
             ENV_INIT_TIMEOUT: str(init_timeout + 5),
             ENV_HEARTBEAT_TIMEOUT: str(heartbeat_timeout),
             ENV_SHUTDOWN_TIMEOUT: str(max(init_timeout, 10)),
@@ -224,6 +213,8 @@ def launch(
     )
     if platform == "cpu":
         base.update({"JAX_PLATFORMS": "cpu", ENV_LOCAL_DEVICES: str(devices_per_process)})
+    if sys.platform.startswith("linux"):  # so that Linux kills each child when this launcher dies (see _guard.py)
+        command = [sys.executable, str(Path(__file__).with_name("_guard.py")), str(os.getpid()), *command]
     reports = [ProcessReport(i) for i in range(processes)]
     lines: queue.Queue = queue.Queue()
     procs: list[subprocess.Popen] = []
@@ -238,7 +229,7 @@ def launch(
             if platform == "gpu":
                 child_env["CUDA_VISIBLE_DEVICES"] = _device_range(i, devices_per_process)
             proc = subprocess.Popen(
-                _dying_with_launcher(command),
+                list(command),
                 env=child_env,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,
@@ -256,13 +247,6 @@ def launch(
 def _device_range(index: int, per_process: int) -> str:
     """``CUDA_VISIBLE_DEVICES`` for process ``index``: its own block of ``per_process`` GPUs."""
     return ",".join(str(d) for d in range(index * per_process, (index + 1) * per_process))
-
-
-def _dying_with_launcher(command: Sequence[str]) -> list[str]:
-    """``command``, started so that Linux kills it when this launcher dies (see ``_guard.py``)."""
-    if not sys.platform.startswith("linux"):
-        return list(command)
-    return [sys.executable, str(Path(__file__).with_name("_guard.py")), str(os.getpid()), *command]
 
 
 @contextlib.contextmanager
@@ -313,7 +297,6 @@ def _drain(lines: queue.Queue, reports, stream, print_fn) -> None:
 
 
 def _watch(procs, readers, reports, lines, workdir, start, timeout, init_timeout, grace, stream, print_fn) -> None:
-    failed_at = None
     problem = None  # the first failure: (report, sentence)
     while True:
         time.sleep(0.05)
@@ -325,17 +308,15 @@ def _watch(procs, readers, reports, lines, workdir, start, timeout, init_timeout
             if report.returncode is None and proc.poll() is not None:
                 report.returncode, report.seconds = proc.returncode, now
                 if proc.returncode != 0 and problem is None:
-                    failed_at = now
                     problem = (report, f"process {report.index} failed after {now:.1f} s: it {{cause}}")
         running = [r for r in reports if r.returncode is None]
         if not running:
             break
-        if problem is not None and now - failed_at > grace:
+        if problem is not None and now - problem[0].seconds > grace:
             break
         if problem is None:
-            late = [r for r in running if not r.joined and now > init_timeout + 2]
             # Those that started joining wait for those that did not: blame the latter.
-            late.sort(key=lambda r: r.started)
+            late = sorted((r for r in running if not r.joined and now > init_timeout + 2), key=lambda r: r.started)
             if late:
                 problem = (
                     late[0],
@@ -350,13 +331,12 @@ def _watch(procs, readers, reports, lines, workdir, start, timeout, init_timeout
         if _kill(proc):
             report.killed_by_launcher = True
             report.returncode, report.seconds = proc.returncode, time.monotonic() - start
+            report.cause = "was still running and was stopped by the launcher (SIGKILL)"
     for reader in readers:  # let them pass on the last lines
         reader.join(timeout=1.0)
     _drain(lines, reports, stream, print_fn)
     for report in reports:
-        if report.killed_by_launcher:
-            report.cause = "was still running and was stopped by the launcher (SIGKILL)"
-        elif report.returncode:
+        if report.returncode and not report.killed_by_launcher:
             report.cause = explain_exit(report.returncode, report.output)
     if problem is None:
         return
@@ -365,7 +345,8 @@ def _watch(procs, readers, reports, lines, workdir, start, timeout, init_timeout
     for r in reports:
         if r is not first and r.returncode:
             lines_out.append(f"  process {r.index} {r.cause}.".replace("..", "."))
-    tail = "\n    ".join(_informative(first.tail)[-8:]) or "(no output)"
+    shown = [line for line in first.tail if not line.lstrip().startswith("[Gloo]")]  # not gloo's connection chatter
+    tail = "\n    ".join(shown[-8:]) or "(no output)"
     lines_out.append(f"  last output of process {first.index}:\n    {tail}")
     raise LaunchError("\n".join(lines_out), reports)
 

@@ -164,12 +164,10 @@ def initialize(
 def _exit_with_launcher(poll_seconds: float = 0.5) -> None:
     """Under the parallelkit launcher, end this process as soon as the launcher is gone.
 
-    The launcher kills its children on every signal it can catch, and on Linux the
-    kernel kills them when it dies; this watch covers the rest (SIGKILL of the
-    launcher on other systems, a process started by a child). It ends this process
-    when the launcher's pid no longer exists (seen from any descendant) or when this
-    process's parent changes (a dead parent hands its children to another, at once,
-    even while the dead launcher still awaits its reaper).
+    The last of the safeguards the launcher's module docstring lists, for SIGKILL of the launcher
+    on other systems and a process started by a child: it ends this process when the launcher's
+    pid no longer exists (seen from any descendant) or when this process's parent changes (a dead
+    parent hands its children to another, at once, even while the dead launcher awaits its reaper).
     """
     launcher = os.environ.get(ENV_LAUNCHER_PID)
     if not launcher or any(t.name == "pk-launcher-watch" for t in threading.enumerate()):
@@ -178,22 +176,18 @@ def _exit_with_launcher(poll_seconds: float = 0.5) -> None:
     parent = os.getppid()
 
     def watch() -> None:
-        while os.getppid() == parent and _process_exists(int(launcher)):
+        while os.getppid() == parent:
+            try:
+                os.kill(int(launcher), 0)  # signal 0: only asks whether the launcher exists
+            except ProcessLookupError:
+                break
+            except PermissionError:  # it exists, under another user
+                pass
             time.sleep(poll_seconds)
         print("parallelkit: the launcher is gone; ending this cluster process.", file=sys.stderr, flush=True)
         os._exit(1)
 
     threading.Thread(target=watch, name="pk-launcher-watch", daemon=True).start()
-
-
-def _process_exists(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)  # signal 0: only asks whether the process exists
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # it exists, under another user
-        return True
-    return True
 
 
 def _cluster_did_not_form(spec: ClusterSpec, seconds: float) -> None:
@@ -208,11 +202,7 @@ def _cluster_did_not_form(spec: ClusterSpec, seconds: float) -> None:
 
 
 def _mark(stage: str) -> None:
-    """Tell a watching launcher how far this process got ("started" joining, "joined").
-
-    The launcher names the process that never started when a cluster does not form:
-    the ones that did start are all stuck waiting for it.
-    """
+    """Tell a watching launcher how far this process got ("started" joining, "joined"), so it names the laggard."""
     prefix = os.environ.get(ENV_READY_FILE)
     if prefix:
         Path(f"{prefix}.{stage}").touch()
