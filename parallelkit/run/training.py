@@ -33,7 +33,7 @@ import signal
 import threading
 import time
 import warnings
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from itertools import islice
 from pathlib import Path
@@ -305,23 +305,32 @@ def _check_resume(resume: bool, checkpoint_dir: str | Path | None, state: TrainS
 
 
 @contextlib.contextmanager
+def handling(signals: Iterable[int], handler: Callable):
+    """Call ``handler(signum, frame)`` on any of ``signals`` within the block, then restore the previous handlers.
+
+    Signal handlers belong to the main thread; elsewhere nothing changes.
+    """
+    main = threading.current_thread() is threading.main_thread()
+    previous = {sig: signal.signal(sig, handler) for sig in signals} if main else {}
+    try:
+        yield
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+
+
+@contextlib.contextmanager
 def _interrupts_deferred():
     """Hold back a KeyboardInterrupt (SIGINT) until the block ends, then raise it.
 
     Around the step call: an interrupt between the step consuming the old state and
     the new state being bound would leave nothing usable. Dispatch is quick, so the
     interrupt is late by milliseconds (by the compile time on the first step).
-    Signal handlers belong to the main thread; elsewhere nothing changes.
+    Outside the main thread nothing changes (see :func:`handling`).
     """
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
     caught: list[int] = []
-    previous = signal.signal(signal.SIGINT, lambda signum, frame: caught.append(signum))
-    try:
+    with handling([signal.SIGINT], lambda signum, frame: caught.append(signum)):
         yield
-    finally:
-        signal.signal(signal.SIGINT, previous)
     if caught:
         raise KeyboardInterrupt
 

@@ -44,6 +44,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..training import handling
 from .cluster import (
     ENV_COORDINATOR,
     ENV_HEARTBEAT_TIMEOUT,
@@ -249,28 +250,19 @@ def _device_range(index: int, per_process: int) -> str:
     return ",".join(str(d) for d in range(index * per_process, (index + 1) * per_process))
 
 
-@contextlib.contextmanager
-def _stopped_by_signals(print_fn: Callable[[str], None]):
+def _stopped_by_signals(print_fn: Callable[[str], None]) -> contextlib.AbstractContextManager:
     """Turn SIGTERM and SIGHUP into ``SystemExit`` while the cluster runs, so the children are cleaned up.
 
     Python's default for these signals ends the process without running ``finally``
     blocks, which would leave the children running. Signal handlers can only be set
     from the main thread; elsewhere the children's own safeguards remain.
     """
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
 
     def stop(signum, _frame):
         print_fn(f"parallelkit launch: stopped by {_signal_name(signum)}; ending the cluster's processes.")
         raise SystemExit(128 + signum)
 
-    previous = {sig: signal.signal(sig, stop) for sig in _STOP_SIGNALS}
-    try:
-        yield
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+    return handling(_STOP_SIGNALS, stop)
 
 
 def _kill(proc: subprocess.Popen) -> bool:
