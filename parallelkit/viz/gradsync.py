@@ -23,7 +23,7 @@ import numpy as np
 from matplotlib.figure import Figure
 
 from ..measure.gradsync import GradSync, RingTrace
-from ..widgets.dashboard import in_notebook
+from ..widgets.dashboard import Explorer
 from .placement import png
 
 _CMAP = "RdBu_r"  # gradients are signed: red positive, blue negative, white zero
@@ -154,7 +154,7 @@ def spread_table(syncs: Sequence[GradSync]) -> str:
     return "\n".join(lines)
 
 
-class GradSyncExplorer:
+class GradSyncExplorer(Explorer):
     """Per-replica gradients before and after sync, with a step slider and a layer slider.
 
     A view over a list of :class:`~parallelkit.measure.gradsync.GradSync` (from
@@ -168,7 +168,6 @@ class GradSyncExplorer:
             raise ValueError("GradSyncExplorer needs at least one GradSync; capture some with trace_gradients.")
         self.syncs = list(syncs)
         self.max_elements = max_elements
-        self._widgets = None
 
     @property
     def current(self) -> tuple[int, int]:
@@ -179,31 +178,23 @@ class GradSyncExplorer:
     def figure(self, index: int, layer: int):
         return gradient_sync_figure(self.syncs[index], layer, self.max_elements)
 
-    @property
-    def widget(self):
-        if self._widgets is None:
-            import ipywidgets as w
+    def _build(self):
+        import ipywidgets as w
 
-            steps = w.IntSlider(0, 0, len(self.syncs) - 1, description="step #").add_class("pk-step-slider")
-            layers = w.IntSlider(0, 0, len(self.syncs[0].layers) - 1, description="layer").add_class("pk-layer-slider")
-            label = w.HTML().add_class("pk-gradsync-label")
-            image = w.Image(format="png").add_class("pk-gradsync-image")
+        steps = w.IntSlider(0, 0, len(self.syncs) - 1, description="step #").add_class("pk-step-slider")
+        layers = w.IntSlider(0, 0, len(self.syncs[0].layers) - 1, description="layer").add_class("pk-layer-slider")
+        label = w.HTML().add_class("pk-gradsync-label")
+        image = w.Image(format="png").add_class("pk-gradsync-image")
 
-            def redraw(_=None):
-                i, k = steps.value, layers.value
-                label.value = f"step {self.syncs[i].step} · layer <b>{self.syncs[i].layers[k]}</b>"
-                image.value = png(self.figure(i, k))
+        def redraw(_=None):
+            i, k = steps.value, layers.value
+            label.value = f"step {self.syncs[i].step} · layer <b>{self.syncs[i].layers[k]}</b>"
+            image.value = png(self.figure(i, k))
 
-            steps.observe(redraw, "value")
-            layers.observe(redraw, "value")
-            redraw()
-            self._widgets = w.VBox([w.HBox([steps, layers]), label, image]).add_class("pk-gradsync")
-        return self._widgets
+        steps.observe(redraw, "value")
+        layers.observe(redraw, "value")
+        redraw()
+        return w.VBox([w.HBox([steps, layers]), label, image]).add_class("pk-gradsync")
 
-    def _ipython_display_(self) -> None:
-        from IPython.display import display
-
-        if in_notebook():
-            display(self.widget)
-        else:
-            print(spread_table(self.syncs))
+    def _text(self) -> str:
+        return spread_table(self.syncs)

@@ -22,7 +22,7 @@ from ..core.contract import Batch, batch_size
 from ..strategies.pipeline import Pipeline, Timeline
 from ..strategies.pipeline.schedules import Slot, bubble_fraction, makespan
 from ..strategies.pipeline.stages import HeadLoss, Layer
-from ..widgets.dashboard import in_notebook
+from ..widgets.dashboard import Explorer
 from .placement import png
 
 COLORS = {"forward": "tab:blue", "backward": "tab:orange", "weight": "tab:green"}
@@ -83,7 +83,7 @@ def measured_summary(pipe: Pipeline, timeline: Timeline) -> str:
     )
 
 
-class PipelineExplorer:
+class PipelineExplorer(Explorer):
     """Choose stages, microbatches and schedule; each choice trains one real step and draws its timeline.
 
     Every redraw builds a :class:`~parallelkit.Pipeline` on the first ``stages`` devices,
@@ -107,7 +107,6 @@ class PipelineExplorer:
         self.max_stages = min(len(self.layers), len(jax.devices()))
         size = batch_size(batch)
         self.microbatch_choices = [m for m in range(1, max_microbatches + 1) if size % m == 0]
-        self._widgets = None
 
     def run(self, stages: int, microbatches: int, schedule: str, virtual: int = 1) -> tuple[Pipeline, Timeline]:
         """A pipeline of this shape, and the timeline of its second step (the first compiles)."""
@@ -117,34 +116,25 @@ class PipelineExplorer:
             state, _ = step(state, self.batch)
         return pipe, step.timeline
 
-    @property
-    def widget(self):
-        if self._widgets is None:
-            import ipywidgets as w
+    def _build(self):
+        import ipywidgets as w
 
-            stages = w.IntSlider(min(2, self.max_stages), 1, self.max_stages, description="stages")
-            micro = w.SelectionSlider(options=self.microbatch_choices, value=self.microbatch_choices[-1])
-            micro.description = "microbatches"
-            schedule = w.ToggleButtons(options=["gpipe", "1f1b", "zb-h1"], value="gpipe", description="schedule")
-            label = w.HTML().add_class("pk-pipeline-label")
-            image = w.Image(format="png").add_class("pk-pipeline-image")
+        stages = w.IntSlider(min(2, self.max_stages), 1, self.max_stages, description="stages")
+        micro = w.SelectionSlider(options=self.microbatch_choices, value=self.microbatch_choices[-1])
+        micro.description = "microbatches"
+        schedule = w.ToggleButtons(options=["gpipe", "1f1b", "zb-h1"], value="gpipe", description="schedule")
+        label = w.HTML().add_class("pk-pipeline-label")
+        image = w.Image(format="png").add_class("pk-pipeline-image")
 
-            def redraw(_=None):
-                pipe, timeline = self.run(stages.value, micro.value, schedule.value)
-                label.value = measured_summary(pipe, timeline)
-                image.value = png(pipeline_gantt_figure(timeline.slots, measured=True))
+        def redraw(_=None):
+            pipe, timeline = self.run(stages.value, micro.value, schedule.value)
+            label.value = measured_summary(pipe, timeline)
+            image.value = png(pipeline_gantt_figure(timeline.slots, measured=True))
 
-            for control in (stages, micro, schedule):
-                control.observe(redraw, "value")
-            redraw()
-            self._widgets = w.VBox([w.HBox([stages, micro]), schedule, label, image]).add_class("pk-pipeline")
-        return self._widgets
+        for control in (stages, micro, schedule):
+            control.observe(redraw, "value")
+        redraw()
+        return w.VBox([w.HBox([stages, micro]), schedule, label, image]).add_class("pk-pipeline")
 
-    def _ipython_display_(self) -> None:
-        from IPython.display import display
-
-        if in_notebook():
-            display(self.widget)
-        else:
-            stages = min(2, self.max_stages)
-            print(measured_summary(*self.run(stages, self.microbatch_choices[-1], "gpipe")))
+    def _text(self) -> str:
+        return measured_summary(*self.run(min(2, self.max_stages), self.microbatch_choices[-1], "gpipe"))

@@ -29,6 +29,27 @@ def in_notebook() -> bool:
     return shell is not None and "IPKernelApp" in shell.config
 
 
+class Explorer:
+    """The explorers' ``widget``, built on first use by ``_build``; outside a notebook, display prints ``_text()``."""
+
+    _widgets = None
+
+    @property
+    def widget(self):
+        """The ipywidgets box (built on first use)."""
+        if self._widgets is None:
+            self._widgets = self._build()
+        return self._widgets
+
+    def _ipython_display_(self) -> None:
+        from IPython.display import display
+
+        if in_notebook():
+            display(self.widget)
+        else:
+            print(self._text())
+
+
 class LiveView:
     """What the live views share: their ``mode`` (as their Args say), widgets built on first use by ``_build``."""
 
