@@ -8,7 +8,7 @@ time is reported on its own and never mixed into the steady-state figures.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,6 +23,13 @@ class StepTimes:
     first_step_seconds: float  # trace + compile + one step
     step_seconds: tuple[float, ...]  # every later step
     batch_size: int
+
+    @classmethod
+    def of(cls, seconds: Sequence[float], batch_size: int, skip: int = 0) -> StepTimes:
+        """The steps' ``seconds``: the first kept apart, the ``skip`` after it left out (none at all: ValueError)."""
+        if not seconds:
+            raise ValueError("No step has run yet.")
+        return cls(seconds[0], tuple(seconds[1 + skip :]), batch_size)
 
     @property
     def median(self) -> float:
@@ -70,4 +77,4 @@ def time_steps(step: Callable, state: Any, batches: Iterable[Any]) -> tuple[Any,
         size = len(jax.tree.leaves(batch)[0])
     if not seconds:
         raise ValueError("time_steps needs at least one batch.")
-    return state, StepTimes(seconds[0], tuple(seconds[1:]), size)
+    return state, StepTimes.of(seconds, size)

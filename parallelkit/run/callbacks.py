@@ -94,10 +94,7 @@ class History:
 
     @property
     def times(self) -> StepTimes:
-        if not self.records:
-            raise ValueError("No step has run yet.")
-        seconds = [r.seconds for r in self.records]
-        return StepTimes(seconds[0], tuple(seconds[1:]), self.batch_size)
+        return StepTimes.of([r.seconds for r in self.records], self.batch_size)
 
 
 class Callback:

@@ -165,7 +165,7 @@ def run_side_by_side(
     runs = {}
     for name, result in results.items():
         seconds = [r.seconds for r in result.history.records] or [float("nan")]  # nan: stopped before a step
-        times = StepTimes(seconds[0], tuple(seconds[1 + warmup :]), result.history.batch_size)
+        times = StepTimes.of(seconds, result.history.batch_size, skip=warmup)
         diff, equal = compare(result.params, expected)
         runs[name] = Run(name, result, times, diff, equal, name not in meant_to_differ)
     return runs

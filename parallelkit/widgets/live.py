@@ -60,9 +60,7 @@ class LiveTimes:
 
     @property
     def times(self) -> StepTimes:
-        if not self.seconds:
-            raise ValueError("No step has run yet.")
-        return StepTimes(self.seconds[0], tuple(self.seconds[1:]), self.batch_size)
+        return StepTimes.of(self.seconds, self.batch_size)
 
     def summary(self) -> TimingSummary:
         nan = float("nan")
