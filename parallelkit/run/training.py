@@ -326,7 +326,6 @@ def _interrupts_deferred():
     Around the step call: an interrupt between the step consuming the old state and
     the new state being bound would leave nothing usable. Dispatch is quick, so the
     interrupt is late by milliseconds (by the compile time on the first step).
-    Outside the main thread nothing changes (see :func:`handling`).
     """
     caught: list[int] = []
     with handling([signal.SIGINT], lambda signum, frame: caught.append(signum)):
