@@ -77,7 +77,7 @@ class Hybrid(SPMD):
             if not is_count(size):
                 raise ValueError(f"Hybrid({name}={size!r}): an axis size must be a whole number >= 1.")
         if devices is None:  # the first data x model devices, with a warning if that leaves some idle
-            devices = first_devices(data * model, f"Hybrid(data={data}, model={model})", hybrid_hint(model))
+            devices = first_devices(model, data, *hybrid_hint(model))
         mesh = make_mesh(resolve_devices(devices), data=data, model=model, explicit=explicit)
         super().__init__(mesh, rules=activation_rules(sequence_parallel))
         self.rules, self.shard_data, self.min_size = rules, shard_data, min_size

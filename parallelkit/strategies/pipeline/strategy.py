@@ -17,7 +17,7 @@ from jax.sharding import PartitionSpec as P
 from ...core.accumulate import refuse_accumulation
 from ...core.axes import DATA
 from ...core.contract import Batch, LossInputError, PyTree, batch_size, guard_inputs, tree_bytes
-from ...core.devices import DeviceCountError, every_device_hint, first_devices
+from ...core.devices import DeviceCountError, first_devices
 from ...core.mesh import is_count, make_mesh
 from ...core.precision import Precision, check_precision, next_scale
 from ...core.reports import D2D, H2D, Flow, StepTraffic
@@ -140,8 +140,9 @@ class Pipeline(Strategy):
                 "or change stages or data so that they multiply to the device count."
             )
         if devices is None:  # the first stages x data devices, with a warning if that leaves some idle
-            every = every_device_hint(stages, lambda d: f"data={d}", "stages x data")
-            devices = first_devices(wanted, f"Pipeline(stages={stages}, data={data})", every)
+            devices = first_devices(
+                stages, data, lambda d: f"data={d}", "stages x data", f"Pipeline(stages={stages}, data={data})"
+            )
         super().__init__(devices)
         self.mesh = make_mesh(self.devices, data=data, stage=stages)
         self.microbatches, self.data = microbatches, data
