@@ -25,7 +25,7 @@ import jax
 from ..core import partition
 from ..core.axes import DATA, SEQ, context_method
 from ..core.contract import Batch, LossFn, PyTree
-from ..core.devices import DeviceCountError, first_devices, resolve_devices
+from ..core.devices import DeviceCountError, first_devices
 from ..core.mesh import is_count, make_mesh
 from ..core.reports import StepTraffic
 from ..core.state import TrainState
@@ -104,8 +104,7 @@ class ContextParallel(SPMD):
             )
         if devices is None and data is not None:
             devices = first_devices(seq, data, lambda d: f"ContextParallel(seq={seq}, data={d})", "seq x data")
-        chosen = resolve_devices(devices) if devices is not None else None
-        mesh = make_mesh(chosen, data=data, seq=seq, explicit=explicit)
+        mesh = make_mesh(devices, data=data, seq=seq, explicit=explicit)
         split = ((BATCH, DATA), (LENGTH, SEQ), (NORM_LENGTH, SEQ))
         super().__init__(mesh, rules=split, param_rules=rules, batch_axes=batch_axes)
         self.method = method

@@ -28,7 +28,7 @@ import jax
 from ..core import partition
 from ..core.axes import DATA, EXPERT
 from ..core.contract import PyTree
-from ..core.devices import first_devices, resolve_devices
+from ..core.devices import first_devices
 from ..core.mesh import is_count, make_mesh
 from ..models import declared_axes
 from .spmd import BATCH, EXPLICIT, SPMD
@@ -85,9 +85,7 @@ class ExpertParallel(SPMD):
             devices = first_devices(
                 expert, data, lambda d: f"ExpertParallel(expert={expert}, data={d})", "expert x data"
             )
-        mesh = make_mesh(
-            resolve_devices(devices) if devices is not None else None, data=data, expert=expert, explicit=explicit
-        )
+        mesh = make_mesh(devices, data=data, expert=expert, explicit=explicit)
         super().__init__(mesh, rules=((BATCH, (DATA, EXPERT)), (EXPERT, EXPERT)), param_rules=rules)
 
     def partition_specs(self, params: PyTree) -> PyTree:

@@ -24,7 +24,7 @@ from jax.sharding import Mesh
 from ..core import partition
 from ..core.axes import MODEL, AxisRules
 from ..core.contract import PyTree
-from ..core.devices import first_devices, resolve_devices
+from ..core.devices import first_devices
 from ..core.mesh import is_count, make_mesh
 from ..core.reports import ExpectedCollective, Sizes
 from ..models import declared_axes
@@ -98,7 +98,7 @@ class TensorParallel(SPMD):
             raise ValueError(f"TensorParallel(model={model!r}) needs a whole number of devices >= 1.")
         if devices is None:  # the first `model` devices, with a warning if that leaves some idle
             devices = first_devices(model, 1, *hybrid_hint(model), who=f"TensorParallel(model={model})")
-        mesh = make_mesh(resolve_devices(devices), data=1, model=model, explicit=explicit)
+        mesh = make_mesh(devices, data=1, model=model, explicit=explicit)
         super().__init__(mesh, rules=activation_rules(sequence_parallel))
         self.model = model
         self.rules = rules
