@@ -43,6 +43,18 @@ def batch_size(batch: Batch) -> int:
     return sizes[0]
 
 
+def tree_bytes(tree: PyTree) -> int:
+    """Total bytes of ``tree``'s leaves: arrays, ``jax.ShapeDtypeStruct`` shapes, Python numbers (as NumPy reads them).
+
+    For a parameter tree, what one full gradient all-reduce carries.
+
+    >>> tree_bytes({"w": np.zeros((2, 3), np.float32), "b": jax.ShapeDtypeStruct((3,), jnp.bfloat16), "n": 1})
+    38
+    """
+    leaves = jax.tree.leaves(tree)
+    return sum(x.size * x.dtype.itemsize if hasattr(x, "dtype") else np.asarray(x).nbytes for x in leaves)
+
+
 def _no_batch_axis(batch: Batch) -> str:
     """The message for a batch holding a leaf with no leading axis: the first such leaf, by its path."""
     leaves = jax.tree_util.tree_flatten_with_path(batch)[0]

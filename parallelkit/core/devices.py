@@ -199,44 +199,45 @@ def resolve_devices(devices: int | Sequence[jax.Device] | None = None) -> list[j
     return chosen
 
 
-def first_devices(count: int, who: str, instead: str) -> list[jax.Device]:
-    """The first ``count`` devices, for a strategy whose arguments fix its device count; warns if some stay idle.
+def first_devices(
+    group: int, replicas: int, spell: Callable[[int], str], sizes: str, who: str | None = None
+) -> list[jax.Device]:
+    """The first ``group x replicas`` devices, for a strategy whose arguments fix their count; warns if some stay idle.
 
     Args:
-      count: how many devices ``who`` needs.
-      who: the strategy as its user wrote it, for the warning (``"Hybrid(data=3, model=2)"``).
-      instead: what would use every device, for the warning (``"Hybrid(data=4, model=2)"``).
+      group: devices to a replica (``model`` for ``Hybrid(data, model)``).
+      replicas: how many replicas (``data``).
+      spell: the strategy as its user writes it for a number of replicas (``lambda d: f"Hybrid(data={d}, model=2)"``);
+        the warning offers ``spell(n // group)`` to use all ``n`` devices where they divide into such groups.
+      sizes: otherwise it offers these sizes, whose product must be ``n`` (``"data x model"``).
+      who: the strategy, for the warning; ``spell(replicas)`` by default.
 
     Raises:
       DeviceCountError: more devices than JAX has.
 
     Warns:
       DeviceSubsetWarning: fewer than all of JAX's devices, naming the idle ones.
+
+    >>> with warnings.catch_warnings(record=True) as caught:
+    ...     warnings.simplefilter("always")
+    ...     chosen = first_devices(1, 4, lambda d: f"Hybrid(data={d}, model=1)", "data x model")
+    >>> str(caught[0].message).split("or use every device ")[1]
+    '(Hybrid(data=8, model=1)).'
     """
+    count = group * replicas
     chosen = resolve_devices(count)
     idle = jax.devices()[count:]
     if idle:
+        total = len(jax.devices())
+        instead = spell(total // group) if total % group == 0 else f"{sizes} = {total}"
         warnings.warn(
-            f"{who} runs on {count} of the {count + len(idle)} devices, so {device_list(idle)} stay idle. "
+            f"{who or spell(replicas)} runs on {count} of the {total} devices, so {device_list(idle)} stay idle. "
             f"Pass devices=jax.devices()[:{count}] to say that this is meant (and silence this warning), "
             f"or use every device ({instead}).",
             DeviceSubsetWarning,
             stacklevel=3,  # the strategy's constructor called this; point at its caller
         )
     return chosen
-
-
-def every_device_hint(group: int, spell: Callable[[int], str], sizes: str) -> str:
-    """What would use every device with ``group`` devices to a replica, for a warning.
-
-    ``spell(replicas)`` where the devices divide into such groups; otherwise the sizes whose
-    product must be the device count (``sizes`` names them).
-
-    >>> every_device_hint(1, lambda d: f"Hybrid(data={d}, model=1)", "data x model")
-    'Hybrid(data=8, model=1)'
-    """
-    total = len(jax.devices())
-    return spell(total // group) if total % group == 0 else f"{sizes} = {total}"
 
 
 def warn_if_shared(parts: int, devices: Sequence[jax.Device], who: str, what: str) -> None:

@@ -51,7 +51,7 @@ from typing import TYPE_CHECKING
 import jax
 import numpy as np
 
-from ..core.contract import Batch, LossFn, batch_size, loss_with_aux
+from ..core.contract import Batch, LossFn, batch_size, loss_with_aux, tree_bytes
 from ..core.reports import D2D as D2D
 from ..core.reports import D2H as D2H
 from ..core.reports import H2D as H2D
@@ -124,11 +124,6 @@ def bus_bytes(found: Sequence[Collective]) -> float:
     return float(sum(sent_bytes(c.op, c.bytes, c.group_size or 1) for c in found))
 
 
-def _host_bytes(tree) -> int:
-    """Bytes of ``tree``'s leaves as host arrays (one copy of each)."""
-    return sum(int(np.asarray(x).nbytes) for x in jax.tree.leaves(tree))
-
-
 def sizes(strategy: Strategy, loss_fn: LossFn, state: TrainState, batch: Batch) -> Sizes:
     """The sizes the formulas use: parameter bytes, metric bytes, batch and replicas."""
     n = strategy.num_replicas
@@ -138,10 +133,9 @@ def sizes(strategy: Strategy, loss_fn: LossFn, state: TrainState, batch: Batch) 
     if state.rng is not None:
         extras["rng"] = jax.random.PRNGKey(0)
     loss, (aux, _) = jax.eval_shape(loss_with_aux(loss_fn), params, local, **extras)
-    metric_bytes = sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves((loss, aux)))
     opt_leaves = jax.tree.leaves(state.opt_state)
     optimizer = sum(int(np.prod(strategy.logical_shape(x))) * x.dtype.itemsize for x in opt_leaves)
-    return Sizes(_host_bytes(params), metric_bytes, batch_size(batch), n, params, optimizer)
+    return Sizes(tree_bytes(params), tree_bytes((loss, aux)), batch_size(batch), n, params, optimizer)
 
 
 def batch_flow(strategy: Strategy, batch: Batch) -> Flow:
@@ -152,7 +146,7 @@ def batch_flow(strategy: Strategy, batch: Batch) -> Flow:
         per_replica = max(_bytes_per_device(placed).values())  # devices that only split the model hold the same batch
     else:  # pmap's layout: host arrays of shape (replicas, per_replica, ...); row i goes to device i
         per_replica = sum(np.asarray(x)[0].nbytes for x in leaves)
-    expected = _host_bytes(batch) / strategy.num_replicas
+    expected = tree_bytes(batch) / strategy.num_replicas
     return Flow(H2D, "batch slice", per_replica, expected, "B/n", "placed batch, per device")
 
 

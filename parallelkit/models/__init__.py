@@ -8,6 +8,7 @@ NNX module is split once into a static graph and a dict of arrays::
     logits = apply(params, x)
 """
 
+from ..core.contract import tree_bytes as param_bytes
 from . import layers
 from .classifiers import (
     CNN,
@@ -21,7 +22,7 @@ from .classifiers import (
     classifier_loss,
     cross_entropy,
 )
-from .functional import Functional, declared_axes, from_nnx, functional, param_axes, param_bytes, with_axes
+from .functional import Functional, declared_axes, from_nnx, functional, param_axes, with_axes
 from .gpt import GPT, lm_loss
 from .recompute import remat
 

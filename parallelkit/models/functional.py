@@ -100,11 +100,6 @@ def graph_and_params(module: nnx.Module) -> tuple[nnx.GraphDef, dict]:
     return graphdef, nnx.to_pure_dict(params)
 
 
-def param_bytes(params: dict) -> int:
-    """Total bytes of a parameter tree (what one full gradient all-reduce carries)."""
-    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
-
-
 def with_axes(init: Callable[..., jax.Array], names: Axes) -> Callable[..., Any]:
     """``init`` whose parameter declares the logical axes ``names`` (a name or None per dimension).
 

@@ -25,7 +25,7 @@ import jax
 from ..core import partition
 from ..core.axes import DATA, SEQ, context_method
 from ..core.contract import Batch, LossFn, PyTree
-from ..core.devices import DeviceCountError, every_device_hint, first_devices, resolve_devices
+from ..core.devices import DeviceCountError, first_devices
 from ..core.mesh import is_count, make_mesh
 from ..core.reports import StepTraffic
 from ..core.state import TrainState
@@ -103,10 +103,8 @@ class ContextParallel(SPMD):
                 "(pk.simulate_devices(n) before JAX starts gives more simulated devices)."
             )
         if devices is None and data is not None:
-            every = every_device_hint(seq, lambda d: f"ContextParallel(seq={seq}, data={d})", "seq x data")
-            devices = first_devices(data * seq, f"ContextParallel(seq={seq}, data={data})", every)
-        chosen = resolve_devices(devices) if devices is not None else None
-        mesh = make_mesh(chosen, data=data, seq=seq, explicit=explicit)
+            devices = first_devices(seq, data, lambda d: f"ContextParallel(seq={seq}, data={d})", "seq x data")
+        mesh = make_mesh(devices, data=data, seq=seq, explicit=explicit)
         split = ((BATCH, DATA), (LENGTH, SEQ), (NORM_LENGTH, SEQ))
         super().__init__(mesh, rules=split, param_rules=rules, batch_axes=batch_axes)
         self.method = method

@@ -28,7 +28,7 @@ import jax
 from ..core import partition
 from ..core.axes import DATA, EXPERT
 from ..core.contract import PyTree
-from ..core.devices import every_device_hint, first_devices, resolve_devices
+from ..core.devices import first_devices
 from ..core.mesh import is_count, make_mesh
 from ..models import declared_axes
 from .spmd import BATCH, EXPLICIT, SPMD
@@ -82,11 +82,10 @@ class ExpertParallel(SPMD):
             if size is not None and not is_count(size):
                 raise ValueError(f"ExpertParallel({name}={size!r}): an axis size must be a whole number >= 1.")
         if devices is None and data is not None:
-            every = every_device_hint(expert, lambda d: f"ExpertParallel(expert={expert}, data={d})", "expert x data")
-            devices = first_devices(data * expert, f"ExpertParallel(expert={expert}, data={data})", every)
-        mesh = make_mesh(
-            resolve_devices(devices) if devices is not None else None, data=data, expert=expert, explicit=explicit
-        )
+            devices = first_devices(
+                expert, data, lambda d: f"ExpertParallel(expert={expert}, data={d})", "expert x data"
+            )
+        mesh = make_mesh(devices, data=data, expert=expert, explicit=explicit)
         super().__init__(mesh, rules=((BATCH, (DATA, EXPERT)), (EXPERT, EXPERT)), param_rules=rules)
 
     def partition_specs(self, params: PyTree) -> PyTree:

@@ -22,7 +22,7 @@ import jax
 from ..core import partition
 from ..core.axes import DATA
 from ..core.contract import PyTree
-from ..core.devices import first_devices, resolve_devices
+from ..core.devices import first_devices
 from ..core.mesh import is_count, make_mesh
 from .spmd import EXPLICIT, SPMD
 from .tensor import activation_rules, hybrid_hint, model_specs
@@ -77,8 +77,8 @@ class Hybrid(SPMD):
             if not is_count(size):
                 raise ValueError(f"Hybrid({name}={size!r}): an axis size must be a whole number >= 1.")
         if devices is None:  # the first data x model devices, with a warning if that leaves some idle
-            devices = first_devices(data * model, f"Hybrid(data={data}, model={model})", hybrid_hint(model))
-        mesh = make_mesh(resolve_devices(devices), data=data, model=model, explicit=explicit)
+            devices = first_devices(model, data, *hybrid_hint(model))
+        mesh = make_mesh(devices, data=data, model=model, explicit=explicit)
         super().__init__(mesh, rules=activation_rules(sequence_parallel))
         self.rules, self.shard_data, self.min_size = rules, shard_data, min_size
         self.sequence_parallel = sequence_parallel

@@ -16,7 +16,7 @@ shardings imply, which :func:`parallelkit.measure.inspect.collectives` reads bac
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import jax
 from jax.sharding import Mesh
@@ -24,7 +24,7 @@ from jax.sharding import Mesh
 from ..core import partition
 from ..core.axes import MODEL, AxisRules
 from ..core.contract import PyTree
-from ..core.devices import every_device_hint, first_devices, resolve_devices
+from ..core.devices import first_devices
 from ..core.mesh import is_count, make_mesh
 from ..core.reports import ExpectedCollective, Sizes
 from ..models import declared_axes
@@ -97,8 +97,8 @@ class TensorParallel(SPMD):
         if not is_count(model):
             raise ValueError(f"TensorParallel(model={model!r}) needs a whole number of devices >= 1.")
         if devices is None:  # the first `model` devices, with a warning if that leaves some idle
-            devices = first_devices(model, f"TensorParallel(model={model})", hybrid_hint(model))
-        mesh = make_mesh(resolve_devices(devices), data=1, model=model, explicit=explicit)
+            devices = first_devices(model, 1, *hybrid_hint(model), who=f"TensorParallel(model={model})")
+        mesh = make_mesh(devices, data=1, model=model, explicit=explicit)
         super().__init__(mesh, rules=activation_rules(sequence_parallel))
         self.model = model
         self.rules = rules
@@ -138,10 +138,10 @@ def activation_rules(sequence_parallel: bool) -> AxisRules:
     return AxisRules(BATCH_ON_DATA + (SEQUENCE_PARALLEL.rules if sequence_parallel else ()))
 
 
-def hybrid_hint(model: int) -> str:
-    """What would use every device with ``model`` devices per model replica, for a warning."""
-    spell, sizes = (lambda d: f"Hybrid(data={d}, model={model})"), "a Hybrid(data, model) with data x model"
-    return every_device_hint(model, spell, sizes)
+def hybrid_hint(model: int) -> tuple[Callable[[int], str], str]:
+    """``Hybrid(data, model)`` spelled for a number of replicas, and its sizes: :func:`first_devices`'s ``spell, sizes``
+    for a strategy with ``model`` devices per model replica."""
+    return (lambda d: f"Hybrid(data={d}, model={model})"), "a Hybrid(data, model) with data x model"
 
 
 def _mlp_widths(params: PyTree) -> list[int] | None:

@@ -11,7 +11,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from ...core.axes import DATA
-from ...core.contract import Batch, LossFn, put_batch
+from ...core.contract import Batch, LossFn, put_batch, tree_bytes
 from ...core.mesh import make_mesh
 from ...core.reports import D2D, D2H, H2D, Flow, StepTraffic
 from ...core.state import TrainState
@@ -50,11 +50,11 @@ class OffDeviceStrategy(Strategy):
 
     def owner_loads(self, rows: ReplicaRows) -> tuple[int, ...]:
         """Gradient bytes each owner of the state receives per step (all replicas' rows)."""
-        return (sum(int(x.nbytes) for x in jax.tree.leaves(rows.grads)),)
+        return (tree_bytes(rows.grads),)
 
     def round_trip_bytes(self, state: TrainState) -> tuple[int, str]:
         """(bytes, formula) of the state its update programs copy in from host memory, and back, per step."""
-        return sum(int(x.nbytes) for x in jax.tree.leaves(state)), "S = P + O + step, key, model state"
+        return tree_bytes(state), "S = P + O + step, key, model state"
 
     def traffic(self, loss_fn: LossFn, state: TrainState, batch: Batch, accumulate: int = 1) -> StepTraffic:
         """Every transfer of a step, measured on the arrays and programs this strategy really runs.

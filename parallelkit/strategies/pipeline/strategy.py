@@ -16,8 +16,8 @@ from jax.sharding import PartitionSpec as P
 
 from ...core.accumulate import refuse_accumulation
 from ...core.axes import DATA
-from ...core.contract import Batch, LossInputError, PyTree, batch_size, guard_inputs
-from ...core.devices import DeviceCountError, every_device_hint, first_devices
+from ...core.contract import Batch, LossInputError, PyTree, batch_size, guard_inputs, tree_bytes
+from ...core.devices import DeviceCountError, first_devices
 from ...core.mesh import is_count, make_mesh
 from ...core.precision import Precision, check_precision, next_scale
 from ...core.reports import D2D, H2D, Flow, StepTraffic
@@ -25,7 +25,6 @@ from ...core.state import TrainState, check_same_tree
 from ...core.step import Step
 from ...measure.inspect import Collective, parse_collectives
 from ...measure.traffic import bus_bytes, per_replica_bytes
-from ...models.functional import param_bytes
 from ..base import Strategy
 from ..offdevice.split_update import check_update_splits
 from . import schedules
@@ -141,8 +140,9 @@ class Pipeline(Strategy):
                 "or change stages or data so that they multiply to the device count."
             )
         if devices is None:  # the first stages x data devices, with a warning if that leaves some idle
-            every = every_device_hint(stages, lambda d: f"data={d}", "stages x data")
-            devices = first_devices(wanted, f"Pipeline(stages={stages}, data={data})", every)
+            devices = first_devices(
+                stages, data, lambda d: f"data={d}", "stages x data", f"Pipeline(stages={stages}, data={data})"
+            )
         super().__init__(devices)
         self.mesh = make_mesh(self.devices, data=data, stage=stages)
         self.microbatches, self.data = microbatches, data
@@ -319,19 +319,19 @@ class Pipeline(Strategy):
             moved[what, stage] += nbytes
         m, d, last = self.microbatches, self.data, self.model_stages - 1
         outputs = step.output_shapes(params, microbatches[0])
-        metric_bytes = param_bytes(outputs[last])
-        total = sum(np.asarray(x).nbytes for x in jax.tree.leaves(batch))
+        metric_bytes = tree_bytes(outputs[last])
+        total = tree_bytes(batch)
         ends = [(0, "batch, to stage 0"), (last, f"batch, to stage {last} (labels)")][: 2 if last else 1]
         flows = [Flow(H2D, what, moved["batch", s], total / d, "B/d", "placed microbatches") for s, what in ends]
         for s in range(last):
-            boundary = param_bytes(outputs[s]) / d
+            boundary = tree_bytes(outputs[s]) / d
             for what, to, arrow in (("activations", s + 1, f"{s} -> {s + 1}"), ("gradients", s, f"{s + 1} -> {s}")):
                 flows.append(Flow(D2D, f"{what}, stage {arrow}", moved[what, to], m * boundary, f"m x A_{s}/d",
                                   "arrays handed over"))  # fmt: skip
         found = step.stage_collectives(state, microbatches[0]) if d > 1 else []
         flows += _collective_flows(found, m, metric_bytes, state, self)
         every_call = [c for _, kind, c in found for _ in range(_calls(kind, m))]
-        return StepTraffic(repr(self), self.pattern, d, param_bytes(state.params), metric_bytes, tuple(flows),
+        return StepTraffic(repr(self), self.pattern, d, tree_bytes(state.params), metric_bytes, tuple(flows),
                            bus_bytes=bus_bytes(every_call))  # fmt: skip
 
     pattern = "pipeline"
@@ -367,7 +367,7 @@ def _collective_flows(
     flows = []
     for s in range(pipe.model_stages if found else 0):
         measured = totals.pop((s, "reduce", "all-reduce"), 0)
-        flows.append(Flow(D2D, f"gradients of stage {s} (all-reduce)", measured, param_bytes(stage_params[s]),
+        flows.append(Flow(D2D, f"gradients of stage {s} (all-reduce)", measured, tree_bytes(stage_params[s]),
                           f"P_{s}", "compiled HLO, once a step"))  # fmt: skip
     if found:
         measured = totals.pop((last, "forward", "all-reduce"), 0)
