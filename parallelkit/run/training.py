@@ -305,7 +305,7 @@ def _check_resume(resume: bool, checkpoint_dir: str | Path | None, state: TrainS
 
 
 @contextlib.contextmanager
-def handling(signals: Iterable[int], handler: Callable):
+def signal_handlers(signals: Iterable[int], handler: Callable):
     """Call ``handler(signum, frame)`` on any of ``signals`` within the block, then restore the previous handlers.
 
     Signal handlers belong to the main thread; elsewhere nothing changes.
@@ -328,7 +328,7 @@ def _interrupts_deferred():
     interrupt is late by milliseconds (by the compile time on the first step).
     """
     caught: list[int] = []
-    with handling([signal.SIGINT], lambda signum, frame: caught.append(signum)):
+    with signal_handlers([signal.SIGINT], lambda signum, frame: caught.append(signum)):
         yield
     if caught:
         raise KeyboardInterrupt
