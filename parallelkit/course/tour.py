@@ -39,9 +39,8 @@ class _Tour(Mapping):
     def __getitem__(self, name: str) -> Callable[[int], StrategyProtocol]:
         entry = catalog.get(name)
         if entry not in self._entries():
-            raise KeyError(
-                f"{name!r} is in the catalog but not in the tour{' as meant to differ' * self.only_meant_to_differ}."
-            )
+            which = " as meant to differ" if self.only_meant_to_differ else ""
+            raise KeyError(f"{name!r} is in the catalog but not in the tour{which}.")
         return entry.make
 
     def __iter__(self) -> Iterator[str]:

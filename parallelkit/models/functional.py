@@ -48,12 +48,8 @@ def from_nnx(module: nnx.Module) -> Functional:
     ['mean', 'var']
     """
     graphdef, params, rest = nnx.split(module, nnx.Param, ...)
-    rest_dict, params, axes = nnx.to_pure_dict(rest), nnx.to_pure_dict(params), param_axes(module)
-    # Recorded for declared_axes; a module that declares none forgets an older record for trees like these.
-    if any(names is not None for names in jax.tree.leaves(axes, is_leaf=lambda x: x is None or isinstance(x, tuple))):
-        _DECLARED[_signature(params)] = axes
-    else:
-        _DECLARED.pop(_signature(params), None)
+    rest_dict, params = nnx.to_pure_dict(rest), nnx.to_pure_dict(params)
+    _record_axes(params, param_axes(module))
     takes = set(inspect.signature(type(module).__call__).parameters)
 
     def apply(params: dict, x: jax.Array, *, rng: jax.Array | None = None, model_state=None, train: bool = True):
@@ -157,6 +153,16 @@ def declared_axes(params: dict) -> dict | None:
     True
     """
     return _DECLARED.get(_signature(params))
+
+
+def _record_axes(params: dict, axes: dict) -> None:
+    """Record ``axes`` for trees like ``params`` (:func:`declared_axes`); forget an older record when ``axes``
+    declares nothing."""
+    key = _signature(params)
+    if any(names is not None for names in jax.tree.leaves(axes, is_leaf=lambda x: x is None or isinstance(x, tuple))):
+        _DECLARED[key] = axes
+    else:
+        _DECLARED.pop(key, None)
 
 
 def _signature(params: dict) -> tuple:

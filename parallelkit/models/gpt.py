@@ -99,15 +99,17 @@ class GPT(nnx.Module):
     ):
         if dim % heads:
             raise ValueError(f"dim={dim} must divide into heads={heads} equal heads: choose a multiple of {heads}.")
-        if experts and not is_count(experts):
-            raise ValueError(f"GPT(experts={experts!r}): give a whole number of experts >= 1 (or 0 for a dense MLP).")
-        if experts:
+        if experts:  # MoE settings that cannot route, said in the model's own words
+            if not is_count(experts):
+                raise ValueError(
+                    f"GPT(experts={experts!r}): give a whole number of experts >= 1 (or 0 for a dense MLP)."
+                )
             check_routing(experts, top_k, capacity_factor)
-        if experts and not is_count(groups):
-            raise ValueError(
-                f"GPT(groups={groups!r}): the tokens route in a whole number >= 1 of groups (under ExpertParallel, "
-                "the number of devices the tokens are split over)."
-            )
+            if not is_count(groups):
+                raise ValueError(
+                    f"GPT(groups={groups!r}): the tokens route in a whole number >= 1 of groups (under ExpertParallel, "
+                    "the number of devices the tokens are split over)."
+                )
         self.heads, self.max_length, self.dropout_rate = heads, max_length, dropout
         self.routing = dict(top_k=top_k, capacity_factor=capacity_factor, groups=groups) if experts else None
         self.embed = nnx.Embed(vocab, dim, embedding_init=with_axes(_INIT, ("vocab", "embed")), rngs=rngs)

@@ -221,7 +221,7 @@ def fit(
                 cb.on_train_begin(info)
             for i, batch in enumerate(feed, start=1):
                 start = time.perf_counter()
-                with _interrupts_deferred():  # between the old state's donation and the new one's binding
+                with _InterruptsDeferred():  # between the old state's donation and the new one's binding
                     state, metrics = step(state, batch)
                     pending = (i, start, metrics, batch.size if isinstance(batch, Placed) else batch_size(batch))
                 record, pending = history.record(*pending, state), None
@@ -304,34 +304,41 @@ def _check_resume(resume: bool, checkpoint_dir: str | Path | None, state: TrainS
         raise ValueError("Give state or resume=True, not both: resuming restores the state from checkpoint_dir.")
 
 
-@contextlib.contextmanager
-def signal_handlers(signals: Iterable[int], handler: Callable):
-    """Call ``handler(signum, frame)`` on any of ``signals`` within the block, then restore the previous handlers.
+class SignalHandlers:
+    """Within the block ``handler(signum, frame)`` handles ``signals``; the previous handlers come back after it.
 
-    Signal handlers belong to the main thread; elsewhere nothing changes.
+    Signal handlers belong to the main thread; elsewhere nothing changes. A class rather than a
+    generator: :func:`fit` enters one around every step, and a class costs about a microsecond less.
     """
-    main = threading.current_thread() is threading.main_thread()
-    previous = {sig: signal.signal(sig, handler) for sig in signals} if main else {}
-    try:
-        yield
-    finally:
-        for sig, old in previous.items():
+
+    def __init__(self, signals: Iterable[int], handler: Callable) -> None:
+        self.signals, self.handler, self.previous = tuple(signals), handler, {}
+
+    def __enter__(self) -> None:
+        main = threading.current_thread() is threading.main_thread()
+        self.previous = {sig: signal.signal(sig, self.handler) for sig in self.signals} if main else {}
+
+    def __exit__(self, *exc: object) -> None:
+        for sig, old in self.previous.items():
             signal.signal(sig, old)
 
 
-@contextlib.contextmanager
-def _interrupts_deferred():
+class _InterruptsDeferred(SignalHandlers):
     """Hold back a KeyboardInterrupt (SIGINT) until the block ends, then raise it.
 
     Around the step call: an interrupt between the step consuming the old state and
     the new state being bound would leave nothing usable. Dispatch is quick, so the
     interrupt is late by milliseconds (by the compile time on the first step).
     """
-    caught: list[int] = []
-    with signal_handlers([signal.SIGINT], lambda signum, frame: caught.append(signum)):
-        yield
-    if caught:
-        raise KeyboardInterrupt
+
+    def __init__(self) -> None:
+        caught = self.caught = []  # the handler holds the list, not self: no reference cycle a step
+        super().__init__((signal.SIGINT,), lambda signum, frame: caught.append(signum))
+
+    def __exit__(self, kind: type[BaseException] | None, *exc: object) -> None:
+        super().__exit__(kind, *exc)
+        if self.caught and kind is None:
+            raise KeyboardInterrupt
 
 
 def _remaining(batches: Iterable[Batch], steps: int | None, consumed: int) -> tuple[Iterable[Batch], int | None]:

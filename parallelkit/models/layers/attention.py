@@ -110,7 +110,7 @@ def _ring(
     i, c = lax.axis_index(axis), q.shape[1] // 2
     positions, past, future = jnp.arange(q.shape[1]), _add_block, _skip_block
     if zigzag:
-        q, k, v = (_zigzag(x, axis, size) for x in (q, k, v))
+        q, k, v = (_to_zigzag(x, axis, size) for x in (q, k, v))
         positions = jnp.concatenate([i * c + jnp.arange(c), (2 * size - 1 - i) * c + jnp.arange(c)])
         past, future = _add_first_keys, _add_to_last_queries
     state = _block(q, k, v, _causal(positions, positions) if causal else None)  # its own: the only one partly masked
@@ -120,7 +120,7 @@ def _ring(
             state = lax.cond(s <= i, past, future, q, state, k, v)
         else:
             state = _add_block(q, state, k, v)
-    return _zigzag(_normalise(*state), axis, size, back=True) if zigzag else _normalise(*state)
+    return _from_zigzag(_normalise(*state), axis, size) if zigzag else _normalise(*state)
 
 
 def _add_block(q: jax.Array, state: Block, k: jax.Array, v: jax.Array) -> Block:
@@ -156,18 +156,23 @@ def _zigzag_pairs(size: int) -> tuple[list[tuple[int, int]], list[tuple[int, int
     return [(d, home[2 * d]) for d in range(size)], [(d, home[2 * d + 1]) for d in range(size)]
 
 
-def _zigzag(x: jax.Array, axis: str, size: int, *, back: bool = False) -> jax.Array:
-    """This device's chunks i and 2n-1-i of the sequence, from the contiguous chunks 2i and 2i+1 (two permutes);
-    with ``back``, the inverse: chunks 2i and 2i+1 back on device i."""
+def _to_zigzag(x: jax.Array, axis: str, size: int) -> jax.Array:
+    """This device's chunks i and 2n-1-i of the sequence, from the contiguous chunks 2i and 2i+1 (two permutes)."""
     c = x.shape[1] // 2
     evens, odds = _zigzag_pairs(size)
+    even, odd = lax.ppermute(x[:, :c], axis, evens), lax.ppermute(x[:, c:], axis, odds)
     i_even = lax.axis_index(axis) % 2 == 0  # chunk i has i's parity, chunk 2n-1-i the other
-    if not back:
-        even, odd = lax.ppermute(x[:, :c], axis, evens), lax.ppermute(x[:, c:], axis, odds)
-        return jnp.where(i_even, jnp.concatenate([even, odd], 1), jnp.concatenate([odd, even], 1))
+    return jnp.where(i_even, jnp.concatenate([even, odd], 1), jnp.concatenate([odd, even], 1))
+
+
+def _from_zigzag(x: jax.Array, axis: str, size: int) -> jax.Array:
+    """The inverse of :func:`_to_zigzag`: chunks 2i and 2i+1 back on device i."""
+    c = x.shape[1] // 2
+    evens, odds = _zigzag_pairs(size)
+    i_even = lax.axis_index(axis) % 2 == 0
     even, odd = jnp.where(i_even, x[:, :c], x[:, c:]), jnp.where(i_even, x[:, c:], x[:, :c])
-    evens, odds = [(b, a) for a, b in evens], [(b, a) for a, b in odds]
-    return jnp.concatenate([lax.ppermute(even, axis, evens), lax.ppermute(odd, axis, odds)], 1)
+    back = [(b, a) for a, b in evens], [(b, a) for a, b in odds]
+    return jnp.concatenate([lax.ppermute(even, axis, back[0]), lax.ppermute(odd, axis, back[1])], 1)
 
 
 def _ulysses(q: jax.Array, k: jax.Array, v: jax.Array, *, axis: str, causal: bool) -> jax.Array:

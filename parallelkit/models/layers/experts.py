@@ -154,11 +154,13 @@ def moe_layer(
         parallelism, the errors of :func:`expert_parallel`.
     """
     active = axes.active()
-    axis = None if active is None else active[1].mesh_axes(EXPERT)
-    if active is not None and axes.split_size(active[0], axis) > 1:
-        return expert_parallel(
-            x, params, mesh=active[0], axis=axis, top_k=top_k, capacity_factor=capacity_factor, groups=groups
-        )
+    if active is not None:  # traced under rules: expert parallel where they split ``expert`` over 2 or more devices
+        mesh, rules = active
+        axis = rules.mesh_axes(EXPERT)
+        if axes.split_size(mesh, axis) > 1:
+            return expert_parallel(
+                x, params, mesh=mesh, axis=axis, top_k=top_k, capacity_factor=capacity_factor, groups=groups
+            )
     tokens, dim, _, cap = _check(x, params, top_k, capacity_factor, groups)
     y, sums = _moe_groups(x.reshape(groups, -1, dim), params, top_k, cap, _experts)
     return y.reshape(x.shape), _aux(sums, tokens, top_k)

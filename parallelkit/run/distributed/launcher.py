@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..training import signal_handlers
+from ..training import SignalHandlers
 from .cluster import (
     ENV_COORDINATOR,
     ENV_HEARTBEAT_TIMEOUT,
@@ -262,7 +262,7 @@ def _stopped_by_signals(print_fn: Callable[[str], None]) -> contextlib.AbstractC
         print_fn(f"parallelkit launch: stopped by {_signal_name(signum)}; ending the cluster's processes.")
         raise SystemExit(128 + signum)
 
-    return signal_handlers(_STOP_SIGNALS, stop)
+    return SignalHandlers(_STOP_SIGNALS, stop)
 
 
 def _kill(proc: subprocess.Popen) -> bool:

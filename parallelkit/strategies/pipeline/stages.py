@@ -119,7 +119,7 @@ def forward(params, x, batch, *, layers, head_loss, first, last, precision=None)
     return (out[0], out[1][0]) if last else out
 
 
-def _pullback(params, x, batch, cotangent, wrt, layers, head_loss, first, last, precision):
+def _pullback(params, x, batch, cotangent, *, wrt, layers, head_loss, first, last, precision):
     """The stage's forward pass recomputed under :func:`jax.vjp`: ``(parameter gradients, input gradient)``.
 
     ``wrt`` says which: ``"both"``, ``"params"`` (the input's gradient None) or ``"input"``
@@ -156,7 +156,8 @@ def backward(params, x, batch, cotangent, grads, *, layers, head_loss, first, la
     zero-bubble schedule's weight pass: the parameters' gradients only (no input gradient);
     :func:`backward_input` is the other half.
     """
-    param_grads, input_grad = _pullback(params, x, batch, cotangent, wrt, layers, head_loss, first, last, precision)
+    statics = dict(layers=layers, head_loss=head_loss, first=first, last=last, precision=precision)
+    param_grads, input_grad = _pullback(params, x, batch, cotangent, wrt=wrt, **statics)
     return jax.tree.map(jnp.add, grads, param_grads), input_grad
 
 
@@ -164,7 +165,8 @@ def backward(params, x, batch, cotangent, grads, *, layers, head_loss, first, la
 def backward_input(params, x, batch, cotangent, *, layers, head_loss, first, last, precision=None):
     """A zero-bubble schedule's backward pass: the gradient of the stage's input alone (None on the first
     stage), which the stage above waits for; the parameters' gradients wait for the weight pass."""
-    return _pullback(params, x, batch, cotangent, "input", layers, head_loss, first, last, precision)[1]
+    statics = dict(layers=layers, head_loss=head_loss, first=first, last=last, precision=precision)
+    return _pullback(params, x, batch, cotangent, wrt="input", **statics)[1]
 
 
 @partial(jax.jit, static_argnames=(*_BACKWARD, "mesh"), donate_argnames=("grads",))
@@ -179,13 +181,14 @@ def backward_unreduced(
     :func:`reduce_unreduced` all-reduces them once a step. On the last stage each device's
     loss is the mean over its slice, so its seed is ``cotangent / data``.
     """
+    statics = dict(layers=layers, head_loss=head_loss, first=first, last=last, precision=precision)
 
     def local(params, x, batch, cotangent, grads):
         # Per-device ("varying") parameters: else autodiff would transpose their broadcast into a psum.
         params = jax.tree.map(lambda p: jax.lax.pcast(p, DATA, to="varying"), params)
         if last:
             cotangent = jax.lax.pcast(cotangent / jax.lax.axis_size(DATA), DATA, to="varying")
-        param_grads, input_grad = _pullback(params, x, batch, cotangent, wrt, layers, head_loss, first, last, precision)
+        param_grads, input_grad = _pullback(params, x, batch, cotangent, wrt=wrt, **statics)
         return jax.tree.map(lambda g, new: g + new[None], grads, param_grads), input_grad
 
     split, whole = P(DATA), P()

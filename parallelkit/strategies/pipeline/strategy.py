@@ -321,7 +321,7 @@ class Pipeline(Strategy):
         outputs = step.output_shapes(params, microbatches[0])
         metric_bytes = tree_bytes(outputs[last])
         total = tree_bytes(batch)
-        ends = [(0, "batch, to stage 0"), (last, f"batch, to stage {last} (labels)")][: 2 if last else 1]
+        ends = [(0, "batch, to stage 0")] + ([(last, f"batch, to stage {last} (labels)")] if last else [])
         flows = [Flow(H2D, what, moved["batch", s], total / d, "B/d", "placed microbatches") for s, what in ends]
         for s in range(last):
             boundary = tree_bytes(outputs[s]) / d
