@@ -13,9 +13,10 @@ thread when its device already has 32 programs queued (XLA's
 ``max_inflight_computations_per_device``). A plain loop that dispatches steps
 faster than 2 cores run them reaches that limit: the N tasks of step k+32 then hold
 the pool's threads while step k's N participants wait for threads to reach their
-all-reduce, and XLA aborts the process after 40 s ("Termination timeout for all
-reduce ... only 7 of them arrived"). A pool of at least ``2 x devices`` threads
-always leaves room for the running step, so :func:`simulate_devices` sizes it so
+all-reduce. XLA warns after 20 s and aborts the process 40 s later ("Termination
+timeout for all reduce ... of 40 seconds exceeded ... only 7 of them arrived"; its
+defaults, docs/simulated_devices.md says where). A pool of at least ``2 x devices``
+threads always leaves room for the running step, so :func:`simulate_devices` sizes it so
 (the ``PJRT_NPROC`` variable, read when the backend starts). ``pk.Step`` also keeps
 at most 8 steps in flight on CPU devices, which protects the library's own loop
 even where the pool could not be sized.
