@@ -15,8 +15,9 @@ trains ``--steps`` steps after one that compiles, and records, from each step's 
   a forward and a backward, for passes of equal length);
 - **replayed**: the schedule's plan played again with the pass durations this run measured
   (the median forward, backward and weight pass of each kind, ``schedules.timed``): what the
-  plan predicts for these passes, which need not be the formula's equal lengths (here each
-  backward or weight pass recomputes its stage's forward pass first);
+  plan predicts for these passes, which need not be the formula's equal lengths (here a pass
+  that computes a gradient recomputes its stage's forward pass first; the first stage's ZB-H1
+  backward pass has no gradient to compute: its input is the batch);
 - the most bytes each stage kept for its backward passes (``timeline.peak_stashed_bytes()``).
 
 Every run's parameters are checked against ``pk.SingleDevice`` (rtol 1e-5, atol 1e-6) after

@@ -205,7 +205,7 @@ def interleaved_schedule(
 
 
 def zero_bubble_schedule(stages: int, microbatches: int, forward: float = 1, backward: float = 2) -> list[Slot]:
-    """ZB-H1 (Qi et al., 2023, "Zero Bubble Pipeline Parallelism"): a third of 1F1B's bubble.
+    """ZB-H1 (Qi et al., 2023, "Zero Bubble Pipeline Parallelism"): a third of 1F1B's idle time, its peak memory.
 
     Each backward pass is split in two, each taking half of ``backward``: ``"backward"``,
     the gradient of the stage's input, which the stage above waits for, and ``"weight"``,
@@ -215,9 +215,9 @@ def zero_bubble_schedule(stages: int, microbatches: int, forward: float = 1, bac
     it defers them, so the weight passes fill the gaps where 1F1B's stages wait for the
     gradients from below; the ones left run at the end. With ``microbatches >= stages`` the
     idle time per stage is ``(stages - 1) x forward`` where 1F1B's is ``(stages - 1) x
-    (forward + backward)``. The price is memory: a microbatch's activations are held until
-    its weight pass, so every stage holds up to ``stages`` microbatches at once, the most
-    1F1B holds on its first stage only.
+    (forward + backward)``. A microbatch's activations are held until its weight pass, so
+    every stage holds up to ``stages`` microbatches at once: as many as 1F1B's first stage,
+    so the peak is 1F1B's (as Qi et al. designed it) and only the later stages hold more.
 
     Args and Raises: as :func:`gpipe_schedule`.
 
@@ -274,11 +274,13 @@ def timed(
 
 
 def peak_in_flight(schedule: Sequence[Slot]) -> dict[int, int]:
-    """Per stage, the most microbatches (of any chunk) whose forward pass has ended and whose last pass has not.
+    """Per stage, the most microbatch-chunks whose forward pass has ended and whose last pass has not.
 
     Each such microbatch's activations are held until its backward pass, or its weight pass
     where the schedule splits the backward: this counts the activation memory a stage needs,
-    in microbatches: ``microbatches`` for GPipe, at most ``stages - stage`` for 1F1B and ZB-H1.
+    in microbatches: ``microbatches`` for GPipe, at most ``stages - stage`` for 1F1B and
+    ``stages`` for ZB-H1. An interleaved schedule counts a microbatch once per chunk, each chunk
+    ``1 / virtual`` of the stage's layers (a microbatch-chunk).
 
     >>> peak_in_flight(gpipe_schedule(2, 4)), peak_in_flight(one_f_one_b_schedule(2, 4))
     ({0: 4, 1: 4}, {0: 2, 1: 1})
