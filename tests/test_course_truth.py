@@ -230,6 +230,28 @@ def test_the_glossary_points_hlo_at_notebooks_that_say_hlo():
         assert "HLO" in _markdown(stem), f"the glossary sends HLO to notebook {stem}, which never says HLO"
 
 
+def _glossary_entries() -> list[tuple[str, list[str], list[str]]]:
+    """Each glossary entry: its anchor, its term's spellings, and the notebooks it names."""
+    text = (ROOT / "docs" / "glossary.md").read_text()
+    entries = []
+    for anchor, name, body in re.findall(r'<a id="([^"]+)"></a>\*\*([^*]+?)\*\*(.*?)(?=\n<a id=|\Z)', text, flags=re.S):
+        named = re.findall(r"\d\d", " ".join(re.findall(r"Notebooks? \d\d(?:(?:, | and )\d\d)*", body)))
+        spellings = [w.strip() for w in re.split(r",| and ", re.sub(r"\(.*?\)", "", name.rstrip("."))) if w.strip()]
+        entries.append((anchor, spellings, named))
+    return entries
+
+
+@pytest.mark.parametrize(
+    ("anchor", "spellings", "named"), _glossary_entries(), ids=lambda v: v if isinstance(v, str) else ""
+)
+def test_a_glossary_entry_names_notebooks_that_use_its_term(anchor, spellings, named):
+    """ "Notebook NN points at the notebook that teaches it": that notebook says the term, or links its entry."""
+    for stem in named:
+        text = _markdown(stem)
+        used = any(s.lower() in text.lower() for s in spellings) or f"glossary.md#{anchor})" in text
+        assert used, f"the glossary sends {spellings[0]!r} to notebook {stem}, which neither says nor links it"
+
+
 # --- The docs: what simulated devices show, and XLA's timeouts ----------------------------------------------------
 
 
