@@ -75,3 +75,45 @@ def test_context_parallel_checks_the_batch_alike_in_both_modes(explicit):
         strategy.place_batch({"x": np.zeros((4, 7), np.int32)})
     with pytest.raises(ValueError, match="global batch of 3 examples does not split evenly over 2 replicas"):
         strategy.place_batch({"x": np.zeros((3, 8), np.int32)})
+
+
+@pytest.fixture(scope="module")
+def mlp_run():
+    digits = pk.data.digits()
+    apply, params = pk.models.build("mlp", digits.input_shape, digits.num_classes)
+    loss_fn = pk.models.classifier_loss(apply)
+    batches = list(pk.data.batches(digits, 32, steps=STEPS))
+    return loss_fn, params, batches, pk.fit(pk.SingleDevice(), loss_fn, params, optax.adam(1e-2), batches).params
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: pk.SingleDevice(),
+        lambda: pk.Mirrored(4),
+        lambda: pk.TensorParallel(2, devices=jax.devices()[:2]),
+        lambda: pk.FullySharded(3, 4),
+        lambda: pk.Hybrid(2, 2, devices=jax.devices()[:4], explicit=True),
+        lambda: pk.CentralStorage(2),
+        lambda: pk.ParameterServer(2, devices=2),
+    ],
+    ids=["SingleDevice", "Mirrored(jit)", "TensorParallel", "FullySharded(3)", "Hybrid(explicit)", "CentralStorage",
+         "ParameterServer"],
+)  # fmt: skip
+def test_a_strategy_inside_a_callers_explicit_mesh_trains_and_compiles_as_outside_it(mlp_run, make):
+    loss_fn, params, batches, single = mlp_run
+    strategy = make()
+    with jax.set_mesh(jax.make_mesh((4, 2), ("data", "model"), devices=jax.devices()[:8])):  # Explicit axes
+        run = pk.fit(strategy, loss_fn, params, optax.adam(1e-2), batches)
+        hlo = pk.inspect.compiled_text(strategy.step(loss_fn), run.state, batches[0])
+        assert jax.sharding.get_abstract_mesh().axis_names == ("data", "model")  # the caller's mesh is back
+    pk.tour.assert_close(run.params, single)  # rtol 1e-5, atol 1e-6
+    assert hlo.startswith("HloModule")
+
+
+def test_an_async_parameter_server_inside_a_callers_mesh_runs_as_outside_it(mlp_run):
+    loss_fn, params, batches, _ = mlp_run
+    outside = pk.fit(pk.ParameterServer(2, mode="async", devices=2), loss_fn, params, optax.sgd(0.1), batches)
+    with jax.set_mesh(jax.make_mesh((8,), ("data",), devices=jax.devices()[:8])):
+        inside = pk.fit(pk.ParameterServer(2, mode="async", devices=2), loss_fn, params, optax.sgd(0.1), batches)
+    pk.tour.assert_close(inside.params, outside.params)

@@ -17,7 +17,7 @@ from ...core.reports import D2D, D2H, H2D, Flow, StepTraffic
 from ...core.state import TrainState
 from ...measure.inspect import collectives, host_memory_bytes
 from ...measure.traffic import batch_flow, bus_bytes, per_replica_bytes, sizes
-from ..base import Strategy
+from ..base import Strategy, outside_callers_mesh
 from .rows import ReplicaRows
 
 
@@ -56,6 +56,7 @@ class OffDeviceStrategy(Strategy):
         """(bytes, formula) of the state its update programs copy in from host memory, and back, per step."""
         return tree_bytes(state), "S = P + O + step, key, model state"
 
+    @outside_callers_mesh
     def traffic(self, loss_fn: LossFn, state: TrainState, batch: Batch, accumulate: int = 1) -> StepTraffic:
         """Every transfer of a step, measured on the arrays and programs this strategy really runs.
 

@@ -36,6 +36,7 @@ from ...core.contract import LossFn, PyTree
 from ...core.precision import Precision, check_precision
 from ...core.state import TrainState, create_state
 from ...core.step import Step
+from ..base import outside_callers_mesh
 from .base import OffDeviceStrategy
 from .rows import (
     PushPullStep,
@@ -100,6 +101,7 @@ class CentralStorage(OffDeviceStrategy):
         super().__init__(devices)
         self.storage = host_sharding(storage if storage is not None else self.devices[0])
 
+    @outside_callers_mesh
     def init(
         self,
         params: PyTree,

@@ -40,6 +40,7 @@ from ...core.precision import Precision, check_precision
 from ...core.reports import StepTraffic
 from ...core.state import TrainState, check_same_tree, prng_key
 from ...core.step import Step
+from ..base import outside_callers_mesh
 from .asynchronous import AsyncStep, AsyncWorkers, worker_time_array
 from .base import OffDeviceStrategy
 from .partition import Partition, Sharded, check_num_shards
@@ -179,6 +180,7 @@ class ParameterServer(OffDeviceStrategy):
         """How ``params`` are cut over the shards (``print(strategy.partition(params).table(strategy.devices))``)."""
         return Partition.of(params, self.num_shards)
 
+    @outside_callers_mesh
     def init(
         self,
         params: PyTree,
