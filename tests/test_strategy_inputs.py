@@ -8,11 +8,14 @@ model without experts. Equivalence is float32: rtol 1e-5, atol 1e-6 against Sing
 
 from __future__ import annotations
 
+import inspect
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 import parallelkit as pk
@@ -117,3 +120,36 @@ def test_an_async_parameter_server_inside_a_callers_mesh_runs_as_outside_it(mlp_
     with jax.set_mesh(jax.make_mesh((8,), ("data",), devices=jax.devices()[:8])):
         inside = pk.fit(pk.ParameterServer(2, mode="async", devices=2), loss_fn, params, optax.sgd(0.1), batches)
     pk.tour.assert_close(inside.params, outside.params)
+
+
+@pytest.fixture(scope="module")
+def layers():
+    return pk.models.as_layers(pk.models.MLP(64, (32,), 10, rngs=nnx.Rngs(0)))[0]
+
+
+AUTO_ONLY = {
+    "CentralStorage": lambda layers, **explicit: pk.CentralStorage(2, **explicit),
+    "ParameterServer": lambda layers, **explicit: pk.ParameterServer(2, devices=2, **explicit),
+    "Pipeline": lambda layers, **explicit: pk.Pipeline(layers, 2, devices=jax.devices()[:2], **explicit),
+}
+
+
+@pytest.mark.parametrize("name", AUTO_ONLY)
+def test_a_strategy_without_explicit_mode_takes_explicit_false_and_refuses_true_saying_why(name, layers):
+    make = AUTO_ONLY[name]
+    assert repr(make(layers, explicit=False)) == repr(make(layers))  # Auto mode, as without the argument
+    with pytest.raises(ValueError, match=rf"^{name}\(explicit=True\): Explicit mode is not supported here\. Its .* "
+                       r"not one program over a mesh.* Explicit mode runs in pk\.SPMD and its presets \(SingleDevice, "
+                       r".*\): use one of those, or leave explicit=False\.$"):  # fmt: skip
+        make(layers, explicit=True)
+    with pytest.raises(ValueError, match=rf"{name}\(explicit='yes'\): explicit is a bool"):
+        make(layers, explicit="yes")
+
+
+def test_every_strategy_constructor_takes_explicit():
+    """pk.SPMD aside: it takes a mesh, whose axis types are its mode."""
+    for strategy in (pk.SingleDevice, pk.Mirrored, pk.MultiWorkerMirrored, pk.FullySharded, pk.TensorParallel,
+                     pk.Hybrid, pk.ContextParallel, pk.ExpertParallel, pk.CentralStorage, pk.ParameterServer,
+                     pk.Pipeline):  # fmt: skip
+        parameter = inspect.signature(strategy).parameters.get("explicit")
+        assert parameter is not None and parameter.default is False, strategy.__name__

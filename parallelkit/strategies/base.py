@@ -58,6 +58,35 @@ def outside_callers_mesh(fn: Callable[_Args, _Result]) -> Callable[_Args, _Resul
     return run
 
 
+# Where Explicit mode runs: the strategies whose step is one jax.jit over a mesh (pk.SPMD and its presets).
+EXPLICIT_STRATEGIES = (
+    "pk.SPMD and its presets (SingleDevice, Mirrored with backend='jit', MultiWorkerMirrored, FullySharded, "
+    "TensorParallel, Hybrid, ContextParallel, ExpertParallel)"
+)
+
+
+def refuse_explicit(who: str, explicit: object, why: str) -> None:
+    """Accept ``explicit=False`` (Auto mode, the only one ``who`` runs); refuse anything else, saying ``why``.
+
+    >>> refuse_explicit("CentralStorage", False, "its programs run on separate devices")
+    >>> refuse_explicit("CentralStorage", True, "Its programs run on separate devices.")
+    Traceback (most recent call last):
+    ...
+    ValueError: CentralStorage(explicit=True): Explicit mode is not supported here. Its programs run on separate ...
+
+    Raises:
+      ValueError: ``explicit=True`` (the sentence names the strategies that run Explicit mode), or not a bool.
+    """
+    if explicit is False:
+        return
+    if explicit is not True:
+        raise ValueError(f"{who}(explicit={explicit!r}): explicit is a bool, and {who} runs only explicit=False.")
+    raise ValueError(
+        f"{who}(explicit=True): Explicit mode is not supported here. {why} Explicit mode runs in "
+        f"{EXPLICIT_STRATEGIES}: use one of those, or leave explicit=False."
+    )
+
+
 class Strategy(abc.ABC):
     """Base of every strategy: holds configuration (the devices), never training state.
 

@@ -20,6 +20,12 @@ from ...measure.traffic import batch_flow, bus_bytes, per_replica_bytes, sizes
 from ..base import Strategy, outside_callers_mesh
 from .rows import ReplicaRows
 
+# Why central storage and parameter servers run Auto mode only (refuse_explicit's sentence).
+NOT_EXPLICIT = (
+    "Its state lives in host memory and each step is several programs on different devices (the pull, the workers' "
+    "gradients, the update where the state lives), not one program over a mesh whose types could carry the shardings."
+)
+
 
 class OffDeviceStrategy(Strategy):
     """Shared base: workers on a ``data`` mesh compute, the state lives elsewhere."""
