@@ -9,6 +9,7 @@ model without experts. Equivalence is float32: rtol 1e-5, atol 1e-6 against Sing
 from __future__ import annotations
 
 import inspect
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -153,3 +154,23 @@ def test_every_strategy_constructor_takes_explicit():
                      pk.Pipeline):  # fmt: skip
         parameter = inspect.signature(strategy).parameters.get("explicit")
         assert parameter is not None and parameter.default is False, strategy.__name__
+
+
+def test_expert_parallel_on_a_model_without_experts_warns_that_it_is_data_parallelism(mlp_run):
+    loss_fn, params, batches, single = mlp_run
+    strategy = pk.ExpertParallel(expert=2, devices=jax.devices()[:4])
+    with pytest.warns(UserWarning, match=r"no parameter matched the expert rules .* data parallelism over all 4 "
+                      r"devices\. Name each expert weight w_in, w_out, b_in or b_out"):  # fmt: skip
+        run = pk.fit(strategy, loss_fn, params, optax.adam(1e-2), batches)
+    pk.tour.assert_close(run.params, single)  # it trained, as data parallelism does
+    given = pk.ExpertParallel(expert=2, rules=((".*", P()),), devices=jax.devices()[:4])
+    with pytest.warns(UserWarning, match=r"no rule in rules= splits a parameter over 'expert'"):
+        given.init(params, optax.sgd(0.1))
+
+
+def test_expert_parallel_on_expert_weights_says_nothing():
+    params = {"moe": {"w_in": jnp.zeros((4, 8, 16)), "router": jnp.zeros((8, 4))}}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        state = pk.ExpertParallel(expert=2, devices=jax.devices()[:4]).init(params, optax.sgd(0.1))
+    assert state.params["moe"]["w_in"].sharding.spec[0] == "expert"  # the experts split: no warning
