@@ -470,7 +470,7 @@ class _CompiledOnFirstCall:
                 err.add_note(
                     f"parallelkit: {self.strategy!r} runs on an Explicit mesh, where every array's sharding is its "
                     "type and a layer whose result could live in two places must say which: pass out_sharding= to "
-                    "that matmul (jnp.matmul(x, w, out_sharding=P(...))) or reshard its inputs "
+                    "that matmul or convolution (jnp.matmul(x, w, out_sharding=P(...))) or reshard its inputs "
                     "(jax.sharding.reshard, or pk.axes.constrain under the strategy's rules); or run the strategy "
                     "on an Auto mesh (explicit=False), where XLA's partitioner chooses."
                 )

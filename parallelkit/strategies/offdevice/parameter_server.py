@@ -109,7 +109,7 @@ class ParameterServer(OffDeviceStrategy):
 
     Raises:
       ValueError: an unknown mode, a staleness or worker times that do not fit it, a shard count
-        below 1, or ``explicit=True``.
+        that is not a whole number >= 1, or ``explicit=True``.
 
     Warns:
       DeviceSubsetWarning: without ``devices``, when there are more shards than devices, so

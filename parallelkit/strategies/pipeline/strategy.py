@@ -40,13 +40,6 @@ SCHEDULES: dict[str, Callable[..., list[schedules.Slot]]] = {
 }
 
 
-# Why a pipeline runs Auto mode only (refuse_explicit's sentence).
-PIPELINE_NOT_EXPLICIT = (
-    "Its stages run programs of their own, driven from the host one thread per stage, not one program over a mesh "
-    "whose types could carry the shardings."
-)
-
-
 class Pipeline(Strategy):
     """Pipeline parallelism: stage ``s`` runs its run of layers on its own devices, microbatch by microbatch.
 
@@ -121,7 +114,12 @@ class Pipeline(Strategy):
         devices: Sequence[jax.Device] | None = None,
         explicit: bool = False,
     ):
-        refuse_explicit("Pipeline", explicit, PIPELINE_NOT_EXPLICIT)
+        refuse_explicit(
+            "Pipeline",
+            explicit,
+            "Its stages run programs of their own, driven from the host one thread "
+            "per stage, not one program over a mesh whose types could carry the shardings.",
+        )
         for name, size in (("stages", stages), ("microbatches", microbatches), ("virtual", virtual), ("data", data)):
             if not is_count(size):
                 raise ValueError(f"Pipeline({name}={size!r}): it must be a whole number >= 1.")
