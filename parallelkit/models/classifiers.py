@@ -98,7 +98,7 @@ class CNN(nnx.Module):
 
     def __call__(self, x: jax.Array, *, train: bool = True) -> jax.Array:
         for i, conv in enumerate(self.convs):
-            x = conv(x)
+            x = apply_layer(conv, x)
             if self.norms is not None:
                 x = self.norms[i](x, use_running_average=not train)
             x = nnx.avg_pool(jax.nn.relu(x), (2, 2), strides=(2, 2), padding="SAME")

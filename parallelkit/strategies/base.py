@@ -13,8 +13,9 @@ Strategies that split parameters take their rules in their constructor, so ``ini
 from __future__ import annotations
 
 import abc
-from collections.abc import Sequence
-from typing import Any
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any, ParamSpec, TypeVar
 
 import jax
 import numpy as np
@@ -28,6 +29,62 @@ from ..core.reports import ExpectedCollective, Sizes, StepTraffic
 from ..core.state import TrainState
 from ..core.step import Step
 from ..measure.traffic import compiled_traffic
+
+_Args = ParamSpec("_Args")
+_Result = TypeVar("_Result")
+
+
+def outside_callers_mesh(fn: Callable[_Args, _Result]) -> Callable[_Args, _Result]:
+    """``fn`` run with no mesh set, when its caller set one (``with jax.set_mesh(mesh):``).
+
+    A strategy's programs carry their own shardings on their own devices. A caller's mesh would meet
+    them inside ``jax.jit`` with JAX's mismatch errors (an Explicit mesh, ``jax.make_mesh``'s default,
+    in the optimizer's first ``zeros_like``), so the strategy runs them as it would outside the block.
+    An SPMD step on an Explicit mesh sets its own mesh inside.
+
+    >>> mesh = jax.make_mesh((1,), ("data",), devices=jax.devices()[:1])
+    >>> with jax.set_mesh(mesh):
+    ...     outside_callers_mesh(lambda: jax.sharding.get_abstract_mesh().empty)()
+    True
+    """
+
+    @functools.wraps(fn)
+    def run(*args: _Args.args, **kwargs: _Args.kwargs) -> _Result:
+        if jax.sharding.get_abstract_mesh().empty:  # the usual case: nothing to set aside
+            return fn(*args, **kwargs)
+        with jax.set_mesh(None):
+            return fn(*args, **kwargs)
+
+    return run
+
+
+# Where Explicit mode runs: the strategies whose step is one jax.jit over a mesh (pk.SPMD and its presets).
+EXPLICIT_STRATEGIES = (
+    "pk.SPMD and its presets (SingleDevice, Mirrored with backend='jit', MultiWorkerMirrored, FullySharded, "
+    "TensorParallel, Hybrid, ContextParallel, ExpertParallel)"
+)
+
+
+def refuse_explicit(who: str, explicit: object, why: str) -> None:
+    """Accept ``explicit=False`` (Auto mode, the only one ``who`` runs); refuse anything else, saying ``why``.
+
+    >>> refuse_explicit("CentralStorage", False, "its programs run on separate devices")
+    >>> refuse_explicit("CentralStorage", True, "Its programs run on separate devices.")
+    Traceback (most recent call last):
+    ...
+    ValueError: CentralStorage(explicit=True): Explicit mode is not supported here. Its programs run on separate ...
+
+    Raises:
+      ValueError: ``explicit=True`` (the sentence names the strategies that run Explicit mode), or not a bool.
+    """
+    if explicit is False:
+        return
+    if explicit is not True:
+        raise ValueError(f"{who}(explicit={explicit!r}): explicit is a bool, and {who} runs only explicit=False.")
+    raise ValueError(
+        f"{who}(explicit=True): Explicit mode is not supported here. {why} Explicit mode runs in "
+        f"{EXPLICIT_STRATEGIES}: use one of those, or leave explicit=False."
+    )
 
 
 class Strategy(abc.ABC):

@@ -131,7 +131,8 @@ def _built_in() -> None:
         Entry("PS(2, async)", lambda n: ParameterServer(2, mode="async", devices=n), ps_tf, ps_torch,
               ParameterServer.pattern, meant_to_differ=True, bench=False),
         # Not in the tour or the bench: they train a classifier without experts, on which ExpertParallel is data
-        # parallelism over all its devices (no parameter declares `expert`); its all-to-alls need MoE layers.
+        # parallelism over all its devices (no parameter declares `expert`; its init warns so); its all-to-alls
+        # need MoE layers.
         Entry("ExpertParallel", lambda n: ExpertParallel(expert=n, devices=jax.devices()[:n]), None,
               "--expert-model-parallel-size", ExpertParallel.pattern, tour=False, bench=False),
         # Splitting the sequence needs a model that names its sequence axes (pk.models.GPT); the tour and the

@@ -112,10 +112,14 @@ class ContextParallel(SPMD):
     unnamed_batch_axes = TOKENS  # every batch array not named in batch_axes: split on axis 0 and on its tokens
 
     def place_batch(self, batch: Batch) -> Batch:
-        """Send each block of every sequence to its device; clear errors for arrays that do not split."""
+        """Send each block of every sequence to its device; clear errors for arrays that do not split.
+
+        The checks run only when placing fails, in either mode: on an Auto mesh JAX refuses an array too short
+        for its spec with a ``ValueError``, on an Explicit one with a bare ``AssertionError``.
+        """
         try:
             return super().place_batch(batch)
-        except ValueError:
+        except (ValueError, AssertionError):
             self._check_tokens(batch)
             raise
 

@@ -6,7 +6,8 @@ every parameter that declares the logical axis ``expert`` (as the MoE
 is split along it over ``expert``; for parameters that declare no logical axes, every one
 whose path ends in ``w_in``, ``w_out``, ``b_in`` or ``b_out`` (the expert weights of
 :func:`parallelkit.models.layers.experts.moe_layer`) is split along its leading (expert) axis. The rest
-is replicated. The rules map the logical
+is replicated; where nothing is split (a model without experts), ``init`` warns that the step is data
+parallelism. The rules map the logical
 axis ``expert`` to the mesh axis ``expert``, so while the step traces,
 :func:`~parallelkit.models.layers.experts.moe_layer` runs as :func:`~parallelkit.models.layers.experts.expert_parallel`:
 each device routes its own tokens as one group and two all-to-alls inside
@@ -21,15 +22,19 @@ ExpertParallel(expert=1, data=1)
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 
 import jax
+import optax
+from jax.sharding import PartitionSpec as P
 
 from ..core import partition
-from ..core.axes import DATA, EXPERT
+from ..core.axes import DATA, EXPERT, axis_names
 from ..core.contract import PyTree
 from ..core.devices import first_devices
 from ..core.mesh import is_count, make_mesh
+from ..core.state import TrainState
 from ..models import declared_axes
 from .spmd import BATCH, EXPLICIT, SPMD
 
@@ -67,6 +72,8 @@ class ExpertParallel(SPMD):
     Warns:
       DeviceSubsetWarning: with ``data`` and without ``devices``, when ``data x expert`` is
         fewer than all the devices.
+      UserWarning: at ``init``, when no parameter is split over ``expert`` (a model without expert
+        weights, or rules that split none): the step is then data parallelism over every device.
     """
 
     def __init__(
@@ -97,6 +104,36 @@ class ExpertParallel(SPMD):
         declares_experts = any(EXPERT in each for each in names)
         return self.specs_by(
             params, partition.logical_specs(axes, self.axis_rules.spec) if declares_experts else EXPERT_RULES
+        )
+
+    def init(
+        self,
+        params: PyTree,
+        tx: optax.GradientTransformation,
+        opt_state: PyTree = None,
+        *,
+        model_state: PyTree = None,
+        rng: int | jax.Array | None = None,
+    ) -> TrainState:
+        """:meth:`SPMD.init`, with a warning when no parameter is split over ``expert``."""
+        specs = jax.tree.leaves(self.partition_specs(params), is_leaf=lambda x: isinstance(x, P))
+        if not any(EXPERT in axis_names(entry) for spec in specs for entry in spec):
+            warnings.warn(self._no_experts(), stacklevel=2)
+        return super().init(params, tx, opt_state, model_state=model_state, rng=rng)
+
+    def _no_experts(self) -> str:
+        """What a model with no parameter split over ``expert`` becomes, and how to split its expert weights."""
+        matched = (
+            "no rule in rules= splits a parameter over 'expert'"
+            if self.param_rules is not None
+            else "no parameter matched the expert rules (none declares the logical axis 'expert', and no path "
+            "ends in w_in, w_out, b_in or b_out)"
+        )
+        return (
+            f"{self!r}: {matched}, so every parameter is replicated and the step is data parallelism over all "
+            f"{self.num_replicas} devices. Name each expert weight w_in, w_out, b_in or b_out with the experts on its "
+            "leading axis (as pk.experts.moe_layer's are), declare that axis 'expert' (pk.models.with_axes), or "
+            "pass rules= that split it over 'expert'."
         )
 
     def compute_specs(self, params: PyTree) -> PyTree:

@@ -45,7 +45,7 @@ from ..core.mesh import is_explicit
 from ..core.precision import Precision, check_precision
 from ..core.state import TrainState, create_state, prng_key
 from ..core.step import Step, train_step
-from .base import Strategy
+from .base import Strategy, outside_callers_mesh
 
 BATCH = "batch"  # the logical name of every batch leaf's leading axis
 BATCH_ON_DATA = ((BATCH, DATA),)  # the presets' rules: the batch split over `data`
@@ -215,6 +215,7 @@ class SPMD(Strategy):
             model_state=None if model_state is None else jax.tree.map(lambda _: self.replicated, model_state),
         )
 
+    @outside_callers_mesh
     def init(
         self,
         params: PyTree,
@@ -442,12 +443,14 @@ class _CompiledOnFirstCall:
             within_replica=strategy.replica_tracing,
         )
 
+    @outside_callers_mesh
     def __call__(self, state: TrainState, batch: Batch):
         if not self.strategy.explicit:  # every step of an Auto mesh: no context to enter
             return self.compiled(state, batch)(state, batch)
         with self._on_mesh():
             return self.compiled(state, batch)(state, batch)
 
+    @outside_callers_mesh
     def lower(self, state: TrainState, batch: Batch):
         with self._on_mesh():
             return self.compiled(state, batch).lower(state, batch)
@@ -467,7 +470,7 @@ class _CompiledOnFirstCall:
                 err.add_note(
                     f"parallelkit: {self.strategy!r} runs on an Explicit mesh, where every array's sharding is its "
                     "type and a layer whose result could live in two places must say which: pass out_sharding= to "
-                    "that matmul (jnp.matmul(x, w, out_sharding=P(...))) or reshard its inputs "
+                    "that matmul or convolution (jnp.matmul(x, w, out_sharding=P(...))) or reshard its inputs "
                     "(jax.sharding.reshard, or pk.axes.constrain under the strategy's rules); or run the strategy "
                     "on an Auto mesh (explicit=False), where XLA's partitioner chooses."
                 )

@@ -35,17 +35,17 @@ def dense(
     )
 
 
-def apply_layer(layer: nnx.Linear | nnx.Embed, x: jax.Array) -> jax.Array:
+def apply_layer(layer: nnx.Linear | nnx.Conv | nnx.Embed, x: jax.Array) -> jax.Array:
     """``layer(x)``; under an Explicit mesh (``jax.set_mesh``), with the result's place said.
 
     On an Explicit mesh an array's sharding is its type, and some results could live in two
     places: a product whose contracted features are split over devices (a Megatron row-split
-    kernel), or the rows of an embedding table picked by tokens split over the batch. JAX asks
-    which (``ShardingTypeError``). Here the result lives where its inputs put it: ``x``'s
-    dimensions as ``x`` has them (a dense layer's contracted features excepted), its features as
-    the kernel's (or table's) columns. For a row-split kernel that is the sum over the devices
-    (the all-reduce); for a column-split one, each device's own columns. On an Auto mesh, one
-    device or in plain code: ``layer(x)``.
+    kernel, dense or convolutional), or the rows of an embedding table picked by tokens split over
+    the batch. JAX asks which (``ShardingTypeError``). Here the result lives where its inputs put
+    it: ``x``'s dimensions as ``x`` has them (the contracted features of a dense or convolution
+    layer excepted), its features as the kernel's (or table's) last axis. For a row-split kernel
+    that is the sum over the devices (the all-reduce); for a column-split one, each device's own
+    columns. On an Auto mesh, one device or in plain code: ``layer(x)``.
 
     >>> layer = nnx.Linear(4, 6, rngs=nnx.Rngs(0))
     >>> bool(jnp.array_equal(apply_layer(layer, jnp.ones((2, 4))), layer(jnp.ones((2, 4)))))
@@ -54,8 +54,8 @@ def apply_layer(layer: nnx.Linear | nnx.Embed, x: jax.Array) -> jax.Array:
     if not explicit_active():
         return layer(x)
     table = layer.embedding if isinstance(layer, nnx.Embed) else layer.kernel
-    kept = x.ndim if isinstance(layer, nnx.Embed) else x.ndim - 1  # a dense layer contracts x's last dimension
-    return layer(x, out_sharding=P(*held_spec(x)[:kept], held_spec(table[...])[1]))
+    kept = x.ndim if isinstance(layer, nnx.Embed) else x.ndim - 1  # dense and conv layers contract x's last axis
+    return layer(x, out_sharding=P(*held_spec(x)[:kept], held_spec(table[...])[-1]))
 
 
 def layer_norm(dim: int, axis: str, rngs: nnx.Rngs) -> nnx.LayerNorm:

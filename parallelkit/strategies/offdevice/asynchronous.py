@@ -44,6 +44,7 @@ from jax.sharding import SingleDeviceSharding
 from ...core.contract import Batch, LossFn
 from ...core.precision import Precision
 from ...core.state import TrainState
+from ..base import outside_callers_mesh
 from .rows import gradient_rows
 
 JITTER = 0.25  # each gradient computation takes its worker's time x U(1 - JITTER, 1 + JITTER)
@@ -207,6 +208,7 @@ class AsyncStep:
                 "for another run."
             )
 
+    @outside_callers_mesh
     def __call__(self, state: TrainState, batch: Batch):
         self._check_continues(state)
         slices = _slices(batch, self.devices)
@@ -242,6 +244,7 @@ class AsyncStep:
         key = None if state.rng is None else jax.device_put(state.rng, self.places[worker])
         return params, jax.device_put(data, self.places[worker]), key, model_state, worker, loss_scale
 
+    @outside_callers_mesh
     def lower(self, state: TrainState, batch: Batch):
         """The first worker's gradient program (it holds no collective: each worker computes alone)."""
         return self.gradient.lower(*self._arguments(state, 0, self.pull(state, 0), _slices(batch, self.devices)[0]))

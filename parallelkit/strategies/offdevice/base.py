@@ -17,8 +17,14 @@ from ...core.reports import D2D, D2H, H2D, Flow, StepTraffic
 from ...core.state import TrainState
 from ...measure.inspect import collectives, host_memory_bytes
 from ...measure.traffic import batch_flow, bus_bytes, per_replica_bytes, sizes
-from ..base import Strategy
+from ..base import Strategy, outside_callers_mesh
 from .rows import ReplicaRows
+
+# Why central storage and parameter servers run Auto mode only (refuse_explicit's sentence).
+NOT_EXPLICIT = (
+    "Its state lives in host memory and each step is several programs on different devices (the pull, the workers' "
+    "gradients, the update where the state lives), not one program over a mesh whose types could carry the shardings."
+)
 
 
 class OffDeviceStrategy(Strategy):
@@ -56,6 +62,7 @@ class OffDeviceStrategy(Strategy):
         """(bytes, formula) of the state its update programs copy in from host memory, and back, per step."""
         return tree_bytes(state), "S = P + O + step, key, model state"
 
+    @outside_callers_mesh
     def traffic(self, loss_fn: LossFn, state: TrainState, batch: Batch, accumulate: int = 1) -> StepTraffic:
         """Every transfer of a step, measured on the arrays and programs this strategy really runs.
 

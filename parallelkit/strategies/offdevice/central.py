@@ -36,7 +36,8 @@ from ...core.contract import LossFn, PyTree
 from ...core.precision import Precision, check_precision
 from ...core.state import TrainState, create_state
 from ...core.step import Step
-from .base import OffDeviceStrategy
+from ..base import outside_callers_mesh, refuse_explicit
+from .base import NOT_EXPLICIT, OffDeviceStrategy
 from .rows import (
     PushPullStep,
     ReplicaRows,
@@ -94,12 +95,25 @@ class CentralStorage(OffDeviceStrategy):
     Args:
       devices: how many compute devices (the first ``n``), or which; all by default.
       storage: the device whose host memory holds the state; the first compute device by default.
+      explicit: False (Auto mode); True is refused: the state lives in host memory and a step is several
+        programs, not one over a mesh of Explicit axes.
+
+    Raises:
+      ValueError: ``explicit=True``.
     """
 
-    def __init__(self, devices: int | Sequence[jax.Device] | None = None, storage: jax.Device | None = None):
+    def __init__(
+        self,
+        devices: int | Sequence[jax.Device] | None = None,
+        storage: jax.Device | None = None,
+        *,
+        explicit: bool = False,
+    ):
+        refuse_explicit("CentralStorage", explicit, NOT_EXPLICIT)
         super().__init__(devices)
         self.storage = host_sharding(storage if storage is not None else self.devices[0])
 
+    @outside_callers_mesh
     def init(
         self,
         params: PyTree,

@@ -40,8 +40,9 @@ from ...core.precision import Precision, check_precision
 from ...core.reports import StepTraffic
 from ...core.state import TrainState, check_same_tree, prng_key
 from ...core.step import Step
+from ..base import outside_callers_mesh, refuse_explicit
 from .asynchronous import AsyncStep, AsyncWorkers, worker_time_array
-from .base import OffDeviceStrategy
+from .base import NOT_EXPLICIT, OffDeviceStrategy
 from .partition import Partition, Sharded, check_num_shards
 from .rows import (
     PushPullStep,
@@ -104,6 +105,11 @@ class ParameterServer(OffDeviceStrategy):
       seed: seeds the async workers' schedule.
       worker_times: in ``"async"`` mode, each worker's relative time per gradient
         (equal by default).
+      explicit: False (Auto mode); True is refused, as for :class:`~parallelkit.CentralStorage`.
+
+    Raises:
+      ValueError: an unknown mode, a staleness or worker times that do not fit it, a shard count
+        that is not a whole number >= 1, or ``explicit=True``.
 
     Warns:
       DeviceSubsetWarning: without ``devices``, when there are more shards than devices, so
@@ -118,7 +124,10 @@ class ParameterServer(OffDeviceStrategy):
         devices: int | Sequence[jax.Device] | None = None,
         seed: int = 0,
         worker_times: Sequence[float] | None = None,
+        *,
+        explicit: bool = False,
     ):
+        refuse_explicit("ParameterServer", explicit, NOT_EXPLICIT)
         if mode not in MODES:
             raise ValueError(f"ParameterServer(mode={mode!r}): choose one of {MODES}.")
         if staleness is not None and (isinstance(staleness, bool) or not isinstance(staleness, int) or staleness < 0):
@@ -179,6 +188,7 @@ class ParameterServer(OffDeviceStrategy):
         """How ``params`` are cut over the shards (``print(strategy.partition(params).table(strategy.devices))``)."""
         return Partition.of(params, self.num_shards)
 
+    @outside_callers_mesh
     def init(
         self,
         params: PyTree,

@@ -23,6 +23,7 @@ from ...core.contract import Batch, LossFn, PyTree
 from ...core.precision import Precision, all_finite, guarded
 from ...core.state import TrainState
 from ...core.step import loss_and_grads
+from ..base import outside_callers_mesh
 
 HOST_MEMORY = "pinned_host"
 
@@ -204,10 +205,12 @@ class PushPullStep:
     def __init__(self, pull: Callable, compute: Callable, push_update: Callable):
         self.pull, self.compute, self.push_update = pull, compute, push_update
 
+    @outside_callers_mesh
     def __call__(self, state: TrainState, batch: Batch):
         params, *rest = self.pull(state)
         return self.push_update(state, self.compute(params, batch, *rest))
 
+    @outside_callers_mesh
     def lower(self, state: TrainState, batch: Batch):
         params, *rest = self.pull(state)
         return self.compute.lower(params, batch, *rest)

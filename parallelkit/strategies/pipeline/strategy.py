@@ -25,7 +25,7 @@ from ...core.state import TrainState, check_same_tree
 from ...core.step import Step
 from ...measure.inspect import Collective, parse_collectives
 from ...measure.traffic import bus_bytes, per_replica_bytes
-from ..base import Strategy
+from ..base import Strategy, refuse_explicit
 from ..offdevice.split_update import check_update_splits
 from . import schedules
 from . import stages as programs
@@ -90,10 +90,11 @@ class Pipeline(Strategy):
         even as possible by default).
       devices: ``stages x data`` devices; the first ``stages x data`` by default. Stage ``s``
         gets the ``stage = s`` column of the ``data x stage`` mesh.
+      explicit: False (Auto mode); True is refused, as every strategy takes ``explicit=`` alike.
 
     Raises:
-      ValueError: counts below 1, an unknown schedule, more runs of layers than layers, or
-        ``virtual > 1`` with a schedule that does not interleave.
+      ValueError: counts below 1, an unknown schedule, more runs of layers than layers,
+        ``virtual > 1`` with a schedule that does not interleave, or ``explicit=True``.
       DeviceCountError: devices that are not ``stages x data`` in number.
 
     Warns:
@@ -111,7 +112,14 @@ class Pipeline(Strategy):
         data: int = 1,
         layers_per_stage: Sequence[int] | None = None,
         devices: Sequence[jax.Device] | None = None,
+        explicit: bool = False,
     ):
+        refuse_explicit(
+            "Pipeline",
+            explicit,
+            "Its stages run programs of their own, driven from the host one thread "
+            "per stage, not one program over a mesh whose types could carry the shardings.",
+        )
         for name, size in (("stages", stages), ("microbatches", microbatches), ("virtual", virtual), ("data", data)):
             if not is_count(size):
                 raise ValueError(f"Pipeline({name}={size!r}): it must be a whole number >= 1.")
