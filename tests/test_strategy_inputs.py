@@ -174,3 +174,10 @@ def test_expert_parallel_on_expert_weights_says_nothing():
         warnings.simplefilter("error")
         state = pk.ExpertParallel(expert=2, devices=jax.devices()[:4]).init(params, optax.sgd(0.1))
     assert state.params["moe"]["w_in"].sharding.spec[0] == "expert"  # the experts split: no warning
+
+
+@pytest.mark.parametrize("explicit", [False, True])
+def test_a_batch_with_no_leading_axis_gets_the_same_sentence_in_both_modes(explicit):
+    # On an Explicit mesh jax.device_put refuses it with a bare AssertionError, not a ValueError.
+    with pytest.raises(ValueError, match="has no leading \\(batch\\) axis"):
+        pk.Mirrored(2, explicit=explicit).place_batch({"x": np.float32(3)})

@@ -219,11 +219,13 @@ def put_batch(batch: Batch, sharding: jax.sharding.Sharding, replicas: int) -> B
     """``jax.device_put`` of the global batch onto ``sharding``, with a clear error when it does not split.
 
     The divisibility check runs only when ``device_put`` refuses, keeping the
-    per-step path as short as a hand-written one; it raises the clear error.
+    per-step path as short as a hand-written one; it raises the clear error. On an
+    Explicit mesh JAX refuses a batch with no leading axis with a bare ``AssertionError``
+    instead of a ``ValueError``: both get the same check.
     """
     try:
         return jax.device_put(batch, sharding)
-    except ValueError:
+    except (ValueError, AssertionError):
         check_divisible(batch, replicas)
         raise
 
