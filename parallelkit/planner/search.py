@@ -3,10 +3,10 @@
 :func:`plan` enumerates the layouts (:func:`layouts`): every way to split the devices over
 ``tensor``, ``expert``, ``context``, ``stages`` and ``data``, with each ZeRO stage, with and
 without sequence parallelism, each context method, each pipeline schedule at a few
-microbatch counts (1, 2, 4, 8 per stage). For each it tries recomputation off, selective and
-full, and gradient accumulation over more microbatches (each count that splits a replica's
-sequences evenly, fewest first) when the batch does not fit, and keeps the fastest
-variant that fits in ``(1 - reserve)`` of a device's memory; a layout with none that fits is
+microbatch counts (1, 2, 4, 8 per stage). For each it weighs recomputation off, selective and
+full, and gradient accumulation over more microbatches when the batch does not fit (the fewest
+that fit, of the counts that split a replica's sequences evenly: :func:`weigh`), and keeps the
+fastest variant that fits in ``(1 - reserve)`` of a device's memory; a layout with none that fits is
 kept as rejected, with by how much it misses. The rest are ranked by model FLOPs utilisation
 (MFU: the model's FLOPs a second, over the devices' peak): the same order as tokens a second;
 ties go to the simpler layout (:func:`simpler_first`).
