@@ -142,11 +142,12 @@ def too_large(memory: Memory, budget: float, smallest: str = "") -> str:
 def weigh(model: Transformer, layout: Layout, cluster: Cluster, batch: int, **options) -> Candidate:
     """The fastest variant of ``layout`` (recomputation, accumulation) that fits (:func:`assess`), or why none does.
 
-    Each recomputation with the fewest accumulation steps that fit (:func:`fewest_that_fit`). More steps only add
-    time, as more recomputation does, so a variant that fits with the fewest steps is the fastest, and the
-    fastest variant of all wins (ties to less recomputation). Selective recomputation is weighed first: without
-    it a layer keeps the same arrays and the attention scores too, so where it does not fit, nothing does with as
-    few steps.
+    More accumulation steps and more recomputation only add time, so each recomputation is weighed with the
+    fewest steps that fit (:func:`fewest_that_fit`) and the fastest of these wins (ties to less recomputation);
+    once one fits with the fewest steps of all, more recomputation is not weighed. Selective recomputation is
+    weighed before none: without recomputation a layer keeps the same arrays and the attention scores too, so it
+    needs at least as many steps, and is not weighed where selective never fits. When nothing fits, the variant
+    that needs the least memory says by how much it misses.
     """
     # accumulation steps: each count that splits a replica's sequences (a pipeline's microbatches are its own)
     counts = divisors(batch // layout.replicas) if layout.stages == 1 else (layout.microbatches,)
