@@ -7,6 +7,7 @@ import dataclasses
 import jax
 import numpy as np
 import pytest
+from flax import nnx
 
 import parallelkit as pk
 from parallelkit.planner import MODELS, Cluster, Layout, Transformer, plan, state_bytes
@@ -163,3 +164,10 @@ def test_the_search_picks_what_trying_every_variant_picks(name):
     for layout in layouts(model, 8, batch):
         want, got = _by_trying_everything(model, layout, batch), weigh(model, layout, H100, batch, **OPTIONS)
         assert want == got if want.fits else (got.layout, got.memory, got.fits) == (want.layout, want.memory, False)
+
+
+def test_the_kits_gpt_with_a_numpy_dropout_rate_reads_as_a_shape():
+    gpt = pk.models.GPT(
+        256, max_length=16, dim=16, heads=4, depth=2, mlp_dim=32, dropout=np.float32(0.1), rngs=nnx.Rngs(0)
+    )
+    assert Transformer.from_gpt(gpt).dropout is True  # a NumPy bool is not a flag Transformer takes

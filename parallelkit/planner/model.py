@@ -175,9 +175,10 @@ class Transformer:
         ffn = block.moe.w_in.shape[2] if experts else block.mlp_in.kernel.shape[1]
         vocab, d_model = gpt.embed.embedding.shape
         top_k = gpt.routing["top_k"] if experts else 1
-        shape = {"gated": False, "bias": True, "key_bias": False, "positions": True, "dropout": gpt.dropout_rate > 0}
-        return cls(len(gpt.blocks), d_model, gpt.heads, ffn, vocab, gpt.max_length, **shape, experts=experts,
-                   top_k=top_k, name=name or "the kit's GPT")  # fmt: skip
+        shape = {"gated": False, "bias": True, "key_bias": False, "positions": True}
+        dropout = bool(gpt.dropout_rate > 0)  # a NumPy rate compares to a NumPy bool, not a flag
+        return cls(len(gpt.blocks), d_model, gpt.heads, ffn, vocab, gpt.max_length, **shape, dropout=dropout,
+                   experts=experts, top_k=top_k, name=name or "the kit's GPT")  # fmt: skip
 
     def flops_per_token(self) -> float:
         """Training FLOPs per token: ``6`` per active parameter plus attention, as PaLM counts them."""
