@@ -17,6 +17,7 @@ from typing import Any
 
 import jax
 
+from ..core.devices import resolve_devices
 from ..core.protocol import StrategyProtocol
 from ..strategies import (
     ContextParallel,
@@ -45,15 +46,17 @@ def unsupported(layout: Any) -> str | None:
 
 
 def kit_strategy(
-    layout: Any, *, layers: Sequence[Callable] | None = None, devices: Sequence[jax.Device] | None = None
+    layout: Any, *, layers: Sequence[Callable] | None = None, devices: int | Sequence[jax.Device] | None = None
 ) -> StrategyProtocol:
     """The kit's strategy for ``layout`` on ``devices`` (the first ``layout.devices`` by default).
 
     ``layers``: the model's layers (``pk.models.as_layers(model).apply``), for a pipeline.
+    ``devices``: exactly ``layout.devices`` of them, or that count (the first ones).
 
     Raises:
       ValueError: a layout the kit cannot run (:func:`unsupported` says why), too few devices,
-        or a pipeline without its layers.
+        devices given that are not as many as the layout's axes multiply to, or a pipeline
+        without its layers.
     """
     if reason := unsupported(layout):
         raise ValueError(f"{layout.name}: the kit has no strategy for it: {reason}.")
@@ -64,7 +67,13 @@ def kit_strategy(
                 f"Call pk.simulate_devices({layout.devices}) before JAX starts to try it on a CPU."
             )
         devices = jax.devices()[: layout.devices]
-    devices = list(devices)
+    devices = resolve_devices(devices)
+    if len(devices) != layout.devices:
+        raise ValueError(
+            f"{layout.name} runs on {layout.devices} devices, but devices holds {len(devices)}. "
+            f"Pass exactly {layout.devices} (devices[:{layout.devices}]), or a layout whose axes multiply to "
+            f"{len(devices)}."
+        )
     if layout.devices == 1:
         return SingleDevice(devices[0])
     if layout.stages > 1:

@@ -8,12 +8,14 @@ this machine (:meth:`Cluster.measured`: :func:`parallelkit.measure.ceilings.meas
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import jax
 
+from ..core.mesh import is_count, is_number
 from ..measure import costmodel
 from ..measure.ceilings import measure_ceilings
 from ..measure.costmodel import Link
@@ -32,6 +34,10 @@ class Cluster(costmodel.Cluster):
       bf16_flops, fp32_flops: one device's matrix-product FLOP/s with 16-bit and 32-bit inputs.
       memory_bytes: one device's memory.
       chip: what the devices are, for tables.
+
+    Raises:
+      ValueError: ``machines`` or ``devices_per_machine`` that is not a whole number >= 1 (NumPy
+        integers are; they are kept as ``int``), or a device figure that is not a finite number > 0.
     """
 
     bf16_flops: float = 0.0
@@ -40,9 +46,14 @@ class Cluster(costmodel.Cluster):
     chip: str = ""
 
     def __post_init__(self) -> None:
+        for field in ("machines", "devices_per_machine"):  # a NumPy integer is a whole number too: kept as an int
+            object.__setattr__(self, field, whole(getattr(self, field), "Cluster", field))
         super().__post_init__()
-        if not (self.bf16_flops > 0 and self.fp32_flops > 0 and self.memory_bytes > 0):
-            raise ValueError("Cluster: give each device's bf16_flops, fp32_flops and memory_bytes (all > 0).")
+        for field in ("bf16_flops", "fp32_flops", "memory_bytes"):
+            value = getattr(self, field)
+            if not (is_number(value) and math.isfinite(value) and value > 0):
+                raise ValueError(f"Cluster({field}={value!r}) is not a finite number > 0: give each device's "
+                                 "bf16_flops, fp32_flops and memory_bytes.")  # fmt: skip
 
     def peak_flops(self, precision: str) -> float:
         """One device's FLOP/s for ``"bf16"`` or ``"fp32"`` training."""
@@ -73,6 +84,7 @@ class Cluster(costmodel.Cluster):
         """
         if chip not in PUBLISHED:
             raise ValueError(f"Cluster.published({chip!r}): choose one of {sorted(PUBLISHED)}.")
+        per_node, nodes = whole(per_node, "Cluster.published", "per_node"), whole(nodes, "Cluster.published", "nodes")
         c = PUBLISHED[chip]
         source = ", ".join(c.sources)
         inside = Link(c.link_name, c.axis_link_bytes_per_s / 1e9, INSIDE_LATENCY_US, source)
@@ -104,6 +116,15 @@ class Cluster(costmodel.Cluster):
         share = n if devices[0].platform == "cpu" else 1
         flops = ceilings.matmul_bf16.value / share, ceilings.matmul_f32.value / share
         return cls(1, n, inside, None, *flops, device_memory(devices[0], n), devices[0].device_kind)
+
+
+def whole(count: object, call: str, argument: str) -> int:
+    """``count`` as an ``int`` where it is a whole number >= 1 (NumPy integers are; bools are not), else an error
+    naming ``call`` and its ``argument``."""
+    if not is_count(count):
+        raise ValueError(f"{call}({argument}={count!r}) is not a count of devices or machines: give a whole number "
+                         ">= 1.")  # fmt: skip
+    return int(count)
 
 
 def device_memory(device: jax.Device, sharing: int) -> float:

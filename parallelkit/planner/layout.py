@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 from ..core.mesh import is_count
@@ -24,6 +24,7 @@ from .memory import (
     SCHEDULES,
     Memory,
     in_flight,
+    is_zero_stage,
     layer_activation_bytes,
     state_bytes,
 )
@@ -68,10 +69,15 @@ class Layout:
             value = getattr(self, axis)
             if not is_count(value):
                 raise ValueError(f"Layout({axis}={value!r}): a whole number >= 1.")
-        if self.zero not in (0, 1, 2, 3):
-            raise ValueError(f"Layout(zero={self.zero!r}): a ZeRO stage, 0 to 3.")
-        if self.schedule not in SCHEDULES or self.recompute not in RECOMPUTE:
-            raise ValueError(f"Layout: schedule in {SCHEDULES}, recompute in {RECOMPUTE}.")
+        if not is_zero_stage(self.zero):
+            raise ValueError(f"Layout(zero={self.zero!r}) is not a ZeRO stage: give 0 (none), 1 (the optimizer "
+                             "state split), 2 (the gradients too) or 3 (the parameters too).")  # fmt: skip
+        if not isinstance(self.sequence_parallel, bool):
+            raise ValueError(f"Layout(sequence_parallel={self.sequence_parallel!r}) is not a bool: give True or False.")
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"Layout(schedule={self.schedule!r}): one of {SCHEDULES}.")
+        if self.recompute not in RECOMPUTE:
+            raise ValueError(f"Layout(recompute={self.recompute!r}): one of {RECOMPUTE}.")
         if self.context_method not in CONTEXT_METHODS:
             raise ValueError(f"Layout(context_method={self.context_method!r}): one of {CONTEXT_METHODS}.")
         if self.sequence_parallel and self.tensor == 1:
@@ -86,11 +92,14 @@ class Layout:
         """Gradient accumulation steps: the microbatches, when there is no pipeline to run them."""
         return self.microbatches if self.stages == 1 else 1
 
-    def strategy(self, *, layers: Sequence[Callable] | None = None, devices: Sequence[Any] | None = None):
+    def strategy(self, *, layers: Sequence[Callable] | None = None, devices: int | Sequence[Any] | None = None):
         """The kit's strategy for this layout (:func:`.build.kit_strategy`); step it with ``accumulate=accumulate``.
 
+        ``devices``: exactly :attr:`devices` of them (the first ones by default).
+
         Raises:
-          ValueError: a layout the kit has no strategy for (:func:`.build.unsupported` says why).
+          ValueError: a layout the kit has no strategy for (:func:`.build.unsupported` says why), or
+            devices that are not as many as the layout's axes multiply to.
         """
         return kit_strategy(self, layers=layers, devices=devices)
 
@@ -173,10 +182,10 @@ def activations(model: Transformer, layout: Layout, batch: int, *, precision: st
     )
     logits = 4 * micro * (model.seq / layout.context) * model.vocab / layout.tensor
     stage_layers = math.ceil(model.layers / layout.stages)
+    if layout.stages == 1:  # one stage: the first is the last
+        return Activations(model.layers, 1, micro, per_layer, rebuilt, logits, True)
     first = Activations(stage_layers, in_flight(layout.schedule, layout.stages, layout.microbatches), micro,
                         per_layer, rebuilt, 0.0, False)  # fmt: skip
-    if layout.stages == 1:
-        return replace(first, logits=logits, last_stage=True)
     last_layers = max(model.layers - (layout.stages - 1) * stage_layers, 0)
     held = in_flight(layout.schedule, layout.stages, layout.microbatches, stage=layout.stages - 1)
     last = Activations(last_layers, held, micro, per_layer, rebuilt, logits, True)

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..core.mesh import is_count
 from .model import Transformer
 
 # Bytes per parameter of (parameters, gradients, optimizer state), by precision and optimizer.
@@ -43,6 +44,15 @@ ELEMENT_BYTES = {"bf16": 2, "fp32": 4}  # a stored activation, by the training p
 RECOMPUTE = ("none", "selective", "full")
 SCHEDULES = ("gpipe", "1f1b", "zb-h1")
 CONTEXT_METHODS = ("allgather", "ring", "ulysses")
+
+
+def is_zero_stage(zero: object) -> bool:
+    """Whether ``zero`` is a ZeRO stage: a whole number from 0 to 3 (a bool is not, nor is ``1.0``).
+
+    >>> is_zero_stage(3), is_zero_stage(4), is_zero_stage(True), is_zero_stage(1.0)
+    (True, False, False, False)
+    """
+    return is_count(zero, least=0) and zero <= 3
 
 
 @dataclass(frozen=True)
@@ -83,8 +93,8 @@ def state_bytes(
     """
     if (precision, optimizer) not in STATE_BYTES:
         raise ValueError(f"precision={precision!r}, optimizer={optimizer!r}: choose from {list(STATE_BYTES)}.")
-    if zero not in (0, 1, 2, 3) or data < 1:
-        raise ValueError(f"zero={zero!r} must be 0, 1, 2 or 3 and data={data!r} >= 1.")
+    if not is_zero_stage(zero) or not is_count(data):
+        raise ValueError(f"zero={zero!r} must be 0, 1, 2 or 3 and data={data!r} a whole number >= 1.")
     p, g, o = (params * b for b in STATE_BYTES[precision, optimizer])
     return p / (data if zero >= 3 else 1), g / (data if zero >= 2 else 1), o / (data if zero >= 1 else 1)
 

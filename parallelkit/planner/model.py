@@ -9,6 +9,8 @@ each checked in the tests against the parameter count its authors publish.
 
 from __future__ import annotations
 
+import functools
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,8 +33,13 @@ class Transformer:
       positions: a learned position embedding of ``seq`` rows (GPT-2); rotary positions have none.
       dropout: the model trains with dropout, whose masks its activations keep (1 byte an entry).
       experts, top_k: a mixture of experts in every layer's MLP (0: a dense model), each token
-        routed to ``top_k`` of them.
+        routed to ``top_k`` of them (a dense model with ``top_k`` other than 1 warns: it is unused).
       name: for tables.
+
+    Raises:
+      ValueError: a size that is not a whole number (a bool is not one), a flag that is not a bool,
+        ``heads`` that do not divide ``d_model``, ``kv_heads`` that do not divide ``heads``, or
+        ``top_k`` above ``experts``.
 
     >>> tiny = Transformer(layers=2, d_model=8, heads=2, ffn=32, vocab=16, seq=4)
     >>> tiny.layer_params, tiny.embedding_params, tiny.params  # 4 x 8 x 8 + 3 x 8 x 32 + 2 x 8; 2 x 16 x 8 + 8
@@ -61,12 +68,29 @@ class Transformer:
             value = getattr(self, field)
             if not is_count(value):
                 raise ValueError(f"Transformer({field}={value!r}): a whole number >= 1.")
+        if self.kv_heads is not None and not is_count(self.kv_heads):
+            raise ValueError(f"Transformer(kv_heads={self.kv_heads!r}) is not a number of heads: give a whole number "
+                             f">= 1 that divides heads={self.heads}, or None for one per query head.")  # fmt: skip
+        if not is_count(self.experts, least=0):
+            raise ValueError(f"Transformer(experts={self.experts!r}) is not a number of experts: give a whole number "
+                             ">= 1 for a mixture of experts, or 0 for a dense model.")  # fmt: skip
+        if not is_count(self.top_k):
+            raise ValueError(f"Transformer(top_k={self.top_k!r}) is not a number of experts: give the whole number "
+                             "(>= 1) of experts each token is routed to.")  # fmt: skip
+        for flag in ("gated", "tied", "bias", "key_bias", "positions", "dropout"):
+            if not isinstance(getattr(self, flag), bool):
+                raise ValueError(f"Transformer({flag}={getattr(self, flag)!r}) is not a bool: give True or False.")
         if self.d_model % self.heads:
             raise ValueError(f"Transformer: d_model={self.d_model} does not split into heads={self.heads}.")
         if self.heads % self.kv_heads_:
             raise ValueError(f"Transformer: heads={self.heads} do not group into kv_heads={self.kv_heads}.")
-        if self.experts and not 1 <= self.top_k <= self.experts:
-            raise ValueError(f"Transformer: top_k={self.top_k} must be in 1..experts={self.experts}.")
+        if self.experts and self.top_k > self.experts:
+            raise ValueError(f"Transformer(top_k={self.top_k}) routes each token to more experts than the "
+                             f"{self.experts} there are: choose top_k from 1 to {self.experts}.")  # fmt: skip
+        if not self.experts and self.top_k != 1:
+            warnings.warn(f"Transformer(top_k={self.top_k}) with experts=0: a dense model routes no tokens, so "
+                          "top_k is unused. Give experts= for a mixture of experts, or leave top_k at 1.",
+                          stacklevel=3)  # fmt: skip
 
     @property
     def kv_heads_(self) -> int:
@@ -118,17 +142,17 @@ class Transformer:
     def layer_params(self) -> int:
         return self.attention_params + self.mlp_params + 2 * self.norm_params
 
-    @property
+    @functools.cached_property  # counted once: the planner asks for it for every layout
     def params(self) -> int:
         """Every parameter."""
         return self.layers * self.layer_params + self.embedding_params
 
-    @property
+    @functools.cached_property  # counted once: the planner asks for it for every layout
     def routed_params(self) -> int:
         """Every expert's weights in every layer (0 for a dense model): what an expert axis splits."""
         return self.layers * self.experts * self.expert_params
 
-    @property
+    @functools.cached_property  # counted once: the planner asks for it for every layout
     def active_params(self) -> int:
         """The parameters one token uses: ``top_k`` experts of each MoE layer, every other weight."""
         if not self.experts:
@@ -151,9 +175,10 @@ class Transformer:
         ffn = block.moe.w_in.shape[2] if experts else block.mlp_in.kernel.shape[1]
         vocab, d_model = gpt.embed.embedding.shape
         top_k = gpt.routing["top_k"] if experts else 1
-        shape = {"gated": False, "bias": True, "key_bias": False, "positions": True, "dropout": gpt.dropout_rate > 0}
-        return cls(len(gpt.blocks), d_model, gpt.heads, ffn, vocab, gpt.max_length, **shape, experts=experts,
-                   top_k=top_k, name=name or "the kit's GPT")  # fmt: skip
+        shape = {"gated": False, "bias": True, "key_bias": False, "positions": True}
+        dropout = bool(gpt.dropout_rate > 0)  # a NumPy rate compares to a NumPy bool, not a flag
+        return cls(len(gpt.blocks), d_model, gpt.heads, ffn, vocab, gpt.max_length, **shape, dropout=dropout,
+                   experts=experts, top_k=top_k, name=name or "the kit's GPT")  # fmt: skip
 
     def flops_per_token(self) -> float:
         """Training FLOPs per token: ``6`` per active parameter plus attention, as PaLM counts them."""

@@ -13,12 +13,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from fractions import Fraction
 
 from ..core.mesh import is_count
 from .cluster import Cluster
 from .layout import Layout, activations
 from .memory import STATE_BYTES
-from .model import Transformer
+from .model import MODELS, Transformer
 from .search import RESERVE, Candidate, assess, layouts, simpler_first, weigh
 from .steptime import OVERLAP
 
@@ -48,19 +49,35 @@ class Plan:
         accumulation matches the variant the plan chose), else :meth:`assess`'s of the layout as given.
 
         Raises:
+          TypeError: something other than a :class:`Layout`.
           ValueError: a layout for another number of devices than the cluster's.
         """
+        self._check(layout)
         for candidate in (*self.ranked, *self.rejected):
             if candidate.layout == layout or _base(candidate.layout) == _base(layout) and layout.recompute == "none":
                 return candidate
-        if layout.devices != self.cluster.devices:
-            raise ValueError(f"{layout.name} uses {layout.devices} devices; this plan is for {self.cluster.devices}.")
         return self.assess(layout)
 
     def assess(self, layout: Layout) -> Candidate:
-        """``layout`` exactly as given (its recomputation and microbatches too), weighed as this plan weighs."""
+        """``layout`` exactly as given (its recomputation and microbatches too), weighed as this plan weighs.
+
+        Raises:
+          TypeError: something other than a :class:`Layout`.
+          ValueError: a layout for another number of devices than the cluster's.
+        """
+        self._check(layout)
         options = {name: getattr(self, name) for name in ("precision", "optimizer", "efficiency", "overlap", "reserve")}
         return assess(self.model, layout, self.cluster, self.batch, **options)
+
+    def _check(self, layout: object) -> None:
+        """Raise unless ``layout`` is a :class:`Layout` of this plan's devices."""
+        if not isinstance(layout, Layout):
+            raise TypeError(f"layout={layout!r} is not a Layout: the plan weighs layouts such as "
+                            "Layout(data=2, tensor=4) (plan.ranked[0].layout is the best; plan.table() shows their "
+                            "names).")  # fmt: skip
+        if layout.devices != self.cluster.devices:
+            raise ValueError(f"{layout.name} uses {layout.devices} devices; this plan is for {self.cluster.devices}. "
+                             f"Give a layout whose axes multiply to {self.cluster.devices}.")  # fmt: skip
 
     def table(self, rows: int = 10) -> str:
         """The ``rows`` best layouts as text: memory per device, step time, MFU and what binds each."""
@@ -74,7 +91,11 @@ class Plan:
         return "\n".join(lines)
 
     def explain(self, layout: Layout) -> str:
-        """Why ``layout`` ranks where it does (its memory and time, part by part), or why it was rejected."""
+        """Why ``layout`` ranks where it does (its memory and time, part by part), or why it was rejected.
+
+        Raises:
+          TypeError, ValueError: as :meth:`find`.
+        """
         c = self.find(layout)
         m, gb = c.memory, 1e9
         name = self.model.name or "the model"
@@ -122,7 +143,7 @@ def _base(layout: Layout) -> Layout:
 
 
 def plan(
-    model: Transformer,
+    model: Transformer | str,
     cluster: Cluster,
     *,
     global_batch_tokens: int,
@@ -134,6 +155,7 @@ def plan(
 ) -> Plan:
     """Rank every layout of ``cluster``'s devices that trains ``model`` on ``global_batch_tokens`` tokens a step.
 
+    ``model``: a :class:`Transformer`, or the name of a published one (a key of :data:`.model.MODELS`).
     The batch is ``global_batch_tokens / model.seq`` sequences (rounded); a layout whose replicas
     do not split it evenly takes the largest batch below it that they do (MFU compares them
     fairly). ``efficiency``: the share of the peak FLOP/s compute reaches; ``overlap``:
@@ -141,8 +163,14 @@ def plan(
     (:mod:`.steptime`); ``reserve``: the share of each device's memory kept back (:mod:`.search`).
 
     Raises:
-      ValueError: no layout fits; the message says by how much, and what would make one fit.
+      TypeError: a ``model`` or ``cluster`` of another type.
+      ValueError: a model name :data:`.model.MODELS` lacks, an option out of range, or no layout fits (the
+        message says by how much, and what would make one fit).
     """
+    model = _model(model)
+    if not isinstance(cluster, Cluster):
+        raise TypeError(f"plan(cluster={cluster!r}) is not a planner Cluster: give one such as "
+                        "pk.planner.Cluster.published('H100 SXM', per_node=8), or Cluster.measured().")  # fmt: skip
     if not is_count(global_batch_tokens):
         raise ValueError(f"plan(global_batch_tokens={global_batch_tokens!r}): the tokens a step, a whole number >= 1, "
                          f"for example {64 * model.seq} (64 sequences of {model.seq}).")  # fmt: skip
@@ -152,7 +180,7 @@ def plan(
         raise ValueError(f"plan(precision={precision!r}, optimizer={optimizer!r}, efficiency={efficiency!r}, "
                          f"overlap={overlap!r}): precision and optimizer one of {list(STATE_BYTES)}, efficiency in "
                          f"(0, 1], overlap one of {OVERLAP}.")  # fmt: skip
-    batch = max(1, round(global_batch_tokens / model.seq))
+    batch = max(1, round(Fraction(int(global_batch_tokens), model.seq)))  # exact: a float loses huge counts
     options = {"precision": precision, "optimizer": optimizer, "efficiency": efficiency, "overlap": overlap,
                "reserve": reserve}  # fmt: skip
     verdicts = [weigh(model, layout, cluster, batch, **options) for layout in layouts(model, cluster.devices, batch)]
@@ -163,6 +191,19 @@ def plan(
     if not ranked:
         raise ValueError(_nothing_fits(model, cluster, batch, rejected, **options))
     return Plan(model, cluster, batch, precision, optimizer, efficiency, overlap, reserve, ranked, rejected)
+
+
+def _model(model: object) -> Transformer:
+    """``model``, or the published shape it names (:data:`.model.MODELS`)."""
+    if isinstance(model, Transformer):
+        return model
+    if isinstance(model, str):
+        if model not in MODELS:
+            raise ValueError(f"plan({model!r}): no published model has that name. Choose one of {sorted(MODELS)}, "
+                             "or describe it: pk.planner.Transformer(layers=..., d_model=..., ...).")  # fmt: skip
+        return MODELS[model]
+    raise TypeError(f"plan(model={model!r}) is not a Transformer: give pk.planner.Transformer(...), "
+                    f"Transformer.from_gpt(gpt), or a published model's name, one of {sorted(MODELS)}.")  # fmt: skip
 
 
 def _nothing_fits(model: Transformer, cluster: Cluster, batch: int, rejected, **options) -> str:

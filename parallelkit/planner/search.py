@@ -3,10 +3,10 @@
 :func:`plan` enumerates the layouts (:func:`layouts`): every way to split the devices over
 ``tensor``, ``expert``, ``context``, ``stages`` and ``data``, with each ZeRO stage, with and
 without sequence parallelism, each context method, each pipeline schedule at a few
-microbatch counts (1, 2, 4, 8 per stage). For each it tries recomputation off, selective and
-full, and gradient accumulation over more microbatches (each count that splits a replica's
-sequences evenly, fewest first) when the batch does not fit, and keeps the fastest
-variant that fits in ``(1 - reserve)`` of a device's memory; a layout with none that fits is
+microbatch counts (1, 2, 4, 8 per stage). For each it weighs recomputation off, selective and
+full, and gradient accumulation over more microbatches when the batch does not fit (the fewest
+that fit, of the counts that split a replica's sequences evenly: :func:`weigh`), and keeps the
+fastest variant that fits in ``(1 - reserve)`` of a device's memory; a layout with none that fits is
 kept as rejected, with by how much it misses. The rest are ranked by model FLOPs utilisation
 (MFU: the model's FLOPs a second, over the devices' peak): the same order as tokens a second;
 ties go to the simpler layout (:func:`simpler_first`).
@@ -14,13 +14,14 @@ ties go to the simpler layout (:func:`simpler_first`).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import functools
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 
 from ..measure.roofline import flops_utilisation
 from .cluster import Cluster
 from .layout import Layout, check, memory_per_device
-from .memory import CONTEXT_METHODS, RECOMPUTE, SCHEDULES, Memory
+from .memory import CONTEXT_METHODS, SCHEDULES, Memory
 from .model import Transformer
 from .steptime import StepTime, step_time
 
@@ -51,8 +52,35 @@ def simpler_first(layout: Layout, memory_bytes: float) -> tuple[int, int, float]
     return layout.accumulate, layout.zero, memory_bytes
 
 
-def divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+@functools.lru_cache(maxsize=256)
+def divisors(n: int) -> tuple[int, ...]:
+    """Every divisor of ``n``, ascending, built from its prime factors (:func:`prime_factors`).
+
+    >>> divisors(12), len(divisors(10**15))
+    ((1, 2, 3, 4, 6, 12), 256)
+    """
+    found = [1]
+    for prime, power in prime_factors(n).items():
+        found = [d * prime**k for d in found for k in range(power + 1)]
+    return tuple(sorted(found))
+
+
+def prime_factors(n: int) -> dict[int, int]:
+    """``n``'s prime factors and their powers, by trial division: at most about ``sqrt(n) / 2`` divisions.
+
+    >>> prime_factors(360), prime_factors(10**12 + 39)  # the second is a prime
+    ({2: 3, 3: 2, 5: 1}, {1000000000039: 1})
+    """
+    factors: dict[int, int] = {}
+    p = 2
+    while p * p <= n:
+        while n % p == 0:
+            factors[p] = factors.get(p, 0) + 1
+            n //= p
+        p += 1 if p == 2 else 2  # 2, then the odd numbers
+    if n > 1:
+        factors[n] = factors.get(n, 0) + 1
+    return factors
 
 
 def meshes(model: Transformer, devices: int) -> Iterator[dict[str, int]]:
@@ -112,23 +140,58 @@ def too_large(memory: Memory, budget: float, smallest: str = "") -> str:
 
 
 def weigh(model: Transformer, layout: Layout, cluster: Cluster, batch: int, **options) -> Candidate:
-    """The fastest variant of ``layout`` (recomputation, accumulation) that fits (:func:`assess`), or why none does."""
-    best, smallest = None, None
-    for recompute in RECOMPUTE:
-        variant = replace(layout, recompute=recompute)
-        # accumulation steps, fewest first: each count that splits a replica's sequences (a pipeline's are its own)
-        for accumulate in divisors(batch // layout.replicas) if layout.stages == 1 else [layout.microbatches]:
-            trial = replace(variant, microbatches=accumulate)
-            verdict = assess(model, trial, cluster, batch, **options)
-            if verdict.memory.total and (smallest is None or verdict.memory.total < smallest.memory.total):
-                smallest = verdict
-            if verdict.fits:
-                if best is None or verdict.mfu > best.mfu:
-                    best = verdict
-                break  # more accumulation only adds time
-    if best is not None:
-        return best
+    """The fastest variant of ``layout`` (recomputation, accumulation) that fits (:func:`assess`), or why none does.
+
+    More accumulation steps and more recomputation only add time, so each recomputation is weighed with the
+    fewest steps that fit (:func:`fewest_that_fit`) and the fastest of these wins (ties to less recomputation);
+    once one fits with the fewest steps of all, more recomputation is not weighed. Selective recomputation is
+    weighed before none: without recomputation a layer keeps the same arrays and the attention scores too, so it
+    needs at least as many steps, and is not weighed where selective never fits. When nothing fits, the variant
+    that needs the least memory says by how much it misses.
+    """
+    # accumulation steps: each count that splits a replica's sequences (a pipeline's microbatches are its own)
+    counts = divisors(batch // layout.replicas) if layout.stages == 1 else (layout.microbatches,)
+
+    def trial(microbatches: int, variant: Layout) -> Candidate:
+        if microbatches != variant.microbatches:
+            variant = replace(variant, microbatches=microbatches)
+        return assess(model, variant, cluster, batch, **options)
+
+    def fewest(recompute: str, least: int = counts[0]) -> Candidate:
+        variant = layout if recompute == layout.recompute else replace(layout, recompute=recompute)
+        return fewest_that_fit(counts[counts.index(least) :], functools.partial(trial, variant=variant))
+
+    selective = fewest("selective")
+    tried = [fewest("none", selective.layout.microbatches), selective] if selective.fits else [selective]
+    if not any(v.fits and v.layout.microbatches == counts[0] for v in tried):
+        tried.append(fewest("full"))
+    if fitting := [v for v in tried if v.fits]:
+        return max(fitting, key=lambda v: v.mfu)
+    smallest = min((v for v in tried if v.memory.total), key=lambda v: v.memory.total, default=None)
     if smallest is None:
         return Candidate(layout, batch, Memory(0, 0, 0, 0), rejected=check(model, layout, batch) or "cannot split")
     budget = (1 - options["reserve"]) * cluster.memory_bytes
     return replace(smallest, rejected=too_large(smallest.memory, budget, smallest.layout.name))
+
+
+def fewest_that_fit(counts: Sequence[int], verdict: Callable[[int], Candidate]) -> Candidate:
+    """The verdict for the fewest of ``counts`` (ascending accumulation steps) that fits; when none does, the
+    verdict for the most (the least memory).
+
+    A device's memory falls as the steps rise (its microbatch shrinks; the state stays), so the counts that fit
+    are the last ones: the first and the last are tried, then the first that fits is found by halving.
+    """
+    first = verdict(counts[0])
+    if first.fits or len(counts) == 1:
+        return first
+    last = verdict(counts[-1])
+    if not last.fits:
+        return last
+    low, high, found = 1, len(counts) - 1, last  # counts[low - 1] does not fit; counts[high] does
+    while low < high:
+        middle = (low + high) // 2
+        if (tried := verdict(counts[middle])).fits:
+            high, found = middle, tried
+        else:
+            low = middle + 1
+    return found
