@@ -171,3 +171,14 @@ def test_the_kits_gpt_with_a_numpy_dropout_rate_reads_as_a_shape():
         256, max_length=16, dim=16, heads=4, depth=2, mlp_dim=32, dropout=np.float32(0.1), rngs=nnx.Rngs(0)
     )
     assert Transformer.from_gpt(gpt).dropout is True  # a NumPy bool is not a flag Transformer takes
+
+
+def test_the_cost_models_cluster_takes_numpy_counts_and_refuses_bools():
+    from parallelkit.measure.costmodel import PRESETS
+    from parallelkit.measure.costmodel import Cluster as LinkCluster
+
+    cluster = LinkCluster(np.int64(2), np.int32(4), PRESETS["nvlink4"], PRESETS["25gbe"])
+    assert (cluster.machines, cluster.devices_per_machine) == (2, 4)
+    assert type(cluster.machines) is int
+    with pytest.raises(ValueError, match="machines=True"):
+        LinkCluster(True, 4, PRESETS["nvlink4"])

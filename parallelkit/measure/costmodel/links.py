@@ -17,6 +17,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ...core.mesh import is_count
+
 ALGORITHMS = ("psum", "ring", "tree", "reduce_to_one", "hierarchical")  # the all-reduces the kit runs and times
 
 
@@ -93,10 +95,11 @@ class Cluster:
     network: Link | None = None  # a machine's total network bandwidth; needed when machines > 1
 
     def __post_init__(self) -> None:
-        if not (isinstance(self.machines, int) and self.machines >= 1):
-            raise ValueError(f"Cluster(machines={self.machines!r}): a whole number >= 1.")
-        if not (isinstance(self.devices_per_machine, int) and self.devices_per_machine >= 1):
-            raise ValueError(f"Cluster(devices_per_machine={self.devices_per_machine!r}): a whole number >= 1.")
+        for name in ("machines", "devices_per_machine"):
+            value = getattr(self, name)
+            if not is_count(value):
+                raise ValueError(f"Cluster({name}={value!r}): a whole number >= 1.")
+            object.__setattr__(self, name, int(value))  # a NumPy integer is stored as a plain int
         if self.machines > 1 and self.network is None:
             raise ValueError(f"A cluster of {self.machines} machines needs a network link (e.g. PRESETS['25gbe']).")
 
