@@ -89,8 +89,10 @@ def explicit_mesh() -> Mesh:
         ({"data_axis": "data"}, "circular_pipeline(data_axis='data'): it is not one of the mesh's axes ('stage',)"),
         ({"data_axis": "stage"}, "circular_pipeline(data_axis='stage'): it is the stages' axis. Pass the other"),
         ({"mesh": explicit_mesh}, "the mesh's axes are {'stage': 'Explicit'}, and the pipeline's loop runs on Auto"),
-        ({"microbatches": 4.0}, "circular_pipeline(microbatches=4.0): it must be a whole number of at least the 2"),
-        ({"microbatches": 1}, "circular_pipeline(microbatches=1): it must be a whole number of at least the 2 stages"),
+        ({"microbatches": 4.0}, "(microbatches=4.0): it needs a whole number of at least 2 microbatches, one per"),
+        ({"microbatches": 1}, "(microbatches=1): it needs a whole number of at least 2 microbatches, one per stage "
+         "(so that a microbatch back at stage 0 waits for its next chunk instead of colliding with a new one). Pass, "
+         "say, microbatches=2."),
         (
             {"block": lambda w, x: x @ w, "stacked": jnp.ones((4, 3, 5))},
             "block returned float32[2, 5] for an input of float32[2, 3] (one device's rows of a microbatch)",

@@ -188,8 +188,9 @@ def _check_batch(x: jax.Array, microbatches: int, stages: int, replicas: int, da
     """A clear error for a ``microbatches`` that is not a count of at least ``stages``, or rows that do not split."""
     if not is_count(microbatches, least=stages):
         raise ValueError(
-            f"circular_pipeline(microbatches={microbatches!r}): it must be a whole number of at least the {stages} "
-            f"stages (a microbatch back at stage 0 waits for its next chunk). Pass, say, microbatches={stages}."
+            f"circular_pipeline(microbatches={microbatches!r}): it needs a whole number of at least {stages} "
+            "microbatches, one per stage (so that a microbatch back at stage 0 waits for its next chunk instead of "
+            f"colliding with a new one). Pass, say, microbatches={stages}."
         )
     if not np.ndim(x):
         raise ValueError("circular_pipeline: x is a scalar. Pass a batch whose leading axis holds its rows.")
