@@ -145,8 +145,9 @@ def check_function(
 
     The learner's function runs in a thread of its own, under the caller's ``jax.set_mesh``
     mesh (other ``with`` settings of JAX's stay behind), and the cell waits ``timeout`` seconds
-    for it and its results: a loop that never ends, in Python or compiled, cannot be stopped
-    (not even by an interrupt), so the cell raises instead of waiting for ever.
+    for its results (and again for its compiled program): a loop that never ends cannot be
+    stopped from outside, and a compiled one ignores even an interrupt, so the cell raises
+    instead of waiting for ever and leaves the function running in the background.
 
     Returns:
       True when it matches, False with the first difference printed, None while ``learner`` is None.
@@ -181,13 +182,11 @@ def check_function(
         print(f"write {what} in the cell above, then run it again")
         return None
     expected = reference(*args)
-    got, ops, error = _within(timeout, what, lambda: _run(learner, args, compiled=bool(needs or never)))
-    if error is not None:
-        difference = _raised(error, what)
-    else:
-        difference = _first_difference(got, expected, rtol=rtol, atol=atol)
-        if difference is None and ops is not None:
-            difference = _collective_difference(ops, needs, never)
+    got, error = _within(timeout, what, learner, *args)
+    difference = _first_difference(got, expected, rtol=rtol, atol=atol) if error is None else _raised(error, what)
+    if difference is None and (needs or never):
+        ops, error = _within(timeout, what, _collectives, learner, *args)
+        difference = _collective_difference(ops, needs, never) if error is None else _raised(error, what)
     if difference is not None:
         print(f"not yet: {difference}")
         return False
@@ -200,22 +199,17 @@ def _names(ops: str | Sequence[str]) -> tuple[str, ...]:
     return (ops,) if isinstance(ops, str) else tuple(ops)
 
 
-def _run(learner: Callable[..., Any], args: Sequence[Any], *, compiled: bool) -> tuple[Any, Any, Exception | None]:
-    """``(result, ops, error)``: the learner's result, computed to the end, and (with ``compiled``) the collectives
-    its compiled program holds; or what the learner's code raised."""
-    try:
-        got = jax.block_until_ready(learner(*args))  # a compiled loop that never ends hangs here, not in the caller
-        ops = {c.op for c in parse_collectives(jax.jit(learner).lower(*args).compile().as_text())} if compiled else None
-    except Exception as error:  # the learner's code: said in one line by _raised
-        return None, None, error
-    return got, ops, None
+def _collectives(fn: Callable[..., Any], *args: Any) -> set[str]:
+    """The collectives in ``fn``'s compiled program for ``args`` (their HLO names)."""
+    return {c.op for c in parse_collectives(jax.jit(fn).lower(*args).compile().as_text())}
 
 
-def _within(seconds: float, what: str, fn: Callable[[], Any]) -> Any:
-    """``fn()`` run in a daemon thread (under the caller's ``jax.set_mesh`` mesh): its result, or what it raised.
+def _within(seconds: float, what: str, fn: Callable[..., Any], *args: Any) -> tuple[Any, Exception | None]:
+    """``(fn(*args), None)``, computed to the end, or ``(None, error)`` with what it raised.
 
-    Neither a Python thread nor a compiled loop can be stopped from outside, so on time-out the thread is left to
-    run and the caller gets the error.
+    ``fn`` runs in a daemon thread, under the caller's ``jax.set_mesh`` mesh: neither a Python
+    thread nor a compiled loop can be stopped from outside, so on time-out the thread is left
+    to run and the caller gets the error.
 
     Raises:
       TimeoutError: ``fn`` did not return within ``seconds``.
@@ -225,8 +219,8 @@ def _within(seconds: float, what: str, fn: Callable[[], Any]) -> Any:
     def run() -> None:
         try:
             with contextlib.nullcontext() if mesh.empty else jax.set_mesh(mesh):
-                outcome["result"] = fn()
-        except BaseException as error:  # handed over to the caller's thread
+                outcome["result"] = jax.block_until_ready(fn(*args))  # a compiled loop hangs here, not in the caller
+        except Exception as error:  # the learner's code: said in one line by _raised
             outcome["error"] = error
         finally:
             done.set()
@@ -239,9 +233,7 @@ def _within(seconds: float, what: str, fn: Callable[[], Any]) -> Any:
             "a running function cannot be stopped: if the notebook slows down, restart the kernel "
             "(Kernel > Restart Kernel) and run the cells again."
         )
-    if "error" in outcome:
-        raise outcome["error"]
-    return outcome["result"]
+    return outcome.get("result"), outcome.get("error")
 
 
 def _raised(error: Exception, what: str) -> str:
