@@ -53,6 +53,11 @@ def test_a_pipeline_refuses_what_it_cannot_run(kwargs, message):
         pk.Pipeline(stages=2, microbatches=4, devices=jax.devices()[:2], **kwargs)
 
 
+def test_a_pipeline_takes_its_layer_functions_from_any_iterable():
+    pipe = pk.Pipeline((layer for layer in LAYERS), stages=2, microbatches=4, devices=jax.devices()[:2])
+    assert pipe.layers[1:] == tuple(LAYERS[1:]) and pipe.stage_layers == [range(0, 2), range(2, 4)]
+
+
 @pytest.mark.parametrize("tool", [schedules.check_schedule, schedules.makespan, schedules.stage_orders])
 def test_the_schedule_tools_refuse_an_empty_schedule(tool):
     with pytest.raises(ValueError, match=rf"{tool.__name__} got an empty schedule \(\[\]\): a schedule lists"):

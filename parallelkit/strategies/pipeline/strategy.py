@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from functools import cached_property, lru_cache, partial
 from typing import Any
 
@@ -358,13 +358,14 @@ class Pipeline(Strategy):
         return f"Pipeline(stages={self.stages}, microbatches={self.microbatches}, {schedule}{data})"
 
 
-def _layer_functions(layers: Sequence[Layer]) -> tuple[Layer, ...]:
+def _layer_functions(layers: Iterable[Layer]) -> tuple[Layer, ...]:
     """``layers`` as a tuple of functions; a clear error for anything else (a list of parameters, most often)."""
-    if not isinstance(layers, Sequence):
+    if callable(layers) or not isinstance(layers, Iterable):
         raise ValueError(
             f"Pipeline(layers=<{type(layers).__name__}>): layers is a list of layer functions, [apply_0, apply_1, "
             "...], each apply(params, x) -> y. pk.models.as_layers returns them for the kit's models."
         )
+    layers = tuple(layers)
     for i, layer in enumerate(layers):
         if not callable(layer):
             raise ValueError(
@@ -372,7 +373,7 @@ def _layer_functions(layers: Sequence[Layer]) -> tuple[Layer, ...]:
                 "of layer functions, each apply(params, x) -> y; their parameters go to Pipeline.init "
                 "(pk.models.as_layers returns both lists)."
             )
-    return tuple(layers)
+    return layers
 
 
 # One guarded function per layer function, so that pipelines of the same layers share compiled programs.
