@@ -313,6 +313,7 @@ def stage_orders(schedule: Sequence[Slot]) -> list[list[tuple]]:
     >>> stage_orders(interleaved_schedule(2, 2, virtual=2))[1][:3]
     [('forward', 0, 0), ('forward', 1, 0), ('forward', 0, 1)]
     """
+    _check_not_empty(schedule, "stage_orders")
     stages = 1 + max(s.stage for s in schedule)
     chunked = any(s.chunk for s in schedule)
     return [
@@ -326,6 +327,7 @@ def stage_orders(schedule: Sequence[Slot]) -> list[list[tuple]]:
 
 def makespan(schedule: Sequence[Slot]) -> float:
     """Time from the first slot's start to the last slot's end."""
+    _check_not_empty(schedule, "makespan")
     return max(s.end for s in schedule) - min(s.start for s in schedule)
 
 
@@ -341,15 +343,24 @@ def bubble_fraction(schedule: Sequence[Slot]) -> float:
     return 1 - busy / (stages * makespan(schedule))
 
 
+def _check_not_empty(schedule: Sequence[Slot], caller: str) -> None:
+    if not schedule:
+        raise ValueError(
+            f"{caller} got an empty schedule ({schedule!r}): a schedule lists every stage's passes of every "
+            "microbatch as Slot rows. Build one with a schedule function, such as gpipe_schedule(stages, microbatches)."
+        )
+
+
 def check_schedule(schedule: Sequence[Slot]) -> None:
     """Raise a ValueError if the schedule could not run.
 
-    A valid schedule has one forward and one backward slot per (stage, chunk, microbatch),
-    and one weight slot each too if it has any; no two slots overlapping on a stage; a
+    A valid schedule is not empty and has one forward and one backward slot per (stage, chunk,
+    microbatch), and one weight slot each too if it has any; no two slots overlapping on a stage; a
     forward after the forward above in the model (activations flow down), a backward after
     the backward below (gradients flow up), the model's last stage's backward after its own
     forward, and a weight pass after its own backward pass.
     """
+    _check_not_empty(schedule, "check_schedule")
     slots = {}
     for slot in schedule:
         if slot.kind not in KINDS:

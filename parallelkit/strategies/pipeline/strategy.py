@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from functools import cached_property, lru_cache, partial
 from typing import Any
 
@@ -93,8 +93,9 @@ class Pipeline(Strategy):
       explicit: False (Auto mode); True is refused, as every strategy takes ``explicit=`` alike.
 
     Raises:
-      ValueError: counts below 1, an unknown schedule, more runs of layers than layers,
-        ``virtual > 1`` with a schedule that does not interleave, or ``explicit=True``.
+      ValueError: counts below 1, ``layers`` that are not functions, an unknown schedule, more
+        runs of layers than layers, ``virtual > 1`` with a schedule that does not interleave,
+        ``schedule="interleaved"`` with ``virtual=1``, or ``explicit=True``.
       DeviceCountError: devices that are not ``stages x data`` in number.
 
     Warns:
@@ -130,7 +131,12 @@ class Pipeline(Strategy):
                 f"Pipeline(schedule={schedule!r}, virtual={virtual}): only an interleaved schedule runs several "
                 "chunks of layers per stage. Use schedule='interleaved', or virtual=1."
             )
-        self.layers, self.virtual = tuple(layers), virtual
+        if schedule == "interleaved" and virtual == 1:
+            raise ValueError(
+                "Pipeline(schedule='interleaved', virtual=1): an interleaved schedule runs several chunks of layers "
+                "per stage. Pass virtual=2 or more, or schedule='1f1b' (interleaving one chunk is 1F1B)."
+            )
+        self.layers, self.virtual = _layer_functions(layers), virtual
         if virtual > 1 and stages * virtual > len(self.layers):
             raise ValueError(
                 f"Pipeline(stages={stages}, virtual={virtual}) cuts the model into {stages * virtual} runs of layers "
@@ -194,6 +200,12 @@ class Pipeline(Strategy):
         """The computed schedule this pipeline runs (in units of one forward pass), checked."""
         chunked = () if self.virtual == 1 else (self.virtual,)
         plan = self.schedule(self.stages, self.microbatches, *chunked)
+        if not plan:
+            raise ValueError(
+                f"{self!r}: its schedule function returned no slots ({plan!r}) for {self.stages} stages and "
+                f"{self.microbatches} microbatches. Return every stage's passes as Slot rows (see "
+                "pk.schedules.one_f_one_b_schedule), or use a named schedule such as '1f1b'."
+            )
         schedules.check_schedule(plan)
         if 1 + max(slot.chunk for slot in plan) != self.virtual:
             raise ValueError(f"{self!r}: its schedule runs {1 + max(s.chunk for s in plan)} chunks per stage, not "
@@ -352,6 +364,24 @@ class Pipeline(Strategy):
         data = f", virtual={self.virtual}{data}" if self.virtual > 1 else data
         schedule = f"schedule={self.schedule_name!r}"
         return f"Pipeline(stages={self.stages}, microbatches={self.microbatches}, {schedule}{data})"
+
+
+def _layer_functions(layers: Iterable[Layer]) -> tuple[Layer, ...]:
+    """``layers`` as a tuple of functions; a clear error for anything else (a list of parameters, most often)."""
+    if callable(layers) or not isinstance(layers, Iterable):
+        raise ValueError(
+            f"Pipeline(layers=<{type(layers).__name__}>): layers is a list of layer functions, [apply_0, apply_1, "
+            "...], each apply(params, x) -> y. pk.models.as_layers returns them for the kit's models."
+        )
+    layers = tuple(layers)
+    for i, layer in enumerate(layers):
+        if not callable(layer):
+            raise ValueError(
+                f"Pipeline(layers=...): layers[{i}] is a {type(layer).__name__}, not a function. layers is the list "
+                "of layer functions, each apply(params, x) -> y; their parameters go to Pipeline.init "
+                "(pk.models.as_layers returns both lists)."
+            )
+    return layers
 
 
 # One guarded function per layer function, so that pipelines of the same layers share compiled programs.
