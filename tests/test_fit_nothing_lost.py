@@ -168,7 +168,7 @@ def test_a_resumed_run_with_nothing_left_warns(mlp, digits, tmp_path):
     loss_fn, params = mlp
     batches = list(pk.data.batches(digits, 32, steps=2))
     pk.fit(pk.SingleDevice(), loss_fn, params, optax.sgd(0.1), batches, checkpoint_dir=tmp_path)
-    with pytest.warns(ShortRunWarning, match="yielded none after the 2 a checkpoint had consumed"):
+    with pytest.warns(ShortRunWarning, match="trained no step: the batches ended with the 2 the checkpoint had"):
         pk.fit(pk.SingleDevice(), loss_fn, params, optax.sgd(0.1), batches, checkpoint_dir=tmp_path, resume=True)
 
 

@@ -40,7 +40,6 @@ from pathlib import Path
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 
@@ -293,7 +292,7 @@ def _nonfinite_note(strategy: Strategy, state: TrainState, taken: int, first: in
         held = f"the state the run started from (step {last} changed nothing)"
     else:
         held = f"the state after step {last}, whose loss was not finite: {strategy!r} applies such a step's update"
-    if all(bool(jnp.isfinite(x).all()) for x in jax.tree.leaves((state.params, state.opt_state))):
+    if all(np.isfinite(x).all() for x in jax.tree.leaves(strategy.unreplicate((state.params, state.opt_state)))):
         verdict = "All its parameters and optimizer state are finite."
     else:
         why = (
@@ -317,9 +316,10 @@ def _tell_short_run(done: int, steps: int | None, consumed: int) -> None:
     )
     if done:
         why = f"the batches ended after {consumed + done}"
+    elif consumed:
+        why = f"the batches ended with the {consumed} the checkpoint had consumed, so the state is the checkpoint's"
     else:
-        after = f" after the {consumed} a checkpoint had consumed" if consumed else ""
-        why = f"the batches yielded none{after} (an empty or used-up iterator), so the state is the one it started from"
+        why = "the batches yielded none (an empty or used-up iterator), so the state is the one it started from"
     warnings.warn(
         f"{ran}: {why}. Pass a batch for every step, for example pk.data.batches(dataset, size, steps=N) made anew "
         "for each run (without steps or epochs it never ends).",
