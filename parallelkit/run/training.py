@@ -258,12 +258,7 @@ def fit(
                 with contextlib.suppress(Exception):  # a step that failed on the device leaves nothing to keep
                     history.record(*pending, state)
             err.fit_result = FitResult(state, history, strategy, True, resumed_from)
-            err.add_note(
-                _nonfinite_note(strategy, state, host_step(strategy, state) - counted, first, len(history.records))
-                if isinstance(err, NonFiniteLossError)
-                else f"pk.fit stopped after {len(history.records)} completed steps; the state after the last one is "
-                "in this exception's `fit_result` attribute."
-            )
+            err.add_note(_stopped_note(err, strategy, state, counted, first, len(history.records)))
             for cb in hooks:
                 cb.on_train_error(history, err)
             raise
@@ -277,13 +272,20 @@ def fit(
     return FitResult(state, history, strategy, interrupted, resumed_from)
 
 
-def _nonfinite_note(strategy: Strategy, state: TrainState, taken: int, first: int, done: int) -> str:
-    """What the state handed over with a :class:`NonFiniteLossError` holds.
+def _stopped_note(err: Exception, strategy: Strategy, state: TrainState, counted: int, first: int, done: int) -> str:
+    """What the state handed over with ``err`` holds, after ``done`` steps of a run.
 
-    ``taken``: the steps of this run the state's counter shows; ``done``: the steps run, the last one's loss not
-    finite; ``first``: the step the run's numbering starts from.
+    ``counted``: the state's step counter when the run began; ``first``: the step the run's numbering
+    starts from. After a :class:`NonFiniteLossError` the counter tells whether the last step kept its
+    input state (``Step.keep_finite``), and the note whether that state is all finite.
     """
-    last, kept = first + done, taken == done - 1  # kept: the step returned its input state (Step.keep_finite)
+    if not isinstance(err, NonFiniteLossError):
+        return (
+            f"pk.fit stopped after {done} completed steps; the state after the last one is in this exception's "
+            "`fit_result` attribute."
+        )
+    taken = host_step(strategy, state) - counted  # the steps of this run the state has taken
+    last, kept = first + done, taken == done - 1  # kept: the non-finite step returned its input state
     if kept and taken:
         held = (
             f"the state after step {first + taken}, the last step whose loss was finite (step {last} changed nothing)"
