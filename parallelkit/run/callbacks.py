@@ -191,7 +191,9 @@ class Checkpointing(Callback):
     """Saves the run's state every ``ckpt.every`` steps, after its last step, and when it stops with an error.
 
     Saving happens after the step's clock is read, so it is not in the step's time. A
-    run stopped by :class:`NonFiniteLossError` is not saved again: its state is what went wrong.
+    run stopped by :class:`NonFiniteLossError` is not saved again: its state is the one before
+    the non-finite step (a checkpoint would count that step's batch as trained on), or, where the
+    strategy cannot keep that, the one that went wrong.
 
     Args:
       ckpt: where to save.

@@ -33,10 +33,11 @@ import signal
 import threading
 import time
 import warnings
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from itertools import islice
 from pathlib import Path
+from typing import Any
 
 import jax
 import numpy as np
@@ -49,6 +50,7 @@ from ..core.precision import Precision, PrecisionWarning
 from ..core.skipped import NonFiniteGradientsError
 from ..core.state import TrainState
 from ..core.step import DONATED_STATE, Placed, is_deleted
+from ..data import Dataset
 from ..strategies.base import Strategy
 from .callbacks import (
     Callback,
@@ -72,11 +74,16 @@ __all__ = [
     "NonFiniteGradientsError",
     "NonFiniteLossError",
     "RunInfo",
+    "ShortRunWarning",
     "StepRecord",
     "fit",
 ]
 
 log = logging.getLogger(__name__)
+
+
+class ShortRunWarning(UserWarning):
+    """``pk.fit`` trained fewer steps than asked, or none: its batches ended first."""
 
 
 @dataclass
@@ -123,10 +130,12 @@ def fit(
       loss_fn: ``loss_fn(params, batch) -> loss`` or ``(loss, dict of metrics)``: scalars, recorded as
         floats, or arrays (recorded as NumPy arrays).
       params, tx: initial parameters and the Optax optimizer.
-      batches: global batches (dicts of host arrays); the strategy splits them. When
-        resuming, the same batches as the interrupted run, from its start.
+      batches: an iterable of global batches (dicts of host arrays), such as
+        ``pk.data.batches(dataset, size, steps=N)``; the strategy splits them. When resuming,
+        the same batches as the interrupted run, from its start.
       steps: stop after this many steps of the run, counted from its start (default:
-        when ``batches`` ends).
+        when ``batches`` ends). Batches that end before ``steps``, or give none, warn
+        (:class:`ShortRunWarning`).
       callbacks: :class:`Callback` objects, told of every step after ``fit``'s own check and
         checkpoint (:mod:`parallelkit.run.callbacks`).
       state: continue from this placed state instead of ``strategy.init(params, tx)``.
@@ -136,7 +145,9 @@ def fit(
       checkpoint_keep: how many checkpoints to keep (``None``: all).
       resume: restore the newest checkpoint in ``checkpoint_dir`` onto ``strategy``
         and continue from it, skipping the batches it had consumed.
-      check_finite: stop with :class:`NonFiniteLossError` when the loss becomes NaN or infinite and, with
+      check_finite: stop with :class:`NonFiniteLossError` when the loss becomes NaN or infinite (that
+        step changes nothing, where the strategy's step is :func:`~parallelkit.core.step.train_step`:
+        see Raises) and, with
         a loss scale, with :class:`~parallelkit.core.skipped.NonFiniteGradientsError` when steps are
         skipped ``SKIPPED_STEPS_LIMIT`` (20) times in a row under a fixed scale, or at a dynamic
         scale's floor of 1 (:mod:`parallelkit.core.skipped`), naming the parameters whose gradients
@@ -180,9 +191,16 @@ def fit(
         ``batches`` shorter than what the checkpoint had consumed; or, without
         ``resume``, a ``checkpoint_dir`` that already holds another run's checkpoints.
       FileNotFoundError: ``resume=True`` but ``checkpoint_dir`` holds no checkpoint.
-      NonFiniteLossError: the loss became NaN or infinite (the message names the step).
+      TypeError: ``batches`` is not an iterable of batches (one batch, or a ``pk.data`` dataset).
+      NonFiniteLossError: the loss became NaN or infinite (the message names the step). The
+        step changed nothing, so ``err.fit_result`` holds the state after the step before it:
+        its donated input, kept by a step compiled to return it unchanged (``Step.keep_finite``).
+        Strategies whose step is not :func:`~parallelkit.core.step.train_step` (pipelines, the
+        off-device ones) apply the update all the same. The note says which step the state
+        is after and whether it is all finite.
       NonFiniteGradientsError: with a loss scale, step after step was skipped (see ``check_finite``).
     """
+    _check_batches(batches)
     _check_counts(steps, checkpoint_every, prefetch)
     _check_resume(resume, checkpoint_dir, state)
     ckpt = Checkpoints(checkpoint_dir, every=checkpoint_every, keep=checkpoint_keep) if checkpoint_dir else None
@@ -199,7 +217,9 @@ def fit(
         options = {"accumulate": accumulate} if accumulate != 1 else {}
         options |= {"precision": precision} if precision is not None else {}
         step, history = strategy.step(loss_fn, **options), History()
-        first = host_step(strategy, state) if ckpt else 0
+        step.keep_finite = check_finite  # a step whose loss is not finite changes nothing: the check stops the run
+        counted = host_step(strategy, state) if ckpt or check_finite else 0  # the counter before this run's steps
+        first = counted if ckpt else 0
         hooks = [NonFiniteCheck(first)] if check_finite else []
         if check_finite and precision is not None and precision.loss_scale is not None:
 
@@ -238,19 +258,94 @@ def fit(
                 with contextlib.suppress(Exception):  # a step that failed on the device leaves nothing to keep
                     history.record(*pending, state)
             err.fit_result = FitResult(state, history, strategy, True, resumed_from)
-            err.add_note(
-                f"pk.fit stopped after {len(history.records)} completed steps; the state after the last one is in "
-                "this exception's `fit_result` attribute."
-            )
+            err.add_note(_stopped_note(err, strategy, state, counted, first, len(history.records)))
             for cb in hooks:
                 cb.on_train_error(history, err)
             raise
         finally:  # the prefetching thread ends, also on a crash
             if prefetch:
                 feed.close()
+        if not interrupted:
+            _tell_short_run(len(history.records), steps, consumed)
         for cb in hooks:
             cb.on_train_end(history, interrupted)
     return FitResult(state, history, strategy, interrupted, resumed_from)
+
+
+def _stopped_note(err: Exception, strategy: Strategy, state: TrainState, counted: int, first: int, done: int) -> str:
+    """What the state handed over with ``err`` holds, after ``done`` steps of a run.
+
+    ``counted``: the state's step counter when the run began; ``first``: the step the run's numbering
+    starts from. After a :class:`NonFiniteLossError` the counter tells whether the last step kept its
+    input state (``Step.keep_finite``), and the note whether that state is all finite.
+    """
+    if not isinstance(err, NonFiniteLossError):
+        return (
+            f"pk.fit stopped after {done} completed steps; the state after the last one is in this exception's "
+            "`fit_result` attribute."
+        )
+    taken = host_step(strategy, state) - counted  # the steps of this run the state has taken
+    last, kept = first + done, taken == done - 1  # kept: the non-finite step returned its input state
+    if kept and taken:
+        held = (
+            f"the state after step {first + taken}, the last step whose loss was finite (step {last} changed nothing)"
+        )
+    elif kept:
+        held = f"the state the run started from (step {last} changed nothing)"
+    else:
+        held = f"the state after step {last}, whose loss was not finite: {strategy!r} applies such a step's update"
+    if all(np.isfinite(x).all() for x in jax.tree.leaves(strategy.unreplicate((state.params, state.opt_state)))):
+        verdict = "All its parameters and optimizer state are finite."
+    else:
+        why = (
+            ": an update whose loss was finite made them so (gradients not finite, or a step too large)" if kept else ""
+        )
+        verdict = (
+            f"Not all its parameters and optimizer state are finite{why}. Pass checkpoint_dir to keep earlier states."
+        )
+    return f"pk.fit stopped at step {last} of the run; this exception's `fit_result` holds {held}. {verdict}"
+
+
+def _tell_short_run(done: int, steps: int | None, consumed: int) -> None:
+    """Warn when the batches ended before ``steps`` (``consumed``: those a resumed run skipped), or gave none."""
+    asked = None if steps is None else steps - consumed
+    if done >= (1 if asked is None else asked):
+        return
+    ran = (
+        "pk.fit trained no step"
+        if asked is None
+        else f"pk.fit(steps={steps}) trained {done} of the {asked} steps asked"
+    )
+    if done:
+        why = f"the batches ended after {consumed + done}"
+    elif consumed:
+        why = f"the batches ended with the {consumed} the checkpoint had consumed, so the state is the checkpoint's"
+    else:
+        why = "the batches yielded none (an empty or used-up iterator), so the state is the one it started from"
+    warnings.warn(
+        f"{ran}: {why}. Pass a batch for every step, for example pk.data.batches(dataset, size, steps=N) made anew "
+        "for each run (without steps or epochs it never ends).",
+        ShortRunWarning,
+        stacklevel=3,
+    )
+
+
+def _check_batches(batches: Any) -> None:
+    """Refuse what fit cannot iterate as batches (one batch, a dataset), saying how to make batches of it."""
+    how = "pk.data.batches(dataset, batch_size, steps=N), which yields dicts of batch_size examples"
+    if isinstance(batches, Dataset):
+        raise TypeError(f"fit(batches=...) got the dataset {batches.name!r} itself, not batches of it. Pass {how}.")
+    if isinstance(batches, Mapping):
+        raise TypeError(
+            f"fit(batches=...) got one batch (a {type(batches).__name__} with keys {list(batches)}), not an "
+            "iterable of batches. Pass [batch] to train one step on it, itertools.repeat(batch, N) for N steps, "
+            f"or {how}."
+        )
+    if not isinstance(batches, Iterable) and not hasattr(batches, "__getitem__"):  # iter() could start a loader
+        raise TypeError(
+            f"fit(batches=...) got a value of type {type(batches).__name__}, which is not an iterable of batches. "
+            f"Pass a list of batches (dicts of arrays) or {how}."
+        )
 
 
 def _tell_resumed_scale(strategy: Strategy, state: TrainState, precision: Precision | None) -> None:
