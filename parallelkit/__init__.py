@@ -48,6 +48,7 @@ from .run.training import Callback as Callback
 from .run.training import FitResult as FitResult
 from .run.training import History as History
 from .run.training import NonFiniteLossError as NonFiniteLossError
+from .run.training import ShortRunWarning as ShortRunWarning
 from .run.training import StepRecord as StepRecord
 from .run.training import fit as fit
 from .strategies import SPMD as SPMD

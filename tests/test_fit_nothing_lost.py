@@ -10,8 +10,8 @@ import pytest
 from helpers import tree_allclose
 
 import parallelkit as pk
+from parallelkit import ShortRunWarning
 from parallelkit.core import step as step_module
-from parallelkit.run.training import ShortRunWarning
 
 
 @pytest.fixture(scope="module")
