@@ -1,7 +1,8 @@
 """Gradient buckets in the alpha-beta model: how big a bucket should be.
 
 Data parallelism all-reduces its gradients in buckets (PyTorch DDP's ``bucket_cap_mb``,
-25 MB by default; Horovod's tensor fusion, a 64 MB buffer by default; XLA's all-reduce combiner,
+25 MB by default; Horovod's tensor fusion, a 128 MiB buffer by default since v0.21.0,
+``HOROVOD_FUSION_THRESHOLD``; XLA's all-reduce combiner,
 ``--xla_gpu_all_reduce_combine_threshold_bytes`` on a GPU). The backward pass produces the
 gradients last layer first; a bucket's all-reduce can start once its gradients exist and
 the bucket before it is done (one communication stream), while the backward pass goes
