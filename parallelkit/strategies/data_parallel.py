@@ -105,13 +105,13 @@ def replica_step(
         return functools.partial(step, sync=replica_sync(allreduce))
 
     def bucketed(state: TrainState, batch: Batch) -> tuple[TrainState, dict]:
-        order = gradient_order(loss_fn, state.params, batch, **loss_extras(state))
+        order = gradient_order(loss_fn, state.params, batch, **_loss_extras(state))
         return step(state, batch, sync=replica_sync(allreduce, bucket_bytes, order))
 
     return bucketed
 
 
-def loss_extras(state: TrainState) -> dict:
+def _loss_extras(state: TrainState) -> dict:
     """What a step passes the loss besides the parameters and the batch: its ``rng`` and ``model_state``, if any."""
     extras = {} if state.rng is None else {"rng": state.rng}
     return extras if state.model_state is None else {**extras, "model_state": state.model_state}
