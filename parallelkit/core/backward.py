@@ -1,17 +1,9 @@
 """The order in which the backward pass finishes each parameter's gradient, read from the loss's jaxpr.
 
-Reverse-mode differentiation runs the forward pass's equations backwards, so a parameter's
-gradient is complete once the backward pass has gone back past the parameter's first use:
-the last layer's gradients are ready first, the first layer's (the embeddings') last.
-PyTorch's DDP learns this order by watching the first backward pass, and rebuilds its
-gradient buckets to follow it; here it is read from the loss before the step is compiled
-(:func:`gradient_order`), so gradient buckets can follow it from the first step.
-
-A parameter's *use* is an equation that combines it with the batch (or with anything
-computed from it): an equation that reads parameters and constants alone (a cast, a
-reshape, a slice, a weight norm) only prepares it, and the uses of what it returns count
-instead. Inside a nested call (``jax.jit``, ``jax.checkpoint``, a custom derivative, a
-``scan``) the equations of its body count, in their order.
+Reverse mode runs the forward pass's equations backwards, so a parameter's gradient is complete
+once the backward pass is back at the parameter's first use: the last layer's first, the first
+layer's (the embeddings') last. PyTorch's DDP learns this order from its first backward pass and
+rebuilds its buckets to follow it; here it is read from the loss before the step is compiled.
 """
 
 from __future__ import annotations
@@ -32,7 +24,11 @@ def gradient_order(loss_fn: LossFn, params: PyTree, batch: Batch, **extras) -> t
     The reverse of each leaf's first use in the forward pass of ``loss_fn(params, batch, **extras)``
     (``extras``: the ``rng`` and ``model_state`` a step passes, if any); leaves first used by the
     same equation keep the reverse of their tree order, and a leaf the loss never reads (its
-    gradient is zero from the start) comes first. Traces the loss once (``jax.make_jaxpr``):
+    gradient is zero from the start) comes first. A *use* is an equation that combines the leaf
+    with the batch (or anything computed from it): one that reads parameters and constants alone
+    (a cast, a reshape, a slice) only prepares it, and the uses of what it returns count instead.
+    Inside a nested call (``jax.jit``, ``jax.checkpoint``, a custom derivative, a ``scan``) the
+    equations of its body count, in their order. Traces the loss once (``jax.make_jaxpr``):
     arrays or ``jax.ShapeDtypeStruct`` shapes do.
 
     >>> import jax.numpy as jnp
