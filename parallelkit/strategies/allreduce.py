@@ -389,6 +389,8 @@ def mean_tree(tree, axis: Axis, allreduce: AllReduce | None = None, buckets: Seq
     for bucket in buckets if buckets is not None else [range(len(leaves))]:
         bucket = sorted(bucket)  # within a bucket, tree order (one bucket: every leaf in tree order)
         parts = [jnp.ravel(leaves[i]).astype(jnp.float32) for i in bucket]
+        # One float of the bucket just before: the combiner cannot merge the two, and this bucket waits
+        # for that one and its own leaves only, never for a gradient the backward pass produces later.
         flat = jnp.concatenate(parts if previous is None else [*parts, previous[:1]])
         summed = allreduce(flat, axis) / lax.axis_size(axis)
         start = 0
