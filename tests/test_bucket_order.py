@@ -190,6 +190,8 @@ def test_gradient_buckets_of_no_parameters_is_a_clear_error():
 def test_a_plan_order_that_misses_a_leaf_is_a_clear_error():
     with pytest.raises(ValueError, match=r"order=\[1\].*each of the 2 leaves once"):
         bucket_plan([400, 400], 800, [1])
+    with pytest.raises(ValueError, match=r"order=None.*each of the 2 leaves once"):
+        bucket_plan([400, 400], 800, None)
 
 
 def test_strategy_gradient_buckets_names_what_it_needs(mlp, batch):

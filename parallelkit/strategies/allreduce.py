@@ -342,15 +342,19 @@ def bucket_plan(nbytes: Sequence[int], bucket_bytes: int | None, order: Sequence
     [[1, 0], [3], [2]]
     >>> bucket_plan([400, 400], None, order=[1, 0])
     [[1, 0]]
+
+    Raises:
+      ValueError: an ``order`` that does not name each leaf once.
     """
-    if sorted(order) != list(range(len(nbytes))):
+    given = None if order is None else list(order)
+    if given is None or sorted(given) != list(range(len(nbytes))):
         raise ValueError(
-            f"bucket_plan(order={list(order)!r}) must name each of the {len(nbytes)} leaves once: pass a "
-            "permutation of their indices (parallelkit.core.backward.gradient_order gives the backward pass's)."
+            f"bucket_plan(order={given!r}) must name each of the {len(nbytes)} leaves once: pass a permutation "
+            "of their indices (parallelkit.core.backward.gradient_order gives the backward pass's)."
         )
     buckets: list[list[int]] = []
     filled = 0
-    for i in order:
+    for i in given:
         if not buckets or (bucket_bytes is not None and filled + nbytes[i] > bucket_bytes):
             buckets.append([])
             filled = 0
