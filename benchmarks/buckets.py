@@ -1,15 +1,16 @@
 """Gradient buckets: step time against bucket size, measured here and by the alpha-beta model.
 
-1. **Measured.** An MLP 64-256x12-10 (28 parameter leaves, about 0.74 million parameters,
+1. **Measured.** An MLP 64-256x12-10 (26 parameter leaves, about 0.74 million parameters,
    3 MB of float32 gradients) on the digits, SGD with momentum (Adam turns a gradient within
    rounding of zero into a whole step, so that the order of a sum alone can move a parameter
    by its learning rate), global batch 256, trained with
    ``pk.Mirrored(4, bucket_bytes=b)`` on 4 simulated CPU devices for every ``b`` of
    :data:`CAPS` (``None``: one all-reduce). For each the script reads the compiled step's
    all-reduces (``pk.inspect.collectives``: their count must be the bucket plan's,
-   ``strategy.gradient_buckets``), checks that 3 steps end on ``pk.SingleDevice``'s
-   parameters (rtol 1e-5, atol 1e-6), then times every variant in turns
-   (``interleaved.take_turns``: ``--rounds`` rounds of ``--chunk`` steps; medians).
+   ``strategy.gradient_buckets``, whose buckets follow the backward pass: the head's first),
+   checks that 3 steps end on ``pk.SingleDevice``'s parameters (rtol 1e-5, atol 1e-6), then
+   times every variant in turns (``interleaved.take_turns``: ``--rounds`` rounds of
+   ``--chunk`` steps; medians).
 2. **Predicted on this machine.** ``pk.planner.Cluster.measured()`` fits the alpha-beta
    link to this machine's measured all-reduces; ``pk.costmodel.bucket_timeline`` plays
    each plan's buckets over it with no overlap (XLA's CPU backend runs collectives and
@@ -17,7 +18,8 @@
    program as the others with one bucket) measured time less its predicted all-reduce is
    taken as the compute: predicted step = compute + the buckets' all-reduces.
    ``bucket_bytes=None`` is the default step: ``lax.pmean`` of the gradients' tree, which XLA
-   combines into one all-reduce of many arrays, not one flat vector.
+   combines into one all-reduce of 28 arrays (26 gradients, the loss and the accuracy), not
+   one flat vector.
 3. **Predicted on GPUs.** The same model for GPT-2 XL's gradients (1.56 billion float32
    parameters, 6.2 GB; ``pk.planner.MODELS``) on one machine of 8 H100s
    (``pk.planner.Cluster.published("H100 SXM")``: NVLink's datasheet bandwidth), equal buckets
@@ -25,7 +27,8 @@
    bf16 peak (``6 N`` FLOPs a token, PaLM's count), two thirds of it in the backward pass,
    during which the buckets can be reduced: the exposed all-reduce time, latency-bound at
    the small end, unhidden at the large end. PyTorch DDP's default bucket (25 MB) and
-   Horovod's fusion buffer (64 MB) are in the list. A model, not a measurement.
+   Horovod's fusion buffer (128 MiB, ``HOROVOD_FUSION_THRESHOLD``'s default since v0.21.0) are
+   in the list. A model, not a measurement.
 
     .venv/bin/python benchmarks/buckets.py          # about a minute on 2 cores
 """
@@ -46,9 +49,9 @@ import optax  # noqa: E402
 from flax import nnx  # noqa: E402
 
 CAPS = (None, 1_000, 30_000, 300_000, 1_000_000, 10**9)  # bytes per bucket; None: pmean, 10**9: one bucket
-GPU_CAPS_MB = (1, 4, 16, 25, 64, 256, 1024)
+DDP_MB, HOROVOD_MB = 25, 128 * 2**20 / 1e6  # Horovod's default is 128 MiB (134.2 MB) since v0.21.0
+GPU_CAPS_MB = (1, 4, 16, DDP_MB, 64, HOROVOD_MB, 256, 1024)
 TOKENS, EFFICIENCY = 1024, 0.4  # per GPU per step, and the share of the bf16 peak, in the GPU model (stated)
-DDP_MB, HOROVOD_MB = 25, 64
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -76,7 +79,7 @@ def measured(args: argparse.Namespace) -> tuple[dict, int]:
         strategy = pk.Mirrored(4, bucket_bytes=cap)
         step, state = strategy.step(loss_fn), strategy.init(params, tx)
         found = [c for c in pk.inspect.collectives(step, state, batches[0]) if c.op == "all-reduce"]
-        plan = strategy.gradient_buckets(state)
+        plan = strategy.gradient_buckets(loss_fn, state, batches[0])
         assert len(found) == len(plan), f"bucket_bytes={cap}: {len(found)} all-reduces, plan {len(plan)}"
         trained = state
         for batch in batches:

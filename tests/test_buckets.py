@@ -32,12 +32,12 @@ def batches(digits):
     return list(pk.data.batches(digits, 64, steps=3))
 
 
-def test_the_plan_takes_the_last_leaves_first_and_closes_a_full_bucket():
-    assert bucket_plan([400, 400, 400, 1000], 800) == [[3], [2, 1], [0]]
-    assert bucket_plan([100, 100, 100], 1000) == [[2, 1, 0]]
-    assert bucket_plan([100, 100, 100], None) == [[2, 1, 0]]
-    assert bucket_plan([5000, 10], 100) == [[1], [0]]  # a leaf larger than a bucket travels alone
-    assert bucket_plan([], 100) == []
+def test_the_plan_takes_the_leaves_in_the_given_order_and_closes_a_full_bucket():
+    assert bucket_plan([400, 400, 400, 1000], 800, [3, 2, 1, 0]) == [[3], [2, 1], [0]]
+    assert bucket_plan([100, 100, 100], 1000, [2, 1, 0]) == [[2, 1, 0]]
+    assert bucket_plan([100, 100, 100], None, [2, 1, 0]) == [[2, 1, 0]]
+    assert bucket_plan([5000, 10], 100, [1, 0]) == [[1], [0]]  # a leaf larger than a bucket travels alone
+    assert bucket_plan([], 100, []) == []
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -55,7 +55,7 @@ def test_each_bucket_is_one_all_reduce_of_its_bytes(backend, mlp, batch):
     loss_fn, params = mlp
     strategy = pk.Mirrored(4, backend=backend, bucket_bytes=SMALL)
     state = strategy.init(params, optax.sgd(0.1))
-    plan = strategy.gradient_buckets(state)
+    plan = strategy.gradient_buckets(loss_fn, state, batch)
     leaf_bytes = [4 * x.size for x in jax.tree.leaves(params)]
     assert len(plan) == len(leaf_bytes) == 4 and sorted(plan) == sorted(leaf_bytes)  # each leaf over 1000 / 4
     found = pk.inspect.collectives(strategy.step(loss_fn), state, batch)
@@ -95,8 +95,8 @@ def test_buckets_with_accumulation_and_a_hand_written_ring(mlp, batches):
 
 def test_gradient_buckets_sizes_match_the_plan():
     params = {"a": jax.numpy.zeros(100), "b": jax.numpy.zeros(300)}
-    assert gradient_buckets(params, 1000) == [1200, 400]
-    assert gradient_buckets(params, None, metric_bytes=8) == [1608]
+    assert gradient_buckets(params, 1000, [1, 0]) == [1200, 400]
+    assert gradient_buckets(params, None, [1, 0], metric_bytes=8) == [1608]
 
 
 def test_the_timeline_hides_buckets_behind_the_backward_pass_but_not_their_latency():

@@ -50,6 +50,9 @@ class Sizes:
     replicas: int  # n
     params_tree: object = None  # the parameters themselves (host copies), for formulas that need their shapes
     optimizer: int = 0  # bytes of the optimizer state
+    # the parameter leaves in the order the backward pass finishes their gradients
+    # (parallelkit.core.backward.gradient_order): the order gradient buckets follow
+    gradient_order: tuple[int, ...] | None = None
 
 
 def gradient_all_reduce(sizes: Sizes) -> ExpectedCollective:

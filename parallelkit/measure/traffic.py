@@ -51,6 +51,7 @@ from typing import TYPE_CHECKING
 import jax
 import numpy as np
 
+from ..core.backward import gradient_order
 from ..core.contract import Batch, LossFn, batch_size, loss_with_aux, tree_bytes
 from ..core.reports import D2D as D2D
 from ..core.reports import D2H as D2H
@@ -125,7 +126,7 @@ def bus_bytes(found: Sequence[Collective]) -> float:
 
 
 def sizes(strategy: Strategy, loss_fn: LossFn, state: TrainState, batch: Batch) -> Sizes:
-    """The sizes the formulas use: parameter bytes, metric bytes, batch and replicas."""
+    """The sizes the formulas use: parameter bytes, metric bytes, batch, replicas, and the gradients' order."""
     n = strategy.num_replicas
     params = strategy.unreplicate(state.params)
     local = jax.tree.map(lambda x: jax.ShapeDtypeStruct((x.shape[0] // n, *x.shape[1:]), x.dtype), batch)
@@ -135,7 +136,8 @@ def sizes(strategy: Strategy, loss_fn: LossFn, state: TrainState, batch: Batch) 
     loss, (aux, _) = jax.eval_shape(loss_with_aux(loss_fn), params, local, **extras)
     opt_leaves = jax.tree.leaves(state.opt_state)
     optimizer = sum(int(np.prod(strategy.logical_shape(x))) * x.dtype.itemsize for x in opt_leaves)
-    return Sizes(tree_bytes(params), tree_bytes((loss, aux)), batch_size(batch), n, params, optimizer)
+    order = gradient_order(loss_fn, params, local, **extras)
+    return Sizes(tree_bytes(params), tree_bytes((loss, aux)), batch_size(batch), n, params, optimizer, order)
 
 
 def batch_flow(strategy: Strategy, batch: Batch) -> Flow:

@@ -328,21 +328,33 @@ class AllReduce:
         return {"inner": formula[self.algorithm](n, nbytes)}
 
 
-def bucket_plan(nbytes: Sequence[int], bucket_bytes: int | None) -> list[list[int]]:
+def bucket_plan(nbytes: Sequence[int], bucket_bytes: int | None, order: Sequence[int]) -> list[list[int]]:
     """Which leaves travel together: lists of indices into ``nbytes`` (each leaf's bytes, in tree order).
 
-    As in PyTorch's DDP, the leaves are taken last first (the backward pass produces the
-    last layer's gradients first) and a bucket closes when the next leaf would take it past
-    ``bucket_bytes``; a leaf larger than that travels alone. ``None``: one bucket, every leaf.
+    As in PyTorch's DDP, the leaves are taken in ``order``, the order the backward pass
+    produces their gradients (:func:`~parallelkit.core.backward.gradient_order`: the last
+    layer's first), and a bucket closes when the next leaf would take it past ``bucket_bytes``;
+    a leaf larger than that travels alone. ``None``: one bucket, every leaf.
 
-    >>> bucket_plan([400, 400, 400, 1000], 800)
+    >>> bucket_plan([400, 400, 400, 1000], 800, order=[3, 2, 1, 0])
     [[3], [2, 1], [0]]
-    >>> bucket_plan([400, 400], None)
+    >>> bucket_plan([400, 400, 400, 1000], 800, order=[1, 0, 3, 2])
+    [[1, 0], [3], [2]]
+    >>> bucket_plan([400, 400], None, order=[1, 0])
     [[1, 0]]
+
+    Raises:
+      ValueError: an ``order`` that does not name each leaf once.
     """
+    given = None if order is None else list(order)
+    if given is None or sorted(given) != list(range(len(nbytes))):
+        raise ValueError(
+            f"bucket_plan(order={given!r}) must name each of the {len(nbytes)} leaves once: pass a permutation "
+            "of their indices (parallelkit.core.backward.gradient_order gives the backward pass's)."
+        )
     buckets: list[list[int]] = []
     filled = 0
-    for i in reversed(range(len(nbytes))):
+    for i in given:
         if not buckets or (bucket_bytes is not None and filled + nbytes[i] > bucket_bytes):
             buckets.append([])
             filled = 0
@@ -358,11 +370,19 @@ def mean_tree(tree, axis: Axis, allreduce: AllReduce | None = None, buckets: Seq
     the order they are reduced (:func:`bucket_plan`); ``None``: all of them as one, so that
     one all-reduce carries the parameter bytes plus the metrics. Each bucket's leaves travel
     as one flat vector, as in a DDP bucket or XLA's all-reduce combiner. ``allreduce`` is the
-    algorithm (None: ``lax.psum``). XLA merges independent all-reduces into one, whatever
-    their size on a CPU (on a GPU up to ``--xla_gpu_all_reduce_combine_threshold_bytes``:
-    XLA's own bucket size), so every bucket after the first carries one value of the one
-    before's result (4 bytes more): the buckets then depend on each other and are reduced
-    one after another, in order, as DDP reduces its buckets on one communication stream.
+    algorithm (None: ``lax.psum``).
+
+    XLA merges independent all-reduces into one, whatever their size on a CPU (on a GPU up to
+    ``--xla_gpu_all_reduce_combine_threshold_bytes``: XLA's own bucket size), which would undo
+    the buckets. So each bucket after the first carries one value of the result of the bucket
+    just before it (4 bytes more), on every backend: bucket ``k`` waits for its own leaves and
+    for bucket ``k - 1``'s all-reduce, nothing else. That is the order DDP's buckets keep on
+    its one communication stream anyway, so the chain costs 4 bytes and no waiting: bucket 0
+    (the last layer's gradients, and the metrics of the forward pass) can start while the
+    backward pass is still producing the others, and no bucket waits for a gradient of a
+    bucket after it (the embeddings' come last). Chaining only on a CPU would let a GPU's
+    combiner merge the small buckets; chaining every bucket on the last gradient would
+    hold them all until the backward pass ends, the overlap buckets exist for.
     """
     leaves, treedef = jax.tree.flatten(tree)
     if not leaves:
@@ -373,6 +393,8 @@ def mean_tree(tree, axis: Axis, allreduce: AllReduce | None = None, buckets: Seq
     for bucket in buckets if buckets is not None else [range(len(leaves))]:
         bucket = sorted(bucket)  # within a bucket, tree order (one bucket: every leaf in tree order)
         parts = [jnp.ravel(leaves[i]).astype(jnp.float32) for i in bucket]
+        # One float of the bucket just before: the combiner cannot merge the two, and this bucket waits
+        # for that one and its own leaves only, never for a gradient the backward pass produces later.
         flat = jnp.concatenate(parts if previous is None else [*parts, previous[:1]])
         summed = allreduce(flat, axis) / lax.axis_size(axis)
         start = 0

@@ -8,18 +8,21 @@ hold a full copy of the state on every device and average the gradients once a s
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import jax
 import numpy as np
 
 from ..core.accumulate import Accumulation, check_accumulate
 from ..core.axes import DATA
-from ..core.contract import LossFn, PyTree
+from ..core.backward import gradient_order
+from ..core.contract import Batch, LossFn, PyTree
+from ..core.mesh import is_count
 from ..core.precision import Precision, check_precision
 from ..core.reports import ExpectedCollective, Sizes, gradient_all_reduce
 from ..core.state import TrainState
 from ..core.step import train_step
+from ..measure import traffic
 from .allreduce import AllReduce, bucket_plan, mean_tree
 
 
@@ -27,8 +30,8 @@ def parse_sync(
     allreduce: str | AllReduce | None, bucket_bytes: int | None, replicas: int
 ) -> tuple[AllReduce | None, int | None]:
     """How the gradients of ``pk.Mirrored`` over ``replicas`` devices meet, checked: ``allreduce`` as an
-    :class:`~parallelkit.strategies.allreduce.AllReduce` (None: the compiler's), and ``bucket_bytes``, None
-    (one all-reduce for everything) or a whole number of bytes >= 1.
+    :class:`~parallelkit.strategies.allreduce.AllReduce` (None: the compiler's), and ``bucket_bytes``
+    (:func:`check_bucket_bytes`).
 
     Raises:
       TypeError: an ``allreduce`` that is neither a name nor an ``AllReduce``.
@@ -42,26 +45,37 @@ def parse_sync(
             f"Mirrored(allreduce={chosen!r}) groups {chosen.group} devices, which does not divide "
             f"{replicas} devices: choose a group size that does."
         )
-    if bucket_bytes is not None and (isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int)
-                                     or bucket_bytes < 1):  # fmt: skip
+    return chosen, check_bucket_bytes(bucket_bytes)
+
+
+def check_bucket_bytes(bucket_bytes: int | None, caller: str = "Mirrored") -> int | None:
+    """``bucket_bytes`` as a Python int, or None (one all-reduce); ``caller`` names the call in the error.
+
+    Raises:
+      ValueError: anything but None or a whole number >= 1 (NumPy integers are whole numbers).
+    """
+    if bucket_bytes is None:
+        return None
+    if not is_count(bucket_bytes):
         raise ValueError(
-            f"Mirrored(bucket_bytes={bucket_bytes!r}): give the most bytes one gradient bucket may hold, a whole "
+            f"{caller}(bucket_bytes={bucket_bytes!r}): give the most bytes one gradient bucket may hold, a whole "
             "number >= 1 (PyTorch DDP's default is 25 MB: bucket_bytes=25 * 2**20), or None for one all-reduce."
         )
-    return chosen, bucket_bytes
+    return int(bucket_bytes)
 
 
-def replica_sync(allreduce: AllReduce | None, bucket_bytes: int | None = None) -> Callable:
+def replica_sync(allreduce: AllReduce | None, bucket_bytes: int | None = None, order: Sequence[int] = ()) -> Callable:
     """How gradients, metrics and model state meet inside a per-device program (``pmap``, ``shard_map``):
-    ``lax.pmean``, one hand-written all-reduce, or one all-reduce per gradient bucket."""
+    ``lax.pmean``, one hand-written all-reduce, or one all-reduce per gradient bucket, the buckets
+    filled in ``order`` (the gradient leaves in the order the backward pass produces them)."""
     if allreduce is None and bucket_bytes is None:
         return functools.partial(jax.lax.pmean, axis_name=DATA)
 
     def sync(tree: tuple) -> tuple:
         grads, *rest = tree  # (gradients, metrics, model state): the rest rides in the first bucket
-        count = len(jax.tree.leaves(grads))
-        plan = bucket_plan([4 * x.size for x in jax.tree.leaves(grads)], bucket_bytes)
-        plan[0] = [*plan[0], *range(count, count + len(jax.tree.leaves(rest)))]
+        nbytes = [4 * x.size for x in jax.tree.leaves(grads)]
+        plan = bucket_plan(nbytes, bucket_bytes, order) if bucket_bytes is not None else [list(range(len(nbytes)))]
+        plan[0] = [*plan[0], *range(len(nbytes), len(nbytes) + len(jax.tree.leaves(rest)))]
         return mean_tree(tree, DATA, allreduce, plan)
 
     return sync
@@ -79,29 +93,58 @@ def replica_step(
     With ``accumulate > 1`` the slice runs as that many microbatches in a scan on the
     device, and the gradients meet once, after it. With ``precision`` the gradients are
     cast to its ``params`` dtype before they meet (:mod:`parallelkit.core.precision`).
-    With ``bucket_bytes`` they meet in buckets of at most that many bytes, one all-reduce each.
+    With ``bucket_bytes`` they meet in buckets of at most that many bytes, one all-reduce each,
+    filled in the order the backward pass produces the gradients: read from the loss while the
+    step is traced (:func:`~parallelkit.core.backward.gradient_order`), so it costs the steps nothing.
     """
     extra = {} if check_accumulate(accumulate) == 1 else {"accumulate": Accumulation(accumulate)}
     if check_precision(precision) is not None:
         extra["precision"] = precision
-    sync = replica_sync(allreduce, bucket_bytes)
-    return functools.partial(train_step, loss_fn, sync=sync, replica_key=own_key, **extra)
+    step = functools.partial(train_step, loss_fn, replica_key=own_key, **extra)
+    if bucket_bytes is None:
+        return functools.partial(step, sync=replica_sync(allreduce))
+
+    def bucketed(state: TrainState, batch: Batch) -> tuple[TrainState, dict]:
+        order = gradient_order(loss_fn, state.params, batch, **_loss_extras(state))
+        return step(state, batch, sync=replica_sync(allreduce, bucket_bytes, order))
+
+    return bucketed
 
 
-def gradient_buckets(params: PyTree, bucket_bytes: int | None, metric_bytes: int = 0) -> list[int]:
-    """The bytes of each gradient bucket, in the order they are reduced (the last layers' first).
+def _loss_extras(state: TrainState) -> dict:
+    """What a step passes the loss besides the parameters and the batch: its ``rng`` and ``model_state``, if any."""
+    extras = {} if state.rng is None else {"rng": state.rng}
+    return extras if state.model_state is None else {**extras, "model_state": state.model_state}
+
+
+def gradient_buckets(
+    params: PyTree, bucket_bytes: int | None, order: Sequence[int], metric_bytes: int = 0
+) -> list[int]:
+    """The bytes of each gradient bucket, in the order they are reduced (the last layer's first).
 
     The plan of :func:`~parallelkit.strategies.allreduce.bucket_plan` over the parameters'
-    leaves (float32 bytes); the metrics' ``metric_bytes`` travel in the first bucket.
+    leaves (float32 bytes), taken in ``order``: indices into ``jax.tree.leaves(params)`` in the
+    order the backward pass produces their gradients (:func:`~parallelkit.core.backward.gradient_order`).
+    The metrics' ``metric_bytes`` travel in the first bucket.
 
     >>> import numpy as np
-    >>> gradient_buckets({"a": np.zeros(100), "b": np.zeros(300)}, 1000)  # 400 + 1,200 bytes
+    >>> gradient_buckets({"a": np.zeros(100), "b": np.zeros(300)}, 1000, order=[1, 0])  # 1,200 + 400 bytes
     [1200, 400]
-    >>> gradient_buckets({"a": np.zeros(100), "b": np.zeros(300)}, 1000, metric_bytes=8)
-    [1208, 400]
+    >>> gradient_buckets({"a": np.zeros(100), "b": np.zeros(300)}, 1000, order=[0, 1], metric_bytes=8)
+    [408, 1200]
+
+    Raises:
+      ValueError: a ``bucket_bytes`` that is not None or a whole number >= 1, parameters that hold
+        no arrays, or an ``order`` that does not name each leaf once.
     """
+    bucket_bytes = check_bucket_bytes(bucket_bytes, "gradient_buckets")
     nbytes = [4 * int(np.size(x)) for x in jax.tree.leaves(params)]
-    sizes = [sum(nbytes[i] for i in bucket) for bucket in bucket_plan(nbytes, bucket_bytes)]
+    if not nbytes:
+        raise ValueError(
+            f"gradient_buckets(params={params!r}): the parameters hold no arrays, so there are no gradients to "
+            "put in buckets. Pass the model's parameters (a pytree of arrays)."
+        )
+    sizes = [sum(nbytes[i] for i in bucket) for bucket in bucket_plan(nbytes, bucket_bytes, order)]
     return [sizes[0] + metric_bytes, *sizes[1:]]
 
 
@@ -118,8 +161,9 @@ def expected_collectives(
     A hand-written all-reduce is ``collective-permute`` instructions; their arrays add
     up to the bytes through the busiest device's link (:attr:`Cost.wire_bytes
     <parallelkit.strategies.allreduce.Cost.wire_bytes>`), of ``P + M`` padded to whole chunks.
-    In ``k`` buckets (:func:`gradient_buckets`) the all-reduces carry ``P + M + 4(k - 1)``
-    bytes: each bucket after the first carries one float of the one before. One replica needs none.
+    In ``k`` buckets (:func:`gradient_buckets`, in ``sizes.gradient_order``) the all-reduces carry
+    ``P + M + 4(k - 1)`` bytes: each bucket after the first carries one float of the one before.
+    One replica needs none.
     """
     if sizes.replicas == 1:
         return ()
@@ -128,7 +172,7 @@ def expected_collectives(
     buckets = (
         [sizes.params + sizes.metrics]
         if bucket_bytes is None
-        else gradient_buckets(sizes.params_tree, bucket_bytes, sizes.metrics)
+        else gradient_buckets(sizes.params_tree, bucket_bytes, sizes.gradient_order, sizes.metrics)
     )
     carried = [nbytes + 4 * (i > 0) for i, nbytes in enumerate(buckets)]  # each later one carries 4 bytes more
     if allreduce is None:
@@ -154,10 +198,31 @@ def mirrored_collectives(self, sizes: Sizes) -> tuple[ExpectedCollective, ...]:
     return expected_collectives(sizes, self.allreduce, self.bucket_bytes)
 
 
-def mirrored_buckets(self, state: TrainState) -> list[int]:
-    """The float32 bytes of each gradient bucket of ``state``'s parameters, in the order they are reduced
-    (:func:`~parallelkit.strategies.data_parallel.gradient_buckets`; the metrics ride in the first)."""
-    return gradient_buckets(self.unreplicate(state.params), self.bucket_bytes)
+def mirrored_buckets(self, loss_fn: LossFn, state: TrainState | None = None, batch: Batch | None = None) -> list[int]:
+    """The float32 bytes of each gradient bucket of ``state``'s parameters, in the order they are reduced.
+
+    The buckets follow the order the backward pass of ``loss_fn`` on ``batch`` produces the
+    gradients, as the step's do (:func:`~parallelkit.strategies.data_parallel.gradient_buckets`;
+    the metrics ride in the first, and are not counted here).
+
+    Raises:
+      TypeError: a loss that is not callable, or a ``state`` that is not the one ``strategy.init`` returns.
+      ValueError: no batch.
+    """
+    if not callable(loss_fn) or not isinstance(state, TrainState):
+        given = ", ".join(type(x).__name__ for x in (loss_fn, state, batch) if x is not None)
+        raise TypeError(
+            f"{self!r}.gradient_buckets(loss_fn, state, batch) got ({given}): the buckets follow the order the "
+            "backward pass produces the gradients, read from the loss. Pass the loss, the state strategy.init "
+            "returned and a batch."
+        )
+    if batch is None:
+        raise ValueError(
+            f"{self!r}.gradient_buckets(loss_fn, state) needs a batch as well: the order the backward pass "
+            "produces the gradients is read from the loss on it. Pass one global batch."
+        )
+    found = traffic.sizes(self, loss_fn, state, batch)
+    return gradient_buckets(found.params_tree, self.bucket_bytes, found.gradient_order)
 
 
 def mirrored_repr(self) -> str:

@@ -17,7 +17,8 @@ compiler's own all-reduce (``lax.psum``); ``"ring"``, ``"tree"``, ``"reduce_to_o
 or ``AllReduce("hierarchical", group=g)`` run the hand-written algorithms of
 :mod:`parallelkit.strategies.allreduce` instead, inside ``jax.shard_map`` (backend ``"jit"``) or ``pmap``.
 ``bucket_bytes`` sends the gradients in buckets of at most that many bytes, one all-reduce
-each, as PyTorch DDP's ``bucket_cap_mb`` and Horovod's tensor fusion do.
+each, filled in the order the backward pass produces the gradients (the head's first, the
+embeddings' last), as PyTorch DDP's ``bucket_cap_mb`` and Horovod's tensor fusion do.
 """
 
 from __future__ import annotations
@@ -71,15 +72,18 @@ def Mirrored(  # noqa: N802 (named as the class it returns, as TensorFlow's Mirr
         :class:`~parallelkit.strategies.allreduce.AllReduce`. Gradients and metrics travel as one
         float32 vector, the mean taken after the sum.
       bucket_bytes: ``None`` (the default): every gradient in one all-reduce. A number: the
-        gradients in buckets of at most that many float32 bytes, the last layers' first, one
-        all-reduce each (:func:`~parallelkit.strategies.allreduce.mean_tree`;
-        ``strategy.gradient_buckets(state)`` lists them). PyTorch DDP's default is 25 MB.
+        gradients in buckets of at most that many float32 bytes, one all-reduce each, in the
+        order the backward pass produces them, read from the loss when the step is traced
+        (:func:`~parallelkit.core.backward.gradient_order`: the last layer's first, the
+        embeddings' last; :func:`~parallelkit.strategies.allreduce.mean_tree`).
+        ``strategy.gradient_buckets(loss_fn, state, batch)`` lists their bytes. PyTorch DDP's
+        default is 25 MB.
       explicit: run on a mesh of Explicit axes (``backend="jit"`` only): the state and the batch carry their
         shardings in their types (``jax.typeof``), as in JAX's own documentation.
 
     Raises:
       ValueError: an unknown backend, a hierarchical group that does not divide the devices,
-        a ``bucket_bytes`` that is not a whole number >= 1, or ``explicit`` with ``pmap``.
+        a ``bucket_bytes`` that is not a whole number >= 1 (NumPy integers are), or ``explicit`` with ``pmap``.
     """
     if backend not in BACKENDS:
         raise ValueError(f"Mirrored(backend={backend!r}): choose one of {BACKENDS}.")

@@ -38,7 +38,8 @@ class MirroredPmap(Strategy):
     Args:
       devices: how many devices (the first ``n``), or which; all by default.
       allreduce: as for :func:`~parallelkit.Mirrored`: ``None`` (``lax.pmean``) or a hand-written algorithm.
-      bucket_bytes: as for :func:`~parallelkit.Mirrored`: ``None`` (one all-reduce) or the most bytes of a bucket.
+      bucket_bytes: as for :func:`~parallelkit.Mirrored`: ``None`` (one all-reduce) or the most bytes of a
+        bucket, the buckets in the order the backward pass produces the gradients.
     """
 
     backend = "pmap"

@@ -1,7 +1,8 @@
 """Gradient buckets in the alpha-beta model: how big a bucket should be.
 
 Data parallelism all-reduces its gradients in buckets (PyTorch DDP's ``bucket_cap_mb``,
-25 MB by default; Horovod's tensor fusion, a 64 MB buffer by default; XLA's all-reduce combiner,
+25 MB by default; Horovod's tensor fusion, a 128 MiB buffer by default since v0.21.0,
+``HOROVOD_FUSION_THRESHOLD``; XLA's all-reduce combiner,
 ``--xla_gpu_all_reduce_combine_threshold_bytes`` on a GPU). The backward pass produces the
 gradients last layer first; a bucket's all-reduce can start once its gradients exist and
 the bucket before it is done (one communication stream), while the backward pass goes
@@ -31,7 +32,9 @@ everything is exposed: the sum of the buckets' all-reduces.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import math
+import numbers
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from .links import Cluster, allreduce_seconds
@@ -57,7 +60,7 @@ class BucketTimeline:
 
 
 def bucket_timeline(
-    cluster: Cluster, bucket_bytes: Sequence[float], backward_s: float = 0.0, algorithm: str = "ring"
+    cluster: Cluster, bucket_bytes: Iterable[float], backward_s: float = 0.0, algorithm: str = "ring"
 ) -> BucketTimeline:
     """Play the buckets (bytes each, in the order they are reduced) over one communication stream.
 
@@ -69,19 +72,31 @@ def bucket_timeline(
       algorithm: the all-reduce's (:func:`~.links.allreduce_seconds`).
 
     Raises:
-      ValueError: a bucket of no bytes or less, or a negative backward time.
+      ValueError: a bucket that is not a finite number of bytes > 0, or a backward time that is not
+        a finite number of seconds >= 0.
     """
-    if any(not b > 0 for b in bucket_bytes) or backward_s < 0:
+    sizes = list(bucket_bytes)  # once: a generator would be spent by the check below
+    if not all(_finite(b) and b > 0 for b in sizes):
         raise ValueError(
-            f"bucket_timeline: every bucket needs bytes > 0 (got {list(bucket_bytes)}) and the backward pass "
-            f"seconds >= 0 (got {backward_s})."
+            f"bucket_timeline(bucket_bytes={sizes}): every bucket needs a finite number of bytes > 0. "
+            "Give each bucket's bytes, in the order they are reduced."
         )
-    total, produced, free = sum(bucket_bytes), 0.0, 0.0
+    if not (_finite(backward_s) and backward_s >= 0):
+        raise ValueError(
+            f"bucket_timeline(backward_s={backward_s!r}): the backward pass takes a finite number of seconds "
+            ">= 0. Give its length, or 0 for no overlap."
+        )
+    total, produced, free = sum(sizes), 0.0, 0.0
     starts, ends = [], []
-    for nbytes in bucket_bytes:
+    for nbytes in sizes:
         produced += nbytes
         start = max(backward_s * produced / total, free)
         free = start + allreduce_seconds(cluster, nbytes, algorithm)
         starts.append(start)
         ends.append(free)
     return BucketTimeline(tuple(starts), tuple(ends), backward_s)
+
+
+def _finite(x: object) -> bool:
+    """Whether ``x`` is a finite real number (NumPy's too); a bool is not."""
+    return isinstance(x, numbers.Real) and not isinstance(x, bool) and math.isfinite(x)
