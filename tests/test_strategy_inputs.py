@@ -8,6 +8,7 @@ model without experts. Equivalence is float32: rtol 1e-5, atol 1e-6 against Sing
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import warnings
 
@@ -100,9 +101,12 @@ def mlp_run():
         lambda: pk.Hybrid(2, 2, devices=jax.devices()[:4], explicit=True),
         lambda: pk.CentralStorage(2),
         lambda: pk.ParameterServer(2, devices=2),
+        lambda: pk.Mirrored(4, backend="pmap"),
+        lambda: pk.Mirrored(4, allreduce="ring"),
+        lambda: pk.Mirrored(4, bucket_bytes=4096),
     ],
     ids=["SingleDevice", "Mirrored(jit)", "TensorParallel", "FullySharded(3)", "Hybrid(explicit)", "CentralStorage",
-         "ParameterServer"],
+         "ParameterServer", "Mirrored(pmap)", "Mirrored(allreduce)", "Mirrored(buckets)"],
 )  # fmt: skip
 def test_a_strategy_inside_a_callers_explicit_mesh_trains_and_compiles_as_outside_it(mlp_run, make):
     loss_fn, params, batches, single = mlp_run
@@ -126,6 +130,19 @@ def test_an_async_parameter_server_inside_a_callers_mesh_runs_as_outside_it(mlp_
 @pytest.fixture(scope="module")
 def layers():
     return pk.models.as_layers(pk.models.MLP(64, (32,), 10, rngs=nnx.Rngs(0)))[0]
+
+
+def test_a_pipeline_inside_a_callers_explicit_mesh_trains_as_outside_it():
+    layers, params = pk.models.as_layers(pk.models.MLP(64, (32,), 10, rngs=nnx.Rngs(0)))
+    batch = next(pk.data.batches(pk.data.digits(), 32, steps=1))
+    runs = []
+    for mesh in (None, jax.make_mesh((8,), ("data",), devices=jax.devices()[:8])):  # Explicit axes
+        pipe = pk.Pipeline(layers, 2, microbatches=2, devices=jax.devices()[:2])
+        with jax.set_mesh(mesh) if mesh else contextlib.nullcontext():
+            state = pipe.init(params, optax.adam(1e-2))
+            state, _ = pipe.step(pk.models.cross_entropy)(state, batch)
+        runs.append(pipe.unreplicate(state.params))
+    pk.tour.assert_close(runs[1], runs[0])  # rtol 1e-5, atol 1e-6
 
 
 AUTO_ONLY = {

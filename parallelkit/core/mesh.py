@@ -12,8 +12,10 @@ asked for: ``Mirrored`` has ``("data",)``, ``TensorParallel(model=2)`` has
 
 from __future__ import annotations
 
+import functools
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import ParamSpec, TypeVar
 
 import jax
 import numpy as np
@@ -21,6 +23,9 @@ from jax.sharding import Mesh
 
 from .axes import DATA, EXPERT, FSDP, MODEL, SEQ, STAGE
 from .devices import DeviceCountError, resolve_devices
+
+_Args = ParamSpec("_Args")
+_Result = TypeVar("_Result")
 
 # Outer to inner: model-parallel groups get neighbouring devices. Other names follow these, in the order given.
 AXES = (DATA, FSDP, STAGE, SEQ, EXPERT, MODEL)
@@ -140,3 +145,27 @@ def is_explicit(mesh: Mesh) -> bool:
 
 def _spell(sizes: dict[str, int | None]) -> str:
     return " x ".join(f"{name}={size}" for name, size in sizes.items() if size is not None)
+
+
+def outside_callers_mesh(fn: Callable[_Args, _Result]) -> Callable[_Args, _Result]:
+    """``fn`` run with no mesh set, when its caller set one (``with jax.set_mesh(mesh):``).
+
+    A strategy's programs carry their own shardings on their own devices. A caller's mesh would meet
+    them inside ``jax.jit`` with JAX's mismatch errors (an Explicit mesh, ``jax.make_mesh``'s default,
+    in the optimizer's first ``zeros_like``), so the strategy runs them as it would outside the block.
+    An SPMD step on an Explicit mesh sets its own mesh inside.
+
+    >>> mesh = jax.make_mesh((1,), ("data",), devices=jax.devices()[:1])
+    >>> with jax.set_mesh(mesh):
+    ...     outside_callers_mesh(lambda: jax.sharding.get_abstract_mesh().empty)()
+    True
+    """
+
+    @functools.wraps(fn)
+    def run(*args: _Args.args, **kwargs: _Args.kwargs) -> _Result:
+        if jax.sharding.get_abstract_mesh().empty:  # the usual case: nothing to set aside
+            return fn(*args, **kwargs)
+        with jax.set_mesh(None):
+            return fn(*args, **kwargs)
+
+    return run

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 
 from .accumulate import Accumulation, ReplicaCopies
 from .contract import Batch, LossFn, LossInputError, Metrics, PyTree, batch_size, explain_input_error, loss_with_aux
+from .mesh import outside_callers_mesh
 from .precision import (
     Precision,
     all_finite,
@@ -192,6 +193,7 @@ class Step:
         self.keep_finite = False
         self._keep = jax.lax.cond if all(d.platform == "cpu" for d in devices) else _selected
 
+    @outside_callers_mesh
     def __call__(self, state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:
         # A donated state must never reach the program: pmap crashes the process on one.
         # Donation deletes every leaf at once, so the step counter tells (a cheap check).
@@ -239,6 +241,7 @@ class Step:
             )
         return batch.batch
 
+    @outside_callers_mesh
     def lower(self, state: TrainState, batch: Batch):
         state = with_loss_scale(state, self.precision)
         try:

@@ -13,9 +13,8 @@ Strategies that split parameters take their rules in their constructor, so ``ini
 from __future__ import annotations
 
 import abc
-import functools
-from collections.abc import Callable, Sequence
-from typing import Any, ParamSpec, TypeVar
+from collections.abc import Sequence
+from typing import Any
 
 import jax
 import numpy as np
@@ -29,34 +28,6 @@ from ..core.reports import ExpectedCollective, Sizes, StepTraffic
 from ..core.state import TrainState
 from ..core.step import Step
 from ..measure.traffic import compiled_traffic
-
-_Args = ParamSpec("_Args")
-_Result = TypeVar("_Result")
-
-
-def outside_callers_mesh(fn: Callable[_Args, _Result]) -> Callable[_Args, _Result]:
-    """``fn`` run with no mesh set, when its caller set one (``with jax.set_mesh(mesh):``).
-
-    A strategy's programs carry their own shardings on their own devices. A caller's mesh would meet
-    them inside ``jax.jit`` with JAX's mismatch errors (an Explicit mesh, ``jax.make_mesh``'s default,
-    in the optimizer's first ``zeros_like``), so the strategy runs them as it would outside the block.
-    An SPMD step on an Explicit mesh sets its own mesh inside.
-
-    >>> mesh = jax.make_mesh((1,), ("data",), devices=jax.devices()[:1])
-    >>> with jax.set_mesh(mesh):
-    ...     outside_callers_mesh(lambda: jax.sharding.get_abstract_mesh().empty)()
-    True
-    """
-
-    @functools.wraps(fn)
-    def run(*args: _Args.args, **kwargs: _Args.kwargs) -> _Result:
-        if jax.sharding.get_abstract_mesh().empty:  # the usual case: nothing to set aside
-            return fn(*args, **kwargs)
-        with jax.set_mesh(None):
-            return fn(*args, **kwargs)
-
-    return run
-
 
 # Where Explicit mode runs: the strategies whose step is one jax.jit over a mesh (pk.SPMD and its presets).
 EXPLICIT_STRATEGIES = (

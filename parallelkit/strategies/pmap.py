@@ -23,7 +23,7 @@ from jax.sharding import PartitionSpec as P
 from ..core.accumulate import accumulated_placement
 from ..core.axes import DATA
 from ..core.contract import Batch, LossFn, PyTree, check_divisible
-from ..core.mesh import make_mesh
+from ..core.mesh import make_mesh, outside_callers_mesh
 from ..core.precision import Precision
 from ..core.state import TrainState, create_state
 from ..core.step import Step
@@ -54,6 +54,7 @@ class MirroredPmap(Strategy):
         super().__init__(devices)
         self.allreduce, self.bucket_bytes = data_parallel.parse_sync(allreduce, bucket_bytes, self.num_replicas)
 
+    @outside_callers_mesh
     def init(
         self,
         params: PyTree,
@@ -99,6 +100,7 @@ class MirroredPmap(Strategy):
         )
         return Step(fn, accumulated_placement(self.place_batch, accumulate, self.num_replicas), self, precision)
 
+    @outside_callers_mesh
     def unreplicate(self, tree: PyTree) -> PyTree:
         return jax.device_get(jax_utils.unreplicate(tree))
 

@@ -41,11 +41,11 @@ from ..core import partition
 from ..core.accumulate import Accumulation, ReplicaCopies, accumulated_placement, check_accumulate
 from ..core.axes import DATA, AxisRules, MeshAxes, active_rules, axis_names
 from ..core.contract import Batch, LossFn, PyTree, put_batch
-from ..core.mesh import is_explicit
+from ..core.mesh import is_explicit, outside_callers_mesh
 from ..core.precision import Precision, check_precision
 from ..core.state import TrainState, create_state, prng_key
 from ..core.step import Step, train_step
-from .base import Strategy, outside_callers_mesh
+from .base import Strategy
 
 BATCH = "batch"  # the logical name of every batch leaf's leading axis
 BATCH_ON_DATA = ((BATCH, DATA),)  # the presets' rules: the batch split over `data`
@@ -443,14 +443,12 @@ class _CompiledOnFirstCall:
             within_replica=strategy.replica_tracing,
         )
 
-    @outside_callers_mesh
     def __call__(self, state: TrainState, batch: Batch):
         if not self.strategy.explicit:  # every step of an Auto mesh: no context to enter
             return self.compiled(state, batch)(state, batch)
         with self._on_mesh():
             return self.compiled(state, batch)(state, batch)
 
-    @outside_callers_mesh
     def lower(self, state: TrainState, batch: Batch):
         with self._on_mesh():
             return self.compiled(state, batch).lower(state, batch)

@@ -12,12 +12,12 @@ from jax.sharding import PartitionSpec as P
 
 from ...core.axes import DATA
 from ...core.contract import Batch, LossFn, put_batch, tree_bytes
-from ...core.mesh import make_mesh
+from ...core.mesh import make_mesh, outside_callers_mesh
 from ...core.reports import D2D, D2H, H2D, Flow, StepTraffic
 from ...core.state import TrainState
 from ...measure.inspect import collectives, host_memory_bytes
 from ...measure.traffic import batch_flow, bus_bytes, per_replica_bytes, sizes
-from ..base import Strategy, outside_callers_mesh
+from ..base import Strategy
 from .rows import ReplicaRows
 
 # Why central storage and parameter servers run Auto mode only (refuse_explicit's sentence).

@@ -33,10 +33,11 @@ from jax.sharding import SingleDeviceSharding
 
 from ...core.accumulate import accumulated_placement, check_accumulate
 from ...core.contract import LossFn, PyTree
+from ...core.mesh import outside_callers_mesh
 from ...core.precision import Precision, check_precision
 from ...core.state import TrainState, create_state
 from ...core.step import Step
-from ..base import outside_callers_mesh, refuse_explicit
+from ..base import refuse_explicit
 from .base import NOT_EXPLICIT, OffDeviceStrategy
 from .rows import (
     PushPullStep,

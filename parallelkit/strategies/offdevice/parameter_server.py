@@ -36,11 +36,12 @@ from jax.sharding import SingleDeviceSharding
 from ...core.accumulate import accumulated_placement, refuse_accumulation
 from ...core.contract import Batch, LossFn, PyTree
 from ...core.devices import warn_if_shared
+from ...core.mesh import outside_callers_mesh
 from ...core.precision import Precision, check_precision
 from ...core.reports import StepTraffic
 from ...core.state import TrainState, check_same_tree, prng_key
 from ...core.step import Step
-from ..base import outside_callers_mesh, refuse_explicit
+from ..base import refuse_explicit
 from .asynchronous import AsyncStep, AsyncWorkers, worker_time_array
 from .base import NOT_EXPLICIT, OffDeviceStrategy
 from .partition import Partition, Sharded, check_num_shards

@@ -20,10 +20,10 @@ from jax.sharding import PartitionSpec as P
 from ...core.accumulate import Accumulation, check_accumulate
 from ...core.axes import DATA
 from ...core.contract import Batch, LossFn, PyTree
+from ...core.mesh import outside_callers_mesh
 from ...core.precision import Precision, all_finite, guarded
 from ...core.state import TrainState
 from ...core.step import loss_and_grads
-from ..base import outside_callers_mesh
 
 HOST_MEMORY = "pinned_host"
 

@@ -18,7 +18,7 @@ from ...core.accumulate import refuse_accumulation
 from ...core.axes import DATA
 from ...core.contract import Batch, LossInputError, PyTree, batch_size, guard_inputs, tree_bytes
 from ...core.devices import DeviceCountError, first_devices
-from ...core.mesh import is_count, make_mesh
+from ...core.mesh import is_count, make_mesh, outside_callers_mesh
 from ...core.precision import Precision, check_precision, next_scale
 from ...core.reports import D2D, H2D, Flow, StepTraffic
 from ...core.state import TrainState, check_same_tree
@@ -221,6 +221,7 @@ class Pipeline(Strategy):
         """The per-stage lists joined back into the per-layer list (stages hold neighbouring layers, in order)."""
         return [p for stage in per_stage for p in stage]
 
+    @outside_callers_mesh
     def init(
         self,
         params: Sequence[PyTree],
