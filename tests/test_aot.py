@@ -122,6 +122,17 @@ def test_a_strategy_on_cpu_devices_is_refused(mlp, batch):
         pk.aot.compile(pk.Mirrored(backend="jit"), loss_fn, params, optax.sgd(0.1), batch)
 
 
+@needs_libtpu
+@pytest.mark.parametrize(
+    "make", [lambda d: pk.Mirrored(backend="pmap", devices=d), lambda d: pk.CentralStorage(devices=d)]
+)
+def test_a_strategy_without_shardings_is_refused(make, mlp, batch):
+    loss_fn, params = mlp
+    strategy = make(pk.aot.devices("v5e:2x2"))
+    with pytest.raises(TypeError, match=r"does not lay its state out with shardings: pass an SPMD strategy"):
+        pk.aot.compile(strategy, loss_fn, params, optax.sgd(0.1), batch)
+
+
 def _mlp_shapes():
     """A 784-1024-1024-10 MLP as shapes (nothing allocated), its loss, and a batch of 256 as shapes."""
     apply, params = functional(nnx.eval_shape(lambda: MLP(784, (1024, 1024), 10, rngs=nnx.Rngs(0))))

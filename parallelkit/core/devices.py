@@ -95,7 +95,8 @@ def simulate_devices(n: int, *, cores_as_devices: bool = False, force_cpu: bool 
     is then the accelerators. ``force_cpu=True`` starts JAX on the CPU alone
     (``jax_platforms="cpu"``), so that a machine with one GPU (a hosted notebook)
     still shows ``n`` devices. It also puts the count into ``XLA_FLAGS`` so that
-    subprocesses started from here see the same devices.
+    subprocesses started from here see the same devices. Where libtpu is installed on a
+    machine without TPU chips, it tells libtpu so first (:func:`quiet_libtpu`).
 
     Args:
       n: number of CPU devices, at least 1.
