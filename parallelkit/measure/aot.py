@@ -38,11 +38,15 @@ INSTALL = 'pip install "parallelkit[tpu]"'
 
 @dataclass(frozen=True)
 class DeviceMemory:
-    """Bytes one device of the target holds for one step, as the TPU compiler planned them."""
+    """Bytes one device of the target holds for one step, as the TPU compiler planned them (``memory_analysis()``).
+
+    ``peak`` is the compiler's own figure, not a sum of the others: for the MLPs of the tests it
+    exceeds arguments + outputs + temporaries - aliased, whose temporaries the TPU compiler reported as 0.
+    """
 
     arguments: int  # inputs: parameters, optimizer state, the batch's slice
     outputs: int  # results: the new state and the metrics
-    temporaries: int  # scratch the compiler reports apart from the peak's own accounting
+    temporaries: int  # scratch as XLA counts it (temp_size_in_bytes): activations, gathered weights, buffers
     aliased: int  # outputs written into donated inputs (counted once, not twice)
     peak: int  # the most the device holds at once: XLA's peak_memory_in_bytes for this program
 
