@@ -28,6 +28,7 @@ from .core.precision import PrecisionWarning as PrecisionWarning
 from .core.skipped import NonFiniteGradientsError as NonFiniteGradientsError
 from .core.skipped import SkippedStepsWarning as SkippedStepsWarning
 from .course import lesson as lesson
+from .measure import aot as aot
 from .measure import costmodel as costmodel
 from .measure import gradsync as gradsync
 from .measure import inspect as inspect

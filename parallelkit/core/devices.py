@@ -24,6 +24,7 @@ even where the pool could not be sized.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import warnings
@@ -35,6 +36,15 @@ import numpy as np
 
 _FORCE_COUNT_FLAG = "--xla_force_host_platform_device_count"
 _POOL_SIZE_VAR = "PJRT_NPROC"  # threads of XLA's CPU client pool; the core count by default
+# libtpu (the TPU compiler of pk.aot, the parallelkit[tpu] extra) starts with JAX's backends and looks for a TPU
+# VM's description; on a machine without TPU chips it prints INVALID_ARGUMENT errors. The first two say: no pod,
+# this host. It also takes a lock (/tmp/libtpu_lockfile) that keeps a second process from starting it, which only
+# guards chips; without chips the third lets a notebook's kernel and its tests, or two notebooks, compile at once.
+NO_TPU_VM = {
+    "TPU_ACCELERATOR_TYPE": "v5litepod-8",
+    "TPU_WORKER_HOSTNAMES": "localhost",
+    "ALLOW_MULTIPLE_LIBTPU_LOAD": "1",
+}
 
 
 class DeviceCountError(RuntimeError):
@@ -85,7 +95,8 @@ def simulate_devices(n: int, *, cores_as_devices: bool = False, force_cpu: bool 
     is then the accelerators. ``force_cpu=True`` starts JAX on the CPU alone
     (``jax_platforms="cpu"``), so that a machine with one GPU (a hosted notebook)
     still shows ``n`` devices. It also puts the count into ``XLA_FLAGS`` so that
-    subprocesses started from here see the same devices.
+    subprocesses started from here see the same devices. Where libtpu is installed on a
+    machine without TPU chips, it tells libtpu so first (:func:`quiet_libtpu`).
 
     Args:
       n: number of CPU devices, at least 1.
@@ -131,6 +142,7 @@ def simulate_devices(n: int, *, cores_as_devices: bool = False, force_cpu: bool 
         return jax.devices()
     if cores_as_devices:
         os.environ[_POOL_SIZE_VAR] = str(n)  # read when the backend starts, just below
+    quiet_libtpu()
     configure_cpu_devices(n)
     if force_cpu:
         jax.config.update("jax_platforms", "cpu")
@@ -138,6 +150,34 @@ def simulate_devices(n: int, *, cores_as_devices: bool = False, force_cpu: bool 
     if devices[0].platform == "cpu" and len(devices) != n:
         raise DeviceCountError(f"Asked for {n} simulated CPU devices but JAX made {len(devices)}.")
     return devices
+
+
+def quiet_libtpu() -> dict[str, str]:
+    """Where libtpu is installed on a machine with no TPU chip: set :data:`NO_TPU_VM`'s variables not yet set.
+
+    libtpu reads them when it starts (with JAX's backends, or at the first TPU topology
+    :mod:`parallelkit.measure.aot` asks for); they keep it from printing errors about the TPU
+    VM it cannot find, and from refusing to start beside another process that started it. A
+    machine with TPU chips, or without libtpu, is left as it is.
+
+    Returns:
+      The variables it set (none where it set nothing).
+    """
+    if importlib.util.find_spec("libtpu") is None or _tpu_chips() > 0:
+        return {}
+    added = {key: value for key, value in NO_TPU_VM.items() if key not in os.environ}
+    os.environ.update(added)
+    return added
+
+
+def _tpu_chips() -> int:
+    """The TPU chips attached to this machine, as JAX counts them (its PCI scan); 1 where JAX no longer has it."""
+    try:
+        from jax._src import hardware_utils
+
+        return hardware_utils.num_available_tpu_chips_and_device_id()[0]
+    except (ImportError, AttributeError):  # a JAX that moved it: assume chips, and set nothing
+        return 1
 
 
 def configure_cpu_devices(n: int) -> None:

@@ -12,7 +12,7 @@ import contextlib
 import math
 import re
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import jax
 
@@ -28,11 +28,20 @@ _DTYPE_BYTES = {
     "s32": 4, "u32": 4, "f32": 4,
     "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16,
 }  # fmt: skip
-# `%name = <shape or (tuple)> op(` ; async pairs are counted once, at their `-done`.
+# A result's shape: an array, or a tuple of them, whose layouts may hold parentheses (TPU tiling: `{1,0:T(8,128)}`).
+_SHAPE = r"\((?:[^()]|\([^()]*\))*\)|[a-z0-9]+\[[0-9,]*\](?:\{[^}]*\})?"
+# `%name = <shape> op(` ; async pairs are counted once, at their `-done`.
 _INSTRUCTION = re.compile(
-    r"%(?P<name>[^\s=]+)\s*=\s*(?P<shape>\([^()]*\)|[a-z0-9]+\[[0-9,]*\](?:\{[^}]*\})?)\s+"
+    r"%(?P<name>[^\s=]+)\s*=\s*(?P<shape>" + _SHAPE + r")\s+"
     r"(?P<op>" + "|".join(COLLECTIVES) + r")(?P<suffix>-start|-done)?\((?P<rest>.*)$"
 )
+_ANY_INSTRUCTION = re.compile(
+    r"^\s*(?:ROOT\s+)?%(?P<name>[^\s=]+)\s*=\s*(?:" + _SHAPE + r")\s+(?P<op>[a-z][a-z0-9-]*)\((?P<rest>.*)$"
+)
+_COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%(?P<name>[^\s(]+)\s*\(.*\)\s*->\s*(?P<result>.+?)\s*\{\s*$")
+_CALLS = re.compile(r"calls=%([^\s,}]+)")
+# Instructions that only name, move or wait for data: not work a collective in flight can overlap.
+_BOOKKEEPING = {"get-tuple-element", "bitcast", "tuple", "parameter", "constant", "copy-start", "copy-done", "copy"}
 _ARRAY = re.compile(r"([a-z][a-z0-9]*)\[([0-9,]*)\]")
 _GROUPS_LIST = re.compile(r"replica_groups=\{\{([0-9,]*)\}")
 _GROUPS_IOTA = re.compile(r"replica_groups=\[(\d+),(\d+)\]")
@@ -51,6 +60,8 @@ class Collective:
     bytes: int  # of its result on one device
     group_size: int | None  # devices taking part in each group, where the HLO says
     pairs: tuple[tuple[int, int], ...] | None = None  # a permute's (source, target) mesh positions
+    asynchronous: bool = field(default=False, repr=False)  # started, left running, and waited for later
+    overlaps: tuple[str, ...] = field(default=(), repr=False)  # the instructions scheduled while it runs
 
     def sent_bytes(self, n: int | None = None) -> float:
         """The bytes one device sends for this collective, one way, in a group of ``n`` (by default its group's size).
@@ -121,6 +132,13 @@ def _pairs(rest: str) -> tuple[tuple[int, int], ...] | None:
 def parse_collectives(hlo_text: str) -> list[Collective]:
     """Every collective in an HLO module's text, in program order.
 
+    Compiled for a TPU (see :mod:`parallelkit.measure.aot`), a reduce-scatter is an all-reduce
+    fused with its slice (a computation named ``all-reduce-scatter``): it is listed as a
+    ``reduce-scatter`` of the shards it leaves. A collective the compiler split into pieces
+    of one chain (``chain_id``) is listed once. :attr:`Collective.asynchronous` and
+    :attr:`Collective.overlaps` say what an async pair (``-start``/``-done``, or a TPU's
+    ``async-collective-start``/``-done`` fusions) has scheduled between its two halves.
+
     >>> hlo = "%ar = f32[64,10]{1,0} all-reduce(f32[64,10]{1,0} %g), replica_groups={{0,1,2,3}}"
     >>> parse_collectives(hlo)
     [Collective(op='all-reduce', shapes=('f32[64,10]',), elements=640, bytes=2560, group_size=4, pairs=None)]
@@ -129,31 +147,99 @@ def parse_collectives(hlo_text: str) -> list[Collective]:
     (44, 4)
     >>> parse_collectives("%p = f32[2]{0} collective-permute(%x), source_target_pairs={{0,1},{1,0}}")[0].pairs
     ((0, 1), (1, 0))
+    >>> start = "%s = f32[8]{0} all-gather-start(%x), replica_groups={{0,1}}"
+    >>> hlo = "\\n".join([start, "%m = f32[4]{0} fusion(%y)", "%d = f32[8]{0} all-gather-done(%s)"])
+    >>> [(c.op, c.asynchronous, c.overlaps) for c in parse_collectives(hlo)]
+    [('all-gather', True, ('m',))]
     """
-    found, started = [], {}  # started: async `-start` name -> (group size, pairs)
-    for line in hlo_text.splitlines():
-        m = _INSTRUCTION.search(_COMMENT.sub("", line))
+    program = _Program(hlo_text)
+    found, started, chains = [], {}, set()  # started: async `-start` name -> (group size, pairs, its line)
+    for comp, index, line in program.lines():
+        m = _INSTRUCTION.search(line)
         if not m:
             continue
         group_size, pairs = _group_size(m.group("rest")), _pairs(m.group("rest"))
         if m.group("suffix") == "-start":
-            started[m.group("name")] = group_size, pairs
+            started[m.group("name")] = group_size, pairs, index
             continue
+        chain = _chain(m.group("rest"))
+        if chain in chains:
+            continue  # another piece of a collective already listed
+        chains |= {chain} - {None}
+        op, shape, overlaps = m.group("op"), m.group("shape"), None
         if m.group("suffix") == "-done":
             operand = re.search(r"%([^\s,)]+)", m.group("rest"))
-            group_size, pairs = started.get(operand.group(1), (None, None)) if operand else (None, None)
-        arrays = _arrays(m.group("shape"))
+            group_size, pairs, start = started.get(operand.group(1), (None, None, index)) if operand else (None,) * 3
+            overlaps = program.between(comp, start, index) if start is not None else ()
+        else:
+            overlaps = program.overlapped(comp)
+        if op == "all-reduce" and comp.startswith("all-reduce-scatter"):
+            op, shape = "reduce-scatter", program.results[comp]  # the shards the fused slice leaves
+        arrays = _arrays(shape)
         found.append(
             Collective(
-                op=m.group("op"),
+                op=op,
                 shapes=tuple(a[0] for a in arrays),
                 elements=sum(a[1] for a in arrays),
                 bytes=sum(a[2] for a in arrays),
                 group_size=group_size,
                 pairs=pairs,
+                asynchronous=overlaps is not None,
+                overlaps=overlaps or (),
             )
         )
     return found
+
+
+def _chain(rest: str) -> tuple[str, str] | None:
+    """(channel, chain) of a piece of a chained collective, None for a whole one."""
+    chain, channel = re.search(r'chain_id="([^"]*)"', rest), re.search(r"channel_id=(\d+)", rest)
+    return (channel.group(1) if channel else "", chain.group(1)) if chain else None
+
+
+class _Program:
+    """An HLO module's instructions by computation, and which instruction calls each computation."""
+
+    def __init__(self, hlo_text: str):
+        self.results: dict[str, str] = {}  # computation -> its result's shape
+        self.names: dict[str, list[tuple[str, str]]] = {}  # computation -> its instructions' (name, op), in order
+        self.caller: dict[str, tuple[str, int]] = {}  # computation -> (computation, index) of its caller
+        self._lines: list[tuple[str, int, str]] = []
+        comp = ""
+        for raw in hlo_text.splitlines():
+            line = _COMMENT.sub("", raw)
+            if header := _COMPUTATION.match(line):
+                comp = header.group("name")
+                self.results[comp] = header.group("result")
+                continue
+            if not (m := _ANY_INSTRUCTION.match(line)):
+                continue
+            index = len(self.names.setdefault(comp, []))
+            self.names[comp].append((m.group("name"), m.group("op")))
+            for callee in _CALLS.findall(m.group("rest")):
+                self.caller.setdefault(callee, (comp, index))
+            self._lines.append((comp, index, line))
+
+    def lines(self) -> list[tuple[str, int, str]]:
+        """(computation, index in it, text) of every instruction."""
+        return self._lines
+
+    def between(self, comp: str, start: int, end: int) -> tuple[str, ...]:
+        """The instructions of ``comp`` scheduled after ``start`` and before ``end`` that do work."""
+        return tuple(name for name, op in self.names[comp][start + 1 : end] if name and op not in _BOOKKEEPING)
+
+    def overlapped(self, comp: str) -> tuple[str, ...] | None:
+        """What a collective in ``comp`` overlaps, where ``comp`` is the body of an async start; else None."""
+        if comp not in self.caller:
+            return None
+        outer, start = self.caller[comp]
+        name = self.names[outer][start][0]
+        if not name.startswith("async-collective-start"):  # the TPU's async pair, as fusions
+            return None
+        done = name.replace("start", "done")
+        names = self.names[outer]
+        end = next((i for i in range(start + 1, len(names)) if names[i][0] == done), len(names))
+        return self.between(outer, start, end)
 
 
 def compiled_text(step, *args, who: str = "pk.inspect.compiled_text") -> str:
