@@ -54,10 +54,20 @@ class DeviceSubsetWarning(UserWarning):
 
 
 def backends_started() -> bool:
-    """Whether JAX has started its backends in this process (after which the device count is fixed)."""
-    from jax._src import xla_bridge  # no public way to ask without starting them
+    """Whether JAX has started its backends in this process (after which the device count is fixed).
 
-    return xla_bridge.backends_are_initialized()
+    JAX has no public function that asks without starting them, so this asks the public
+    config: once the backends run, ``jax.config.update("jax_num_cpu_devices", n)``
+    refuses any ``n`` other than the current one with a RuntimeError. Before, the probe
+    sets another value and puts the current one back, which changes nothing.
+    """
+    current = jax.config.jax_num_cpu_devices
+    try:
+        jax.config.update("jax_num_cpu_devices", current + 1)
+    except RuntimeError:
+        return True
+    jax.config.update("jax_num_cpu_devices", current)
+    return False
 
 
 def simulate_devices(n: int, *, cores_as_devices: bool = False, force_cpu: bool = False) -> list[jax.Device]:
