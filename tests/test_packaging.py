@@ -181,6 +181,7 @@ def test_the_wheel_holds_every_subpackage(tmp_path):
     packed = set(zipfile.ZipFile(wheel).namelist())
     modules = {p.relative_to(source).as_posix() for p in (source / "parallelkit").rglob("*.py")}
     assert modules <= packed, f"left out of the wheel: {sorted(modules - packed)}"
+    assert "parallelkit/corpus.txt.gz" in packed  # pk.data.text's default text (package data)
 
 
 @pytest.mark.slow
