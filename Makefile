@@ -1,8 +1,11 @@
 # Two commands on a fresh machine with Python 3.11+:
 #   make lab    set everything up and open the course in JupyterLab
 #   make test   set everything up and run the whole test suite
+# PYTHON picks the interpreter, VENV where it is set up, PYTEST_ARGS what `make test` runs
+# (.ci/run uses them for its second end: `make test PYTHON=python3.13 VENV=... PYTEST_ARGS=...`).
 PYTHON ?= python3
-VENV   := .venv
+VENV   ?= .venv
+PYTEST_ARGS ?=
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
@@ -20,7 +23,7 @@ lab: setup
 	$(BIN)/python -m parallelkit lab
 
 test: setup
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 tour: setup
 	$(BIN)/python -m parallelkit tour

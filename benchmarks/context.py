@@ -1,7 +1,7 @@
 """Splitting the sequence: collectives, bytes, attention memory and step time of each context-parallel method.
 
 The GPT (``pk.models.GPT``: width 64, 8 heads, 2 layers; one sequence per step) on the
-standard library's bytes, in one process with 8 simulated CPU devices: one device
+kit's corpus (``pk.data.text``), in one process with 8 simulated CPU devices: one device
 (``pk.SingleDevice``), then ``pk.ContextParallel(seq=n, method=m)`` for every method on
 2, 4 and 8 devices, at several lengths. For each compiled training step the script reads
 from its HLO (``pk.inspect.collectives``) the count and payload of each collective on

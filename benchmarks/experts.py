@@ -2,7 +2,7 @@
 device holds, tokens per expert, and step times on 2, 4 and 8 simulated devices.
 
 The MoE GPT (``pk.models.GPT(..., experts=8, top_k=2, capacity_factor=1.25)``: 2 blocks,
-width 64, 4 heads, experts of width 128) on the standard library's bytes, 16 sequences
+width 64, 4 heads, experts of width 128) on the kit's corpus (``pk.data.text``), 16 sequences
 of 64 tokens a step, Adam (learning rate 3e-3, ``eps`` 1e-3: see below). For ``n`` in 2,
 4 and 8 the script builds ``pk.ExpertParallel(expert=n)`` and the model with
 ``groups=n``, and reads from the compiled step:

@@ -4,8 +4,8 @@ Every image loader returns a :class:`Dataset` of NHWC ``float32`` images in ``[0
 and ``int32`` labels. :func:`digits` and :func:`synthetic` need no files;
 :func:`load_mnist` and :func:`load_cifar10` read the usual files from a local
 directory and never download anything. :func:`text` returns byte-level ``int32``
-token sequences and their next tokens, from the Python standard library's own
-source (no download) or from a text file.
+token sequences and their next tokens, from the corpus shipped with the kit (no
+download) or from a text file.
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ import gzip
 import importlib.util
 import pickle
 import struct
-import sysconfig
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -221,44 +220,33 @@ def load_cifar10(path: str | Path, split: str = "train") -> Dataset:
 
 
 BYTE_VOCAB = 256  # byte-level tokens: each byte of the text is one token
-STDLIB_BYTES = 1 << 20  # the default corpus: the first MiB of the standard library's source
+CORPUS_BYTES = 1 << 20  # the corpus shipped with the kit: 1 MiB of text
+_CORPUS = Path(__file__).with_name("corpus.txt.gz")
 
 
-def stdlib_source(max_bytes: int | None = STDLIB_BYTES) -> bytes:
-    """The Python standard library's own source text: a corpus that needs no download.
+def corpus(max_bytes: int | None = None) -> bytes:
+    """The text the kit ships for its language models: the same bytes on every Python and machine.
 
-    The public top-level modules (``*.py`` files not starting with ``_``) of the running
-    Python's standard library, sorted by file name and concatenated, cut to the first
-    ``max_bytes`` bytes (None: all of them). The same Python gives the same bytes on every
-    call; another Python version gives another text.
+    The first MiB (:data:`CORPUS_BYTES`) of the kit's own Python source as of version
+    0.1.0 (the package's modules, then its tests, each group sorted by path and
+    concatenated), stored in ``parallelkit/corpus.txt.gz``. It is a fixed file: later
+    changes to the kit's code leave it as it is, so the numbers the course quotes from
+    training on it hold on every Python and JAX the kit supports.
 
-    >>> len(stdlib_source(1000))
-    1000
+    Args:
+      max_bytes: the first this many bytes; None for all of them.
 
-    Raises:
-      FileNotFoundError: this Python ships no standard library source (read a text file
-        of your own with ``text(path=...)``).
+    >>> len(corpus()), len(corpus(1000))
+    (1048576, 1000)
     """
-    directory = Path(sysconfig.get_paths()["stdlib"])
-    files = sorted(f for f in directory.glob("*.py") if not f.name.startswith("_"))
-    if not files:
-        raise FileNotFoundError(
-            f"This Python has no standard library source files in {directory}. "
-            "Pass a text file of your own instead: pk.data.text(path=...)."
-        )
-    chunks, size = [], 0
-    for file in files:
-        if max_bytes is not None and size >= max_bytes:
-            break
-        chunks.append(file.read_bytes())
-        size += len(chunks[-1])
-    return b"".join(chunks)[:max_bytes]
+    with gzip.open(_CORPUS, "rb") as f:
+        return f.read(-1 if max_bytes is None else max_bytes)
 
 
 def text(path: str | Path | None = None, length: int = 128, *, max_bytes: int | None = None) -> Dataset:
     """Byte-level next-token examples: ``x`` holds ``length`` tokens, ``y`` the same tokens one step on.
 
-    The text (the file at ``path``, or :func:`stdlib_source` without one) is read as
+    The text (the file at ``path``, or the kit's :func:`corpus` without one) is read as
     bytes, each byte one token, so the vocabulary (``num_classes``) is 256 and any file
     works. Example ``i`` is ``x = tokens[i*length : (i+1)*length]`` with targets
     ``y = tokens[i*length + 1 : (i+1)*length + 1]``: the examples do not overlap (no
@@ -268,10 +256,10 @@ def text(path: str | Path | None = None, length: int = 128, *, max_bytes: int | 
     them (``{"x", "y"}``, both ``int32`` of shape ``(batch, length)``).
 
     Args:
-      path: a file of any bytes; None for the standard library's source.
+      path: a file of any bytes; None for the kit's :func:`corpus`.
       length: tokens per example (the model's sequence length).
       max_bytes: read at most this many bytes of the text. None: the whole file, or the
-        first :data:`STDLIB_BYTES` (1 MiB) of the standard library's source.
+        whole corpus (:data:`CORPUS_BYTES`, 1 MiB).
 
     >>> ds = text(length=64, max_bytes=10_000)
     >>> len(ds), ds.x.shape, ds.y.dtype, ds.num_classes
@@ -287,7 +275,7 @@ def text(path: str | Path | None = None, length: int = 128, *, max_bytes: int | 
     if max_bytes is not None and max_bytes < 1:
         raise ValueError(f"max_bytes must be at least 1 (or None for the default), got {max_bytes}.")
     if path is None:
-        raw, name = stdlib_source(STDLIB_BYTES if max_bytes is None else max_bytes), "stdlib"
+        raw, name = corpus(max_bytes), "corpus"
     else:
         with Path(path).open("rb") as f:
             raw, name = f.read(-1 if max_bytes is None else max_bytes), Path(path).name

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gzip
+import hashlib
 import pickle
 import struct
 from pathlib import Path
@@ -11,16 +12,19 @@ import numpy as np
 import pytest
 
 from parallelkit.data import (
+    CORPUS_BYTES,
     Dataset,
     batches,
+    corpus,
     digits,
     load_cifar10,
     load_mnist,
     split,
-    stdlib_source,
     synthetic,
     text,
 )
+
+CORPUS_SHA256 = "c915303e6ab5f90e9acf116fa86cda995c05bbf22607607cec4f4340e4c74771"  # corpus.txt.gz unpacked
 
 # --- fixtures -------------------------------------------------------------------------
 
@@ -288,17 +292,23 @@ def test_batches_errors_are_raised_at_call(kwargs, message):
 # --- text -----------------------------------------------------------------------------
 
 
-def test_stdlib_corpus_is_deterministic_byte_tokens():
+def test_the_corpus_is_the_shipped_bytes_on_every_python():
+    """The default text is a file shipped with the kit, not read from the running Python: its hash is fixed."""
+    assert hashlib.sha256(corpus()).hexdigest() == CORPUS_SHA256
+    assert len(corpus()) == CORPUS_BYTES and corpus(1000) == corpus()[:1000]
+
+
+def test_text_defaults_to_the_corpus_as_byte_tokens():
     first, again = text(length=64), text(length=64)
     np.testing.assert_array_equal(first.x, again.x)
     np.testing.assert_array_equal(first.y, again.y)
-    assert first.name == "stdlib" and first.num_classes == 256 and first.input_shape == (64,)
+    assert first.name == "corpus" and first.num_classes == 256 and first.input_shape == (64,)
     assert first.x.dtype == first.y.dtype == np.int32
-    assert 0 <= first.x.min() and first.x.max() <= 255
-    assert len(first) == (len(stdlib_source()) - 1) // 64
-    source = np.frombuffer(stdlib_source(), dtype=np.uint8)
+    assert len(first) == (CORPUS_BYTES - 1) // 64
+    source = np.frombuffer(corpus(), dtype=np.uint8)
     np.testing.assert_array_equal(first.x.ravel(), source[: first.x.size])
-    assert stdlib_source(1000) == stdlib_source()[:1000]
+    np.testing.assert_array_equal(first.y.ravel(), source[1 : first.x.size + 1])
+    assert len(text(length=64, max_bytes=1000)) == 999 // 64
 
 
 def test_text_file_targets_are_the_next_tokens(tmp_path):

@@ -96,3 +96,78 @@ def test_shared_cores_is_the_default_and_says_times_show_overhead():
 def test_cores_as_devices_needs_a_core_per_device():
     with pytest.raises(ValueError, match="needs a core per device"):
         pk.simulate_devices(os.cpu_count() * 4, cores_as_devices=True)
+
+
+# --- too few accelerators: the lessons fall back to simulated CPU devices (the count faked) ---------------------
+
+
+def _setup_with(monkeypatch, accelerators: int, **kwargs) -> dict:
+    """Run pk.lesson.setup(8) as if the machine had ``accelerators``; return how it called simulate_devices."""
+    from parallelkit.course import lesson
+
+    called = {}
+
+    def simulate(n, *, force_cpu):
+        called.update(n=n, force_cpu=force_cpu)
+        return pk.simulate_devices(n, force_cpu=force_cpu)  # this session's 8 CPU devices
+
+    monkeypatch.setattr(lesson, "accelerator_count", lambda: accelerators)
+    monkeypatch.setattr(lesson, "simulate_devices", simulate)
+    lesson.setup(8, **kwargs)
+    return called
+
+
+@pytest.mark.parametrize("accelerators, needs", [(1, 2), (2, 4), (3, 4)])
+def test_fewer_accelerators_than_the_lesson_needs_fall_back_to_the_cpu_with_one_line(
+    monkeypatch, capsys, accelerators, needs
+):
+    assert _setup_with(monkeypatch, accelerators, needs=needs) == {"n": 8, "force_cpu": True}
+    first, *rest = capsys.readouterr().out.splitlines()
+    assert first == pk.lesson.fallback_line(accelerators, 8, needs)
+    assert f"runs on 8 simulated CPU devices; on a machine with {needs} or more accelerators it uses them" in first
+    assert rest[0].startswith("8 simulated CPU devices")  # then the device summary, as on any machine
+
+
+@pytest.mark.parametrize("accelerators", [0, 2, 8])
+def test_no_accelerators_or_enough_of_them_print_no_fallback(monkeypatch, capsys, accelerators):
+    assert _setup_with(monkeypatch, accelerators)["force_cpu"] is (accelerators == 0)
+    assert "accelerator" not in capsys.readouterr().out
+
+
+def test_force_cpu_does_not_count_the_accelerators(monkeypatch, capsys):
+    from parallelkit.course import lesson
+
+    monkeypatch.setattr(lesson, "accelerator_count", lambda: pytest.fail("counted the accelerators"))
+    assert len(lesson.setup(8, force_cpu=True)) == 8
+    assert "accelerator" not in capsys.readouterr().out
+
+
+def test_one_accelerator_falls_back_in_a_fresh_process():
+    """The whole path before JAX starts: the count faked to one GPU, the lesson gets simulated CPU devices."""
+    proc = run_python(
+        "import jax\n"
+        "from parallelkit.course import lesson\n"
+        "lesson.accelerator_count = lambda: 1\n"
+        "devices = lesson.setup(4)\n"
+        "print(len(devices), devices[0].platform, jax.config.jax_platforms)\n"
+    )
+    assert proc.returncode == 0, proc.stderr
+    line, summary, counted = proc.stdout.splitlines()
+    assert line == pk.lesson.fallback_line(1, 4, 2) and summary.startswith("4 simulated CPU devices")
+    assert counted == "4 cpu cpu"
+
+
+def test_counting_accelerators_leaves_jax_unstarted():
+    """Without a plugin the answer is 0 at once; with one (faked here) a subprocess counts, not this process."""
+    proc = run_python(
+        "from parallelkit.core import devices\n"
+        "print(devices.accelerator_count(), devices.backends_started())\n"
+        "devices._accelerator_plugins = lambda: True\n"
+        "print(devices.accelerator_count(), devices.backends_started())\n"
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines() == ["0 False", "0 False"]  # this machine has no accelerator either way
+
+
+def test_after_jax_started_the_count_is_what_it_started_on():
+    assert pk.core.devices.accelerator_count() == 0  # this session runs on simulated CPU devices

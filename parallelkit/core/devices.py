@@ -26,10 +26,14 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import pkgutil
 import re
+import subprocess
+import sys
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from importlib.metadata import entry_points
 
 import jax
 import numpy as np
@@ -65,10 +69,62 @@ class DeviceSubsetWarning(UserWarning):
 
 
 def backends_started() -> bool:
-    """Whether JAX has started its backends in this process (after which the device count is fixed)."""
-    from jax._src import xla_bridge  # no public way to ask without starting them
+    """Whether JAX has started its backends in this process (after which the device count is fixed).
 
-    return xla_bridge.backends_are_initialized()
+    JAX has no public function that asks without starting them, so this asks the public
+    config: once the backends run, ``jax.config.update("jax_num_cpu_devices", n)``
+    refuses any ``n`` other than the current one with a RuntimeError. Before, the probe
+    sets another value and puts the current one back, which changes nothing.
+    """
+    current = jax.config.jax_num_cpu_devices
+    try:
+        jax.config.update("jax_num_cpu_devices", current + 1)
+    except RuntimeError:
+        return True
+    jax.config.update("jax_num_cpu_devices", current)
+    return False
+
+
+_COUNT_ACCELERATORS = "import jax; print(0 if jax.default_backend() == 'cpu' else jax.device_count())"
+
+
+def accelerator_count() -> int:
+    """How many accelerators (GPUs, TPUs) JAX would run on here, asked without starting JAX in this process.
+
+    0 where JAX can only run on the CPU: ``jax_platforms`` names the CPU alone, or no
+    accelerator plugin is installed (no ``jax_plugins`` module or entry point, such as
+    CUDA's or ROCm's, and no ``libtpu``). Otherwise a short Python subprocess starts JAX
+    and counts, without reserving the accelerators' memory; this process stays free to
+    choose its devices. Once JAX has started here, the count of the devices it started on.
+    """
+    if backends_started():
+        return 0 if jax.default_backend() == "cpu" else jax.device_count()
+    platforms = jax.config.jax_platforms or os.environ.get("JAX_PLATFORMS", "")
+    if platforms.strip() == "cpu" or not _accelerator_plugins():
+        return 0
+    env = {**os.environ, "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
+    if platforms:
+        env["JAX_PLATFORMS"] = platforms
+    probe = subprocess.run(
+        [sys.executable, "-c", _COUNT_ACCELERATORS], env=env, capture_output=True, text=True, timeout=300, check=False
+    )
+    if probe.returncode != 0 or not probe.stdout.strip().isdigit():
+        warnings.warn(
+            f"Counting the accelerators failed (a JAX subprocess exited with {probe.returncode}: "
+            f"{probe.stderr.strip()[-300:]!r}), so this counts none. Check that JAX starts here with "
+            "python -c 'import jax; print(jax.devices())'.",
+            stacklevel=2,
+        )
+        return 0
+    return int(probe.stdout)
+
+
+def _accelerator_plugins() -> bool:
+    """Whether a JAX accelerator plugin is installed, found where JAX looks when it starts."""
+    if entry_points(group="jax_plugins") or importlib.util.find_spec("libtpu") is not None:
+        return True
+    namespace = importlib.util.find_spec("jax_plugins")  # plugins installed as modules of this namespace
+    return namespace is not None and any(pkgutil.iter_modules(namespace.submodule_search_locations or []))
 
 
 def simulate_devices(n: int, *, cores_as_devices: bool = False, force_cpu: bool = False) -> list[jax.Device]:

@@ -22,7 +22,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from ..core.devices import device_summary, simulate_devices
+from ..core.devices import accelerator_count, device_summary, simulate_devices
 from ..core.mesh import is_count, is_number
 from ..measure.inspect import COLLECTIVES, parse_collectives
 
@@ -40,13 +40,16 @@ def setup(
 ) -> list[jax.Device]:
     """Check a notebook's settings, start JAX on its devices, and print what it runs on.
 
+    Where the machine has at least ``needs`` accelerators, the lesson runs on them. Where it
+    has fewer (one GPU, say), it runs on ``n_devices`` simulated CPU devices instead and
+    prints one line saying so; without accelerators, on the simulated CPU devices as ever.
+
     Args:
-      n_devices: simulated CPU devices (``pk.simulate_devices``); on accelerators those are used.
+      n_devices: simulated CPU devices (``pk.simulate_devices``); on enough accelerators those are used.
       batch: the global batch, which must split evenly over the devices.
       model: a name from ``models``, for ``pk.models.build``.
       models: the models this lesson works with.
-      force_cpu: simulate CPU devices even where there are accelerators (a hosted notebook
-        with one GPU still shows several devices).
+      force_cpu: simulate CPU devices even where there are enough accelerators.
       needs: the fewest devices the lesson can show anything with.
 
     Returns:
@@ -71,12 +74,10 @@ def setup(
         raise ValueError(f"N_DEVICES={n_devices!r}: this lesson needs a whole number of at least {needs} devices.")
     if batch is not None and (not isinstance(batch, int) or batch < 1):
         raise ValueError(f"BATCH={batch!r} must be a whole number of examples, at least 1.")
-    devices = simulate_devices(n_devices, force_cpu=force_cpu)
-    if len(devices) < needs:
-        raise ValueError(
-            f"This lesson needs at least {needs} devices and JAX found {len(devices)} "
-            f"({devices[0].platform}): set FORCE_CPU = True in the first cell, restart the kernel, and run again."
-        )
+    accelerators = 0 if force_cpu else accelerator_count()
+    if 0 < accelerators < needs:
+        print(fallback_line(accelerators, n_devices, needs))
+    devices = simulate_devices(n_devices, force_cpu=force_cpu or accelerators < needs)
     if batch is not None and batch % len(devices):
         n = len(devices)
         raise ValueError(
@@ -85,6 +86,20 @@ def setup(
         )
     print(device_summary())
     return devices
+
+
+def fallback_line(accelerators: int, n_devices: int, needs: int) -> str:
+    """The line :func:`setup` prints where the machine has too few accelerators for the lesson.
+
+    >>> print(fallback_line(1, 8, 2))  # doctest: +NORMALIZE_WHITESPACE
+    This machine has 1 accelerator and this lesson needs at least 2, so it runs on 8 simulated CPU devices;
+    on a machine with 2 or more accelerators it uses them (FORCE_CPU = True keeps the CPU there).
+    """
+    return (
+        f"This machine has {accelerators} accelerator{'s' * (accelerators > 1)} and this lesson needs at least "
+        f"{needs}, so it runs on {n_devices} simulated CPU devices; on a machine with {needs} or more accelerators "
+        "it uses them (FORCE_CPU = True keeps the CPU there)."
+    )
 
 
 def check(prediction: Any, measured: Any, *, rtol: float = 0.1, what: str = "the answer") -> bool | None:

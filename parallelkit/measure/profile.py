@@ -29,7 +29,9 @@ from __future__ import annotations
 
 import re
 import tempfile
-from collections.abc import Iterable
+import warnings
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -183,18 +185,33 @@ def read_trace(xplane_path: str | Path) -> list[Event]:
     Args:
         xplane_path: the ``*.xplane.pb`` file that ``jax.profiler.trace`` wrote.
     """
-    data = jax.profiler.ProfileData.from_file(str(xplane_path))
     found = []
-    for plane in data.planes:
-        for line in plane.lines:
-            for raw in line.events:
-                event = _event(plane.name, raw.name, raw.start_ns, raw.duration_ns, dict(raw.stats))
-                if event is not None:
-                    found.append(event)
+    with _unnamed_types_allowed():
+        data = jax.profiler.ProfileData.from_file(str(xplane_path))
+        for plane in data.planes:
+            for line in plane.lines:
+                for raw in line.events:
+                    event = _event(plane.name, raw.name, raw.start_ns, raw.duration_ns, dict(raw.stats))
+                    if event is not None:
+                        found.append(event)
     origin = min((e.start_s for e in found), default=0.0)
     return sorted(
         (Event(e.device, e.name, e.kind, e.start_s - origin, e.seconds) for e in found), key=lambda e: e.start_s
     )
+
+
+@contextmanager
+def _unnamed_types_allowed() -> Iterator[None]:
+    """Ignore, for the block only, Python 3.12+'s warning about jaxlib's trace types.
+
+    ``ProfileData`` creates its types (``plane_stats``, ``event_stats``) on first use without a
+    module name, which Python 3.12 and later warn about (a DeprecationWarning). Under
+    ``-W error`` or pytest's ``filterwarnings = error`` the warning becomes an exception inside
+    the extension, which aborts the process. Every other warning still reaches the caller.
+    """
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", r"builtin type \w+ has no __module__ attribute", DeprecationWarning)
+        yield
 
 
 def _latest_run(logdir: Path) -> Path:
