@@ -184,7 +184,7 @@ def test_memory_per_device_falls_stage_by_stage(compiled):
     memory = {name: report.memory for name, report in reports.items()}
     assert all(min(m.arguments, m.outputs, m.peak) > 0 and m.temporaries >= 0 for m in memory.values())
     # DeviceMemory's docstring: the peak is the compiler's own figure, above the sum of the others here.
-    assert all(m.temporaries == 0 and m.peak > m.arguments + m.outputs - m.aliased for m in memory.values())
+    assert all(m.peak > m.arguments + m.outputs - m.aliased + m.temporaries for m in memory.values())
     # ZeRO-1 and 2 hold the same state (whole parameters, sharded optimizer state); 3 shards the parameters too.
     assert memory["zero3"].arguments < memory["zero2"].arguments == memory["zero1"].arguments
     assert memory["zero1"].arguments < memory["mirrored"].arguments
