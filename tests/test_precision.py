@@ -383,3 +383,14 @@ def test_fit_passes_precision_and_accumulate_to_the_step(mlp, batches):
     result = pk.fit(pk.Mirrored(), loss_fn, params, optax.sgd(LR), batches[:3], precision=precision, accumulate=2)
     assert list(result.history.metric("loss_scale")) == [1024.0, 1024.0, 2048.0]
     assert list(result.history.metric("grads_finite")) == [1.0, 1.0, 1.0]
+
+
+def test_an_async_rounds_loss_scale_metric_outlives_the_next_round(mlp, batches):
+    """The metric is read later (the skipped-steps watch reads it once ready): the next round's donation
+    of the state must not delete it."""
+    loss_fn, params = mlp
+    strategy = pk.ParameterServer(2, mode="async", devices=2)
+    step = strategy.step(loss_fn, precision=pk.Precision.fp16(initial_scale=1024.0))
+    state, first = step(strategy.init(params, optax.sgd(LR)), batches[0])
+    state, _ = step(state, batches[1])
+    assert not first["loss_scale"].is_deleted() and float(first["loss_scale"]) == 1024.0

@@ -38,6 +38,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import SingleDeviceSharding
 
@@ -235,7 +236,9 @@ class AsyncStep:
             metrics.append(pushed)
         mean = jax.tree.map(lambda *m: sum(m) / len(m), *metrics)
         if "loss_scale" in mean and state.loss_scale is not None:  # a mean of scales is a scale no push used
-            mean["loss_scale"] = state.loss_scale.scale
+            # A copy: the next round donates the state, and a metric still unread (the skipped-steps watch
+            # reads it once it is ready) must not be the state's own buffer.
+            mean["loss_scale"] = jnp.copy(state.loss_scale.scale)
         return state, mean
 
     def _arguments(self, state: TrainState, worker: int, copy: tuple, data: Batch) -> tuple:
