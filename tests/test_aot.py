@@ -258,3 +258,14 @@ def test_a_process_whose_jax_already_started_asks_libtpu_quietly_and_keeps_its_e
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["cpu", "False"]
     assert done.stderr == ""
+
+
+@needs_libtpu
+def test_the_no_tpu_vm_variables_do_not_outlive_the_start_of_libtpu(monkeypatch):
+    # Left in the environment they say "Cloud TPU worker" to the cluster detection of this process and its children.
+    from parallelkit.run.distributed import runtime
+
+    monkeypatch.setattr(runtime, "_joined", None)  # this process's join, restored after the test
+    pk.aot.devices("v5e:2x2")
+    assert not set(NO_TPU_VM) & set(os.environ)
+    assert runtime.initialize().is_single_process

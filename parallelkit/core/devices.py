@@ -24,6 +24,8 @@ even where the pool could not be sized.
 
 from __future__ import annotations
 
+import contextlib
+import glob
 import importlib.util
 import os
 import pkgutil
@@ -31,9 +33,10 @@ import re
 import subprocess
 import sys
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from importlib.metadata import entry_points
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -93,7 +96,7 @@ def accelerator_count() -> int:
 
     0 where JAX can only run on the CPU: ``jax_platforms`` names the CPU alone, or no
     accelerator plugin is installed (no ``jax_plugins`` module or entry point, such as
-    CUDA's or ROCm's, and no ``libtpu``). Otherwise a short Python subprocess starts JAX
+    CUDA's or ROCm's, and no ``libtpu`` on a machine with TPU chips). Otherwise a short Python subprocess starts JAX
     and counts, without reserving the accelerators' memory; this process stays free to
     choose its devices. Once JAX has started here, the count of the devices it started on.
     """
@@ -120,8 +123,14 @@ def accelerator_count() -> int:
 
 
 def _accelerator_plugins() -> bool:
-    """Whether a JAX accelerator plugin is installed, found where JAX looks when it starts."""
-    if entry_points(group="jax_plugins") or importlib.util.find_spec("libtpu") is not None:
+    """Whether a JAX accelerator plugin is installed, found where JAX looks when it starts.
+
+    libtpu counts only on a machine with TPU chips: elsewhere it is the TPU compiler of
+    :mod:`parallelkit.measure.aot`, which runs no step.
+    """
+    if entry_points(group="jax_plugins"):
+        return True
+    if importlib.util.find_spec("libtpu") is not None and _tpu_chips() > 0:
         return True
     namespace = importlib.util.find_spec("jax_plugins")  # plugins installed as modules of this namespace
     return namespace is not None and any(pkgutil.iter_modules(namespace.submodule_search_locations or []))
@@ -198,42 +207,59 @@ def simulate_devices(n: int, *, cores_as_devices: bool = False, force_cpu: bool 
         return jax.devices()
     if cores_as_devices:
         os.environ[_POOL_SIZE_VAR] = str(n)  # read when the backend starts, just below
-    quiet_libtpu()
     configure_cpu_devices(n)
     if force_cpu:
         jax.config.update("jax_platforms", "cpu")
-    devices = jax.devices()
+    with quiet_libtpu():
+        devices = jax.devices()
     if devices[0].platform == "cpu" and len(devices) != n:
         raise DeviceCountError(f"Asked for {n} simulated CPU devices but JAX made {len(devices)}.")
     return devices
 
 
-def quiet_libtpu() -> dict[str, str]:
-    """Where libtpu is installed on a machine with no TPU chip: set :data:`NO_TPU_VM`'s variables not yet set.
+@contextlib.contextmanager
+def quiet_libtpu() -> Iterator[None]:
+    """For the block, where libtpu is installed on a machine with no TPU chip: :data:`NO_TPU_VM`'s variables.
 
     libtpu reads them when it starts (with JAX's backends, or at the first TPU topology
     :mod:`parallelkit.measure.aot` asks for); they keep it from printing errors about the TPU
-    VM it cannot find, and from refusing to start beside another process that started it. A
-    machine with TPU chips, or without libtpu, is left as it is.
-
-    Returns:
-      The variables it set (none where it set nothing).
+    VM it cannot find, and from refusing to start beside another process that started it. The
+    variables it set are removed after the block: left in the environment, they would tell JAX's
+    and the kit's cluster detection that this host is a Cloud TPU worker, in this process and in
+    every process it starts. A machine with TPU chips, or without libtpu, is left as it is.
     """
     if importlib.util.find_spec("libtpu") is None or _tpu_chips() > 0:
-        return {}
+        yield
+        return
     added = {key: value for key, value in NO_TPU_VM.items() if key not in os.environ}
     os.environ.update(added)
-    return added
+    try:
+        yield
+    finally:
+        for key in added:
+            os.environ.pop(key, None)
 
 
 def _tpu_chips() -> int:
-    """The TPU chips attached to this machine, as JAX counts them (its PCI scan); 1 where JAX no longer has it."""
-    try:
-        from jax._src import hardware_utils
+    """The TPU chips attached to this machine through PCI, found as JAX finds them when it starts.
 
-        return hardware_utils.num_available_tpu_chips_and_device_id()[0]
-    except (ImportError, AttributeError):  # a JAX that moved it: assume chips, and set nothing
-        return 1
+    JAX's own count lives in a private module (``hardware_utils``), so this repeats its scan: PCI
+    devices of Google's vendor id whose device id is a TPU's (v3 to TPU7x). A Google VM's
+    network card shares the vendor id, not a device id.
+    """
+    chips = 0
+    for vendor in glob.glob("/sys/bus/pci/devices/*/vendor"):
+        try:
+            if Path(vendor).read_text().strip() != _GOOGLE_PCI_VENDOR:
+                continue
+            chips += (Path(vendor).parent / "device").read_text().strip() in _TPU_PCI_DEVICES
+        except OSError:  # a device that went away, or a file this user may not read
+            continue
+    return chips
+
+
+_GOOGLE_PCI_VENDOR = "0x1ae0"
+_TPU_PCI_DEVICES = ("0x0027", "0x0056", "0x005e", "0x0062", "0x0063", "0x006f", "0x0076")  # v3 .. TPU7x
 
 
 def configure_cpu_devices(n: int) -> None:

@@ -11,11 +11,9 @@ bytes, never a clock. The simulated CPU devices of the same process stay as they
 
 from __future__ import annotations
 
-import contextlib
 import importlib.util
-import os
 import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -96,7 +94,7 @@ def devices(topology: str) -> list[jax.Device]:
     _require_libtpu()
     from jax.experimental import topologies  # loads libtpu: only here, never at import
 
-    with _quiet_libtpu():
+    with quiet_libtpu():
         try:
             return list(topologies.get_topology_desc(platform="tpu", topology_name=topology).devices)
         except Exception as err:  # libtpu's own sentence, which says what it expected
@@ -207,21 +205,6 @@ def _require_libtpu() -> None:
             f"pk.aot needs the TPU compiler, the libtpu package, which is not installed. Install it with "
             f"{INSTALL} (about 680 MB; it keeps jax, jaxlib and libtpu in step)."
         )
-
-
-@contextlib.contextmanager
-def _quiet_libtpu() -> Iterator[None]:
-    """libtpu told, for the block, that this host is no TPU VM (it reads that when it first starts).
-
-    :func:`~parallelkit.core.devices.quiet_libtpu`'s variables, where it sets them, are removed after
-    the block: JAX's own backends started before, and a process started later reads its own.
-    """
-    added = quiet_libtpu()
-    try:
-        yield
-    finally:
-        for key in added:
-            os.environ.pop(key, None)
 
 
 def _shapes(tree: PyTree) -> PyTree:
