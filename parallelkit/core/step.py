@@ -76,16 +76,32 @@ def train_step(
         new = update(state, grads).replace(rng=rng, model_state=model_state)
         return guarded(precision, state, new, finite)  # a loss scale's skip, and the metrics it adds
 
-    keep = _KEEP_FINITE.get()
-    if keep is None:
-        new, scaling = updated()
-    else:  # the same metrics either way: a loss scale's read the old state only
+    def unchanged() -> tuple[TrainState, dict]:  # the same metrics: a loss scale's read the old state only
+        return state, guarded(precision, state, state, finite)[1]
 
-        def unchanged() -> tuple[TrainState, dict]:
-            return state, guarded(precision, state, state, finite)[1]
-
-        new, scaling = keep(jnp.isfinite(metrics["loss"]), updated, unchanged)
+    new, scaling = unless_not_finite(keep_finite_choice(), metrics["loss"], updated, unchanged)
     return new, {**metrics, **scaling}
+
+
+def keep_finite_choice() -> Callable | None:
+    """How the step being traced (or called) keeps its input state when its loss is not finite.
+
+    ``lax.cond`` or a select (see ``_KEEP_FINITE``) inside a :class:`Step` whose ``keep_finite`` is
+    set, None elsewhere. A step whose programs are compiled apart from its trace (the off-device
+    strategies', a pipeline's) reads it when called and compiles one program for each answer.
+    """
+    return _KEEP_FINITE.get()
+
+
+def unless_not_finite(keep: Callable | None, loss: jax.Array, updated: Callable, unchanged: Callable) -> Any:
+    """``updated()``, or ``unchanged()`` where ``keep`` is set and ``loss`` is not finite.
+
+    ``keep``: :func:`keep_finite_choice`'s answer, ``lax.cond``'s contract (both branches give the same
+    tree); None: ``updated()`` alone, nothing checked.
+    """
+    if keep is None:
+        return updated()
+    return keep(jnp.isfinite(loss), updated, unchanged)
 
 
 def _selected(ok: jax.Array, updated: Callable, unchanged: Callable) -> Any:
@@ -169,8 +185,8 @@ class Step:
     Setting ``keep_finite = True`` before the first call (``pk.fit`` does) compiles a step that
     returns its input state unchanged when the loss is not finite, so that the last state whose
     loss was finite survives the donation; the metrics still report the loss. A strategy whose
-    step is not :func:`train_step` (a pipeline's, the off-device strategies') applies the update
-    all the same.
+    step is not :func:`train_step` (a pipeline's, the off-device strategies') keeps it the same
+    way (:func:`unless_not_finite`), where it applies its update.
     """
 
     def __init__(
