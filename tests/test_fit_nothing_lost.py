@@ -162,11 +162,12 @@ def test_gradients_not_finite_under_a_finite_loss_are_told(digits):
     assert "Not all its parameters and optimizer state are finite: an update whose loss was finite" in notes
 
 
+@pytest.mark.filterwarnings("ignore::parallelkit.DeviceSubsetWarning")
+@pytest.mark.parametrize("case", ["mirrored-jit", "central-storage", "parameter-server", "pipeline"])
 @pytest.mark.parametrize("select", [False, True], ids=["cond", "select"])
-def test_a_step_that_keeps_finite_returns_its_input_state_unchanged(mlp, poisoned, select):
+def test_a_step_that_keeps_finite_returns_its_input_state_unchanged(mlp, deep_mlp, poisoned, case, select):
     """Both ways of keeping it (lax.cond on CPU devices, a select elsewhere); a hand-written loop's step applies it."""
-    loss_fn, params = mlp
-    strategy = pk.Mirrored(2)
+    strategy, loss_fn, params = STRATEGIES[case](mlp, deep_mlp)
     kept, applied = strategy.step(loss_fn), strategy.step(loss_fn)
     kept.keep_finite = True
     if select:
@@ -181,6 +182,20 @@ def test_a_step_that_keeps_finite_returns_its_input_state_unchanged(mlp, poisone
     assert np.isnan(float(metrics["loss"]))
     tree_allclose(_host(strategy, kept_state), before, rtol=0, atol=0)
     assert not _all_finite(_host(strategy, applied_state)[0])
+
+
+def test_an_async_step_that_kept_its_pushes_continues_the_state_it_returned(mlp, poisoned):
+    """Its check that it continues its own run counts the pushes that changed nothing."""
+    loss_fn, params = mlp
+    strategy = pk.ParameterServer(2, mode="async", devices=2)
+    step, state = strategy.step(loss_fn), strategy.init(params, optax.adam(1e-3))
+    step.keep_finite = True
+    losses = []
+    for batch in poisoned:  # step 3's pushes change nothing; step 4 continues from step 2's state
+        state, metrics = step(state, batch)
+        losses.append(float(metrics["loss"]))
+    assert np.isnan(losses[2]) and np.isfinite(losses[3])
+    assert int(np.asarray(_host(strategy, state)[2])) == 6 and _all_finite(_host(strategy, state))
 
 
 def test_keeping_finite_trains_as_a_plain_step_does(mlp, digits):
