@@ -72,15 +72,30 @@ def train_step(
     grads, metrics, model_state = sync((grads, {"loss": loss, **aux}, model_state))
     finite = None if precision is None or precision.loss_scale is None else all_finite(grads)
 
-    def updated() -> tuple[TrainState, dict]:
-        new = update(state, grads).replace(rng=rng, model_state=model_state)
-        return guarded(precision, state, new, finite)  # a loss scale's skip, and the metrics it adds
+    def updated() -> TrainState:
+        return update(state, grads).replace(rng=rng, model_state=model_state)
 
-    def unchanged() -> tuple[TrainState, dict]:  # the same metrics: a loss scale's read the old state only
-        return state, guarded(precision, state, state, finite)[1]
-
-    new, scaling = unless_not_finite(keep_finite_choice(), metrics["loss"], updated, unchanged)
+    new, scaling = guarded_update(state, updated, precision, finite, keep_finite_choice(), metrics["loss"])
     return new, {**metrics, **scaling}
+
+
+def guarded_update(
+    state: TrainState,
+    updated: Callable[[], TrainState],
+    precision: Precision | None,
+    finite: jax.Array | None,
+    keep: Callable | None,
+    loss: jax.Array | None,
+) -> tuple[TrainState, dict]:
+    """The state after ``updated()`` and the metrics a loss scale adds: skipped by the scale unless ``finite``
+    (:func:`~parallelkit.core.precision.guarded`), and ``state`` unchanged where ``keep`` is set and ``loss``
+    is not finite (:func:`unless_not_finite`; the same metrics: a loss scale's read the old state only)."""
+    return unless_not_finite(
+        keep,
+        loss,
+        lambda: guarded(precision, state, updated(), finite),
+        lambda: (state, guarded(precision, state, state, finite)[1]),
+    )
 
 
 def keep_finite_choice() -> Callable | None:

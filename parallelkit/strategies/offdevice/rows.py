@@ -21,9 +21,9 @@ from ...core.accumulate import Accumulation, check_accumulate
 from ...core.axes import DATA
 from ...core.contract import Batch, LossFn, PyTree
 from ...core.mesh import outside_callers_mesh
-from ...core.precision import Precision, all_finite, guarded
+from ...core.precision import Precision, all_finite
 from ...core.state import TrainState
-from ...core.step import loss_and_grads, unless_not_finite
+from ...core.step import guarded_update, loss_and_grads
 
 HOST_MEMORY = "pinned_host"
 
@@ -180,15 +180,11 @@ def apply_mean_gradients(
     mean = functools.partial(jax.tree.map, mean_rows)
     finite = None if precision is None or precision.loss_scale is None else jnp.all(rows.finite)
 
-    def updated() -> tuple[TrainState, dict]:
-        new = state.apply_gradients(mean(rows.grads)).replace(rng=rows.rng, model_state=mean(rows.model_state))
-        return guarded(precision, state, new, finite)
-
-    def unchanged() -> tuple[TrainState, dict]:  # the same metrics: a loss scale's read the old state only
-        return state, guarded(precision, state, state, finite)[1]
+    def updated() -> TrainState:
+        return state.apply_gradients(mean(rows.grads)).replace(rng=rows.rng, model_state=mean(rows.model_state))
 
     loss = None if keep is None else mean_rows(rows.metrics["loss"])  # every owner is pushed the loss rows then
-    new, scaling = unless_not_finite(keep, loss, updated, unchanged)
+    new, scaling = guarded_update(state, updated, precision, finite, keep, loss)
     return new, {**mean(rows.metrics), **scaling}
 
 
