@@ -96,7 +96,7 @@ def library_stages(strategy: pk.CentralStorage, loss):
         "pull": lambda state, batch: (state, fn.pull(state), batch),
         "gradients": lambda state, pulled, batch: (state, fn.compute(pulled[0], batch, *pulled[1:])),
         "push": lambda state, rows: (state, push(rows)),
-        "update": lambda state, pushed: fn.push_update.program(state, pushed)[0],
+        "update": lambda state, pushed: fn.push_update.program()(state, pushed)[0],
     }
 
 

@@ -72,20 +72,51 @@ def train_step(
     grads, metrics, model_state = sync((grads, {"loss": loss, **aux}, model_state))
     finite = None if precision is None or precision.loss_scale is None else all_finite(grads)
 
-    def updated() -> tuple[TrainState, dict]:
-        new = update(state, grads).replace(rng=rng, model_state=model_state)
-        return guarded(precision, state, new, finite)  # a loss scale's skip, and the metrics it adds
+    def updated() -> TrainState:
+        return update(state, grads).replace(rng=rng, model_state=model_state)
 
-    keep = _KEEP_FINITE.get()
-    if keep is None:
-        new, scaling = updated()
-    else:  # the same metrics either way: a loss scale's read the old state only
-
-        def unchanged() -> tuple[TrainState, dict]:
-            return state, guarded(precision, state, state, finite)[1]
-
-        new, scaling = keep(jnp.isfinite(metrics["loss"]), updated, unchanged)
+    new, scaling = guarded_update(state, updated, precision, finite, keep_finite_choice(), metrics["loss"])
     return new, {**metrics, **scaling}
+
+
+def guarded_update(
+    state: TrainState,
+    updated: Callable[[], TrainState],
+    precision: Precision | None,
+    finite: jax.Array | None,
+    keep: Callable | None,
+    loss: jax.Array | None,
+) -> tuple[TrainState, dict]:
+    """The state after ``updated()`` and the metrics a loss scale adds: skipped by the scale unless ``finite``
+    (:func:`~parallelkit.core.precision.guarded`), and ``state`` unchanged where ``keep`` is set and ``loss``
+    is not finite (:func:`unless_not_finite`; the same metrics: a loss scale's read the old state only)."""
+    return unless_not_finite(
+        keep,
+        loss,
+        lambda: guarded(precision, state, updated(), finite),
+        lambda: (state, guarded(precision, state, state, finite)[1]),
+    )
+
+
+def keep_finite_choice() -> Callable | None:
+    """How the step being traced (or called) keeps its input state when its loss is not finite.
+
+    ``lax.cond`` or a select (see ``_KEEP_FINITE``) inside a :class:`Step` whose ``keep_finite`` is
+    set, None elsewhere. A step whose programs are compiled apart from its trace (the off-device
+    strategies', a pipeline's) reads it when called and compiles one program for each answer.
+    """
+    return _KEEP_FINITE.get()
+
+
+def unless_not_finite(keep: Callable | None, loss: jax.Array, updated: Callable, unchanged: Callable) -> Any:
+    """``updated()``, or ``unchanged()`` where ``keep`` is set and ``loss`` is not finite.
+
+    ``keep``: :func:`keep_finite_choice`'s answer, ``lax.cond``'s contract (both branches give the same
+    tree); None: ``updated()`` alone, nothing checked.
+    """
+    if keep is None:
+        return updated()
+    return keep(jnp.isfinite(loss), updated, unchanged)
 
 
 def _selected(ok: jax.Array, updated: Callable, unchanged: Callable) -> Any:
@@ -93,7 +124,8 @@ def _selected(ok: jax.Array, updated: Callable, unchanged: Callable) -> Any:
     return select(ok, updated(), unchanged())
 
 
-# Set while a Step with keep_finite traces (Step._dispatch): how train_step keeps a step whose loss is not
+# Set while a Step with keep_finite traces or runs (Step._dispatch): how train_step (and, through
+# keep_finite_choice, the off-device strategies' and a pipeline's updates) keeps a step whose loss is not
 # finite from changing the state. On CPU devices lax.cond: on two shared cores (an MLP 784-1024-1024-10,
 # batch 256, Adam, one device) it timed within noise of no check (median ratio per round 0.99-1.04),
 # where a select cost 7-13 %. Elsewhere a select: element-wise work, where a conditional can stop to
@@ -169,8 +201,8 @@ class Step:
     Setting ``keep_finite = True`` before the first call (``pk.fit`` does) compiles a step that
     returns its input state unchanged when the loss is not finite, so that the last state whose
     loss was finite survives the donation; the metrics still report the loss. A strategy whose
-    step is not :func:`train_step` (a pipeline's, the off-device strategies') applies the update
-    all the same.
+    step is not :func:`train_step` (a pipeline's, the off-device strategies') keeps it the same
+    way (:func:`unless_not_finite`), where it applies its update.
     """
 
     def __init__(

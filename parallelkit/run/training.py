@@ -146,8 +146,7 @@ def fit(
       resume: restore the newest checkpoint in ``checkpoint_dir`` onto ``strategy``
         and continue from it, skipping the batches it had consumed.
       check_finite: stop with :class:`NonFiniteLossError` when the loss becomes NaN or infinite (that
-        step changes nothing, where the strategy's step is :func:`~parallelkit.core.step.train_step`:
-        see Raises) and, with
+        step changes nothing: see Raises) and, with
         a loss scale, with :class:`~parallelkit.core.skipped.NonFiniteGradientsError` when steps are
         skipped ``SKIPPED_STEPS_LIMIT`` (20) times in a row under a fixed scale, or at a dynamic
         scale's floor of 1 (:mod:`parallelkit.core.skipped`), naming the parameters whose gradients
@@ -195,9 +194,9 @@ def fit(
       NonFiniteLossError: the loss became NaN or infinite (the message names the step). The
         step changed nothing, so ``err.fit_result`` holds the state after the step before it:
         its donated input, kept by a step compiled to return it unchanged (``Step.keep_finite``).
-        Strategies whose step is not :func:`~parallelkit.core.step.train_step` (pipelines, the
-        off-device ones) apply the update all the same. The note says which step the state
-        is after and whether it is all finite.
+        An async parameter server's step is one update a worker, each kept or applied by its own
+        loss, so the state also holds that step's updates whose loss was finite. The note says
+        which step the state is after and whether it is all finite.
       NonFiniteGradientsError: with a loss scale, step after step was skipped (see ``check_finite``).
     """
     _check_batches(batches)
@@ -284,16 +283,21 @@ def _stopped_note(err: Exception, strategy: Strategy, state: TrainState, counted
             f"pk.fit stopped after {done} completed steps; the state after the last one is in this exception's "
             "`fit_result` attribute."
         )
-    taken = host_step(strategy, state) - counted  # the steps of this run the state has taken
-    last, kept = first + done, taken == done - 1  # kept: the non-finite step returned its input state
-    if kept and taken:
-        held = (
-            f"the state after step {first + taken}, the last step whose loss was finite (step {last} changed nothing)"
-        )
+    per = getattr(strategy, "updates_per_step", 1)  # an async parameter server's step is one update a worker
+    taken = host_step(strategy, state) - counted  # the updates of this run the state has taken
+    last, before = first + done, (done - 1) * per  # before: the updates of the steps whose loss was finite
+    kept = taken < before + per  # the non-finite step kept its input state, or some of its updates did
+    held = f"the state after step {last - 1}" if done > 1 else "the state the run started from"
+    if taken == before:
+        held += ", the last step whose loss was finite" if done > 1 else ""
+        held += f" (step {last} changed nothing)"
     elif kept:
-        held = f"the state the run started from (step {last} changed nothing)"
+        held += (
+            f" and the {taken - before} of step {last}'s {per} updates whose loss was finite (the other "
+            f"{before + per - taken} changed nothing)"
+        )
     else:
-        held = f"the state after step {last}, whose loss was not finite: {strategy!r} applies such a step's update"
+        held = f"the state after step {last}, whose loss was not finite: {strategy!r} applied its update"
     if all(np.isfinite(x).all() for x in jax.tree.leaves(strategy.unreplicate((state.params, state.opt_state)))):
         verdict = "All its parameters and optimizer state are finite."
     else:

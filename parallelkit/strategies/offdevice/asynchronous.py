@@ -46,6 +46,7 @@ from ...core.contract import Batch, LossFn
 from ...core.mesh import outside_callers_mesh
 from ...core.precision import Precision
 from ...core.state import TrainState
+from ...core.step import keep_finite_choice
 from .rows import gradient_rows
 
 JITTER = 0.25  # each gradient computation takes its worker's time x U(1 - JITTER, 1 + JITTER)
@@ -169,6 +170,10 @@ class AsyncStep:
       precision: a :class:`~parallelkit.Precision` policy (None: the parameters' dtype). Each
         push is an update of its own: with a loss scale, one whose gradient is not finite is
         skipped and the scale adjusted, push by push; a worker computes with the scale it pulled.
+
+    In a step that keeps its state when the loss is not finite (``Step.keep_finite``, ``pk.fit``'s),
+    a push whose loss is not finite changes nothing, the state's counter included; the simulated
+    clocks (and ``pushes``) count it as an update all the same.
     """
 
     def __init__(
@@ -187,6 +192,8 @@ class AsyncStep:
         self.copies: list = []  # each worker's pulled (params, model_state, loss_scale), on its device
         self.pushes: list[Push] = []
         self.start: int | None = None  # the state's step counter when this run began
+        self.unchanged = 0  # pushes that changed nothing, their loss not finite (counted a round late)
+        self.losses: list = []  # the last round's pushes' losses, where a push whose loss is not finite is kept
 
     @property
     def delays(self) -> list[int]:
@@ -198,12 +205,15 @@ class AsyncStep:
         return jax.device_put((state.params, state.model_state, state.loss_scale), self.places[worker])
 
     def _check_continues(self, state: TrainState) -> None:
-        step = int(jax.device_get(state.step))
+        step, losses = jax.device_get((state.step, self.losses))  # one wait a round, as before
+        step, self.losses = int(step), []
+        self.unchanged += sum(not np.isfinite(loss) for loss in losses)
+        applied = self.workers.version - self.unchanged
         if self.start is None:
             self.start = step
-        elif step != self.start + self.workers.version:
+        elif step != self.start + applied:
             raise ValueError(
-                f"This async ParameterServer step has applied {self.workers.version} updates since step "
+                f"This async ParameterServer step has applied {applied} updates since step "
                 f"{self.start}, but was handed a state at step {step}. Its workers hold copies of their own run's "
                 "parameters, so it continues only the state it returned last: make a fresh strategy.step(loss_fn) "
                 "for another run."
@@ -230,6 +240,8 @@ class AsyncStep:
             w = push.worker
             rows = self.programs[w](*self._arguments(state, w, self.copies[w], data))
             state, pushed = self.update(state, rows)
+            if keep_finite_choice() is not None:  # this push changed nothing if its loss is not finite
+                self.losses.append(pushed["loss"])
             self.workers.applied()
             self.pushes.append(push)
             self.copies[w] = self.pull(state, w)

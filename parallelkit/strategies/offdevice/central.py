@@ -25,7 +25,7 @@ server (:mod:`parallelkit.strategies.offdevice.parameter_server`); both share th
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import jax
 import optax
@@ -36,7 +36,7 @@ from ...core.contract import LossFn, PyTree
 from ...core.mesh import outside_callers_mesh
 from ...core.precision import Precision, check_precision
 from ...core.state import TrainState, create_state
-from ...core.step import Step
+from ...core.step import Step, keep_finite_choice
 from ..base import refuse_explicit
 from .base import NOT_EXPLICIT, OffDeviceStrategy
 from .rows import (
@@ -58,19 +58,27 @@ class CentralUpdate:
     """
 
     def __init__(self, storage: SingleDeviceSharding, precision: Precision | None = None):
+        self.storage, self.precision = storage, precision
         self.compute = compute_sharding(storage)
-        self.program = jax.jit(
-            functools.partial(apply_mean_gradients, compute=self.compute, precision=precision),
-            in_shardings=(storage, self.compute),
-            out_shardings=(storage, self.compute),
-            donate_argnums=0,
-        )
+        self._programs: dict[Callable | None, Callable] = {}
+
+    def program(self, keep: Callable | None = None) -> Callable:
+        """The jitted update, built once; with ``keep`` (:func:`~parallelkit.core.step.keep_finite_choice`'s
+        answer) it keeps the state of a step whose loss is not finite."""
+        if keep not in self._programs:
+            self._programs[keep] = jax.jit(
+                functools.partial(apply_mean_gradients, compute=self.compute, precision=self.precision, keep=keep),
+                in_shardings=(self.storage, self.compute),
+                out_shardings=(self.storage, self.compute),
+                donate_argnums=0,
+            )
+        return self._programs[keep]
 
     def __call__(self, state: TrainState, rows: ReplicaRows):
-        return self.program(state, push_rows(rows, self.compute))
+        return self.program(keep_finite_choice())(state, push_rows(rows, self.compute))
 
     def lowered(self, state: TrainState, rows: ReplicaRows) -> list:
-        return [self.program.lower(state, push_rows(rows, self.compute))]
+        return [self.program(keep_finite_choice()).lower(state, push_rows(rows, self.compute))]
 
 
 class CentralStorage(OffDeviceStrategy):

@@ -26,7 +26,7 @@ which slice of which variable each shard holds.
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -40,7 +40,7 @@ from ...core.mesh import outside_callers_mesh
 from ...core.precision import Precision, check_precision
 from ...core.reports import StepTraffic
 from ...core.state import TrainState, check_same_tree, prng_key
-from ...core.step import Step
+from ...core.step import Step, keep_finite_choice
 from ..base import refuse_explicit
 from .asynchronous import AsyncStep, AsyncWorkers, worker_time_array
 from .base import NOT_EXPLICIT, OffDeviceStrategy
@@ -148,6 +148,11 @@ class ParameterServer(OffDeviceStrategy):
 
     pattern = "parameter_server"
     formula = "P = P_1 + ... + P_k"
+
+    @property
+    def updates_per_step(self) -> int:
+        """The updates one step applies (its state's counter grows by as many): one a worker in async mode, else 1."""
+        return self.num_replicas if self.mode == "async" else 1
 
     @property
     def pull_label(self) -> str:
@@ -281,19 +286,26 @@ class ShardedUpdate:
     """
 
     def __init__(self, shard_storage: Sequence[SingleDeviceSharding], precision: Precision | None = None):
-        self.storage = tuple(shard_storage)
-        self.programs = [_shard_update_program(where, precision) for where in self.storage]
+        self.storage, self.precision = tuple(shard_storage), precision
         self.computes = [compute_sharding(where) for where in self.storage]  # built once, not every step
 
     def _calls(self, state: TrainState, rows: ReplicaRows):
-        """Each shard's program and its arguments: its slice of every gradient row, pushed to its device."""
-        for j, (program, where, compute) in enumerate(zip(self.programs, self.storage, self.computes, strict=True)):
+        """Each shard's program and its arguments: its slice of every gradient row, pushed to its device.
+
+        In a step that keeps its state when the loss is not finite
+        (:func:`~parallelkit.core.step.keep_finite_choice`), every shard is pushed the loss rows too,
+        so that each decides alike and alone.
+        """
+        keep = keep_finite_choice()
+        loss = {} if keep is None else {"loss": rows.metrics["loss"]}
+        for j, (where, compute) in enumerate(zip(self.storage, self.computes, strict=True)):
             if j == 0:  # shard 0 also takes the metrics, the key, the model state and the loss scale
                 mine = rows.replace(grads=rows.grads.shards[0])
                 step, extras = state.step, (state.rng, state.model_state, state.loss_scale)
             else:  # every shard takes the workers' finite flags (None without a loss scale)
-                mine = ReplicaRows(rows.grads.shards[j], {}, finite=rows.finite)
+                mine = ReplicaRows(rows.grads.shards[j], loss, finite=rows.finite)
                 step, extras = jax.device_put(state.step, where), (None, None, None)
+            program = _shard_update_program(where, self.precision, keep)
             yield program, (state.tx, step, state.params.shards[j], state.opt_state[j], extras,
                             push_rows(mine, compute))  # fmt: skip
 
@@ -329,17 +341,20 @@ _shared_flat_loss = functools.lru_cache(maxsize=64)(_on_shards)
 
 
 @functools.lru_cache(maxsize=64)
-def _shard_update_program(where: SingleDeviceSharding, precision: Precision | None = None):
+def _shard_update_program(
+    where: SingleDeviceSharding, precision: Precision | None = None, keep: Callable | None = None
+):
     """The compiled update of the shard stored at ``where``: (tx, step, params, opt_state, extras, rows) in.
 
     ``extras`` is ``(rng, model_state, loss_scale)`` on shard 0 and ``(None, None, None)`` elsewhere; the
-    step counter is read, not donated (shard 0's copy may be the one the other shards read). One program
-    per place and policy, shared by every strategy that stores a shard there: JAX then compiles it once
-    for each optimizer and shapes, not once per strategy.
+    step counter is read, not donated (shard 0's copy may be the one the other shards read). ``keep``: keep
+    the shard as it was when the pushed loss is not finite (:func:`~parallelkit.core.step.keep_finite_choice`).
+    One program per place, policy and keep, shared by every strategy that stores a shard there: JAX then
+    compiles it once for each optimizer and shapes, not once per strategy.
     """
     compute = compute_sharding(where)
     return jax.jit(
-        functools.partial(_shard_update, compute=compute, precision=precision),
+        functools.partial(_shard_update, compute=compute, precision=precision, keep=keep),
         static_argnums=0,
         in_shardings=(where, where, where, where, compute),
         out_shardings=(where, where, where, where, compute),
@@ -347,11 +362,11 @@ def _shard_update_program(where: SingleDeviceSharding, precision: Precision | No
     )
 
 
-def _shard_update(tx, step, params, opt_state, extras, rows, *, compute, precision=None):
+def _shard_update(tx, step, params, opt_state, extras, rows, *, compute, precision=None, keep=None):
     """One shard's update: the shared :func:`apply_mean_gradients` on its own slice and optimizer state."""
     rng, model_state, loss_scale = extras
     owned = TrainState(
         step=step, params=params, opt_state=opt_state, tx=tx, rng=rng, model_state=model_state, loss_scale=loss_scale
     )
-    state, metrics = apply_mean_gradients(owned, rows, compute, precision)
+    state, metrics = apply_mean_gradients(owned, rows, compute, precision, keep)
     return state.step, state.params, state.opt_state, (state.rng, state.model_state, state.loss_scale), metrics

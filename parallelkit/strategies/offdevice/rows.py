@@ -21,9 +21,9 @@ from ...core.accumulate import Accumulation, check_accumulate
 from ...core.axes import DATA
 from ...core.contract import Batch, LossFn, PyTree
 from ...core.mesh import outside_callers_mesh
-from ...core.precision import Precision, all_finite, guarded
+from ...core.precision import Precision, all_finite
 from ...core.state import TrainState
-from ...core.step import loss_and_grads
+from ...core.step import guarded_update, loss_and_grads
 
 HOST_MEMORY = "pinned_host"
 
@@ -158,7 +158,11 @@ def join_rows(pushed: Sequence[ReplicaRows]) -> ReplicaRows:
 
 
 def apply_mean_gradients(
-    state: TrainState, pushed: Sequence[ReplicaRows], compute: SingleDeviceSharding, precision: Precision | None = None
+    state: TrainState,
+    pushed: Sequence[ReplicaRows],
+    compute: SingleDeviceSharding,
+    precision: Precision | None = None,
+    keep: Callable | None = None,
 ) -> tuple[TrainState, PyTree]:
     """The owner's update (inside ``jit``): average the replicas' rows, then one optimizer step.
 
@@ -168,14 +172,19 @@ def apply_mean_gradients(
     computes (up to float summation order). Model state rows are averaged too, as
     ``pmap``'s ``pmean`` does; the key becomes the workers' next key. With a loss scale the
     update is skipped unless every replica's gradients were finite
-    (:func:`~parallelkit.core.precision.guarded`).
+    (:func:`~parallelkit.core.precision.guarded`). With ``keep``
+    (:func:`~parallelkit.core.step.keep_finite_choice`'s answer) the state comes back unchanged
+    when the mean of the rows' ``loss`` metric is not finite.
     """
     state, rows = jax.device_put(state, compute), join_rows(pushed)
     mean = functools.partial(jax.tree.map, mean_rows)
-    new = state.apply_gradients(mean(rows.grads)).replace(rng=rows.rng, model_state=mean(rows.model_state))
-    if precision is None or precision.loss_scale is None:
-        return new, mean(rows.metrics)
-    new, scaling = guarded(precision, state, new, jnp.all(rows.finite))
+    finite = None if precision is None or precision.loss_scale is None else jnp.all(rows.finite)
+
+    def updated() -> TrainState:
+        return state.apply_gradients(mean(rows.grads)).replace(rng=rows.rng, model_state=mean(rows.model_state))
+
+    loss = None if keep is None else mean_rows(rows.metrics["loss"])  # every owner is pushed the loss rows then
+    new, scaling = guarded_update(state, updated, precision, finite, keep, loss)
     return new, {**mean(rows.metrics), **scaling}
 
 

@@ -35,6 +35,7 @@ from jax.sharding import PartitionSpec as P
 from ...core.axes import DATA
 from ...core.contract import Batch, PyTree, loss_with_aux
 from ...core.precision import Precision, all_finite, cast_floating, select, unscale
+from ...core.step import unless_not_finite
 
 Layer = Callable[[PyTree, Any], Any]
 HeadLoss = Callable[[Any, Batch], Any]  # -> loss, or (loss, aux dict)
@@ -204,18 +205,25 @@ def reduce_unreduced(grads, *, where: NamedSharding):
 
 
 @partial(jax.jit, donate_argnums=0)
-def next_step(step: jax.Array) -> jax.Array:
-    """The step counter plus one; the old counter is donated, which marks the old state as consumed."""
-    return step + 1
+def next_step(step: jax.Array, loss: jax.Array | None = None) -> jax.Array:
+    """The step counter plus one (unless a ``loss`` is given and not finite); the old counter is donated, which
+    marks the old state as consumed."""
+    return step + 1 if loss is None else jnp.where(jnp.isfinite(loss), step + 1, step)
 
 
-@partial(jax.jit, static_argnames=("tx",), donate_argnames=("params", "opt_state"))
-def update(params, opt_state, grads, finite=None, *, tx: optax.GradientTransformation):
+@partial(jax.jit, static_argnames=("tx", "keep"), donate_argnames=("params", "opt_state"))
+def update(params, opt_state, grads, finite=None, loss=None, *, tx: optax.GradientTransformation, keep=None):
     """One optimizer update of a stage's parameters from its summed gradients; with ``finite`` (every stage's
-    gradients finite, under a loss scale), applied only where it is True, else the stage as it was."""
-    updates, new_opt_state = tx.update(grads, opt_state, params)
-    new = (optax.apply_updates(params, updates), new_opt_state)
-    return new if finite is None else select(finite, new, (params, opt_state))
+    gradients finite, under a loss scale), applied only where it is True, else the stage as it was. With ``keep``
+    (:func:`~parallelkit.core.step.keep_finite_choice`'s answer), the stage as it was when ``loss`` is not finite.
+    """
+
+    def updated():
+        updates, new_opt_state = tx.update(grads, opt_state, params)
+        new = (optax.apply_updates(params, updates), new_opt_state)
+        return new if finite is None else select(finite, new, (params, opt_state))
+
+    return unless_not_finite(keep, loss, updated, lambda: (params, opt_state))
 
 
 @partial(jax.jit, static_argnames=("precision",))

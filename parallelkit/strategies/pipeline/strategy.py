@@ -19,10 +19,10 @@ from ...core.axes import DATA
 from ...core.contract import Batch, LossInputError, PyTree, batch_size, guard_inputs, tree_bytes
 from ...core.devices import DeviceCountError, first_devices
 from ...core.mesh import is_count, make_mesh, outside_callers_mesh
-from ...core.precision import Precision, check_precision, next_scale
+from ...core.precision import Precision, check_precision, next_scale, select
 from ...core.reports import D2D, H2D, Flow, StepTraffic
 from ...core.state import TrainState, check_same_tree
-from ...core.step import Step
+from ...core.step import Step, keep_finite_choice
 from ...measure.inspect import Collective, parse_collectives
 from ...measure.traffic import bus_bytes, per_replica_bytes
 from ..base import Strategy, refuse_explicit
@@ -457,17 +457,31 @@ class PipelineStep(Step):
         grads, outputs, self.timeline = self.passes(params, microbatches, scale)
         losses, auxes = zip(*outputs, strict=True)
         metrics = {"loss": jnp.mean(jnp.stack(losses)), **jax.tree.map(lambda *v: jnp.mean(jnp.stack(v)), *auxes)}
-        new_params, opt_states, finite = self._updates(state, params, grads, scale)
+        keep = keep_finite_choice()  # set: a step whose loss is not finite changes nothing (Step.keep_finite)
+        loss = None if keep is None else jax.device_put(metrics["loss"], pipe.replicated(0))  # where the counter is
+        new_params, opt_states, finite = self._updates(state, params, grads, scale, keep, loss)
         if scale is not None:
             metrics |= {"loss_scale": scale, "grads_finite": finite}
-            state = state.replace(loss_scale=next_scale(precision, state.loss_scale, finite))
+            new_scale = next_scale(precision, state.loss_scale, finite)
+            if loss is not None:  # a step whose loss is not finite keeps its scale too
+                new_scale = select(jnp.isfinite(loss), new_scale, state.loss_scale)
+            state = state.replace(loss_scale=new_scale)
         # Donating the old step counter marks the old state as consumed, which Step checks on every call.
-        step = programs.next_step(state.step)
+        step = programs.next_step(state.step, loss)
         return state.replace(step=step, params=pipe.layer_params(new_params), opt_state=list(opt_states)), metrics
 
-    def _updates(self, state: TrainState, params: list, grads: list, scale: jax.Array | None) -> tuple:
+    def _updates(
+        self,
+        state: TrainState,
+        params: list,
+        grads: list,
+        scale: jax.Array | None,
+        keep: Callable | None = None,
+        loss: jax.Array | None = None,
+    ) -> tuple:
         """Each stage's update. With a loss ``scale``, each stage's gradients unscaled, and the stages' updates
-        all skipped unless every stage's are finite.
+        all skipped unless every stage's are finite. With ``keep`` (:func:`~parallelkit.core.step.keep_finite_choice`),
+        every stage kept as it was when the step's ``loss`` (on stage 0's devices) is not finite.
 
         Returns ``(params, opt_states, finite)``, ``finite`` on stage 0's devices (where the scale lives), or
         None without a scale.
@@ -483,7 +497,11 @@ class PipelineStep(Step):
             grads = [g for g, _ in unscaled]
             finite = jnp.all(jnp.stack([jax.device_put(f, pipe.replicated(0)) for _, f in unscaled]))
             everywhere = [jax.device_put(finite, pipe.replicated(s)) for s in stages]
-        updated = [programs.update(params[s], state.opt_state[s], grads[s], everywhere[s], tx=state.tx) for s in stages]
+        losses = [None if loss is None else jax.device_put(loss, pipe.replicated(s)) for s in stages]
+        updated = [
+            programs.update(params[s], state.opt_state[s], grads[s], everywhere[s], losses[s], tx=state.tx, keep=keep)
+            for s in stages
+        ]
         return (*zip(*updated, strict=True), finite)
 
     def passes(
