@@ -269,3 +269,25 @@ def test_the_no_tpu_vm_variables_do_not_outlive_the_start_of_libtpu(monkeypatch)
     pk.aot.devices("v5e:2x2")
     assert not set(NO_TPU_VM) & set(os.environ)
     assert runtime.initialize().is_single_process
+
+
+def _product_types(hlo: str) -> set[str]:
+    """The element types of a TPU program's matrix products (``convolution`` in TPU HLO)."""
+    return {line.split("=")[1].split("[")[0].strip() for line in hlo.splitlines() if " convolution(" in line}
+
+
+@needs_libtpu
+@pytest.mark.slow
+def test_bf16_compute_multiplies_in_bf16_with_the_same_state_and_a_lower_peak():
+    # Notebook 07's lesson, which the CPU cannot show: it computes a bfloat16 product in float32.
+    apply, params = functional(nnx.eval_shape(lambda: MLP(64, (256, 256), 10, rngs=nnx.Rngs(0))))
+    batch = {"x": jax.ShapeDtypeStruct((8192, 64), np.float32), "y": jax.ShapeDtypeStruct((8192,), np.int32)}
+    target = pk.aot.devices("v5e:2x4")
+    reports = {
+        name: pk.aot.compile(pk.Mirrored(target), pk.models.classifier_loss(apply), params, optax.adam(1e-3), batch,
+                             precision=precision)
+        for name, precision in (("f32", None), ("bf16", pk.Precision.bf16()))
+    }  # fmt: skip
+    assert _product_types(reports["f32"].hlo) == {"f32"} and "bf16" in _product_types(reports["bf16"].hlo)
+    assert reports["bf16"].memory.arguments == reports["f32"].memory.arguments  # the float32 master copy and Adam
+    assert reports["bf16"].memory.peak < reports["f32"].memory.peak  # the activations in bfloat16
