@@ -32,7 +32,7 @@ def test_ci_runs_the_readme_test_command_at_both_ends():
     newest = re.findall(
         r'^timed make test PYTHON="\$NEWEST" VENV="\$NEWEST_VENV" PYTEST_ARGS="\$NEWEST_\w+"$', ci, re.M
     )
-    assert len(newest) == 3  # the newest end: chosen fast tests, multi-host, the named slow tests and notebooks
+    assert len(newest) == 3  # the newest end: every fast test, multi-host, the named slow tests and notebooks
     assert "for version in 3.13 3.12; do" in ci and "found neither" in ci
 
 
