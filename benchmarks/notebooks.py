@@ -8,7 +8,7 @@ README's notebook paragraph quotes.
 
 Run it when nothing else uses the cores (other work slows the notebooks with it):
 
-    .venv/bin/python benchmarks/notebooks.py        # about ten minutes on 2 cores
+    .venv/bin/python benchmarks/notebooks.py        # about five minutes on 2 cores
 
 It prints one line per notebook and writes ``benchmarks/results/notebooks.json``. With
 ``--only``, the notebooks named are timed again and the other notebooks' times are kept
