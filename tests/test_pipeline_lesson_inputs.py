@@ -248,16 +248,15 @@ def stop():
     event.set()
 
 
+@pytest.mark.timeout(60)  # without the deadline the call never returns: a failure, not a hang
 def test_check_function_gives_up_on_a_function_that_does_not_return(stop):
     def endless():
         while not stop.is_set():
             time.sleep(0.01)
 
-    started = time.monotonic()
     with pytest.raises(TimeoutError, match=r"the loop did not return within 0\.2 s: look for a loop that never ends.*"
                        r"may still be running in the background.*restart the kernel"):  # fmt: skip
         pk.lesson.check_function(endless, lambda: 1.0, what="the loop", timeout=0.2)
-    assert time.monotonic() - started < 5
 
 
 @pytest.mark.parametrize("timeout", [0, -1, "30", None])
