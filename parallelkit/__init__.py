@@ -61,6 +61,7 @@ from .strategies import Hybrid as Hybrid
 from .strategies import LeafPlacement as LeafPlacement
 from .strategies import Mirrored as Mirrored
 from .strategies import MultiWorkerMirrored as MultiWorkerMirrored
+from .strategies import Parallel as Parallel
 from .strategies import ParameterServer as ParameterServer
 from .strategies import SingleDevice as SingleDevice
 from .strategies import Step as Step

@@ -218,11 +218,13 @@ def test_the_dispatch_check_sees_dispatch(tmp_path):
 
 def test_no_strategy_inherits_more_than_one_level_below_its_family():
     """Every strategy subclasses Strategy (the protocol's defaults) directly, or one family base that does:
-    SPMD (its presets) or OffDeviceStrategy (central storage, parameter servers). No deeper ladder."""
+    SPMD (a mesh and rules of one's own) or OffDeviceStrategy (central storage, parameter servers); or Parallel,
+    SPMD by axis sizes, whose one-axis spellings are the presets. No deeper ladder."""
     from parallelkit.strategies.offdevice import OffDeviceStrategy
+    from parallelkit.strategies.parallel import Parallel
     from parallelkit.strategies.spmd import SPMD
 
-    allowed = ([Strategy], [SPMD, Strategy], [OffDeviceStrategy, Strategy])
+    allowed = ([Strategy], [SPMD, Strategy], [OffDeviceStrategy, Strategy], [Parallel, SPMD, Strategy])
     for name, cls in _strategy_classes().items():
         ancestors = [c for c in cls.__mro__[1:] if c.__module__.startswith("parallelkit")]
         assert ancestors in allowed, f"{name} inherits {[c.__name__ for c in ancestors]}"

@@ -26,6 +26,7 @@ from .mirrored import MirroredJit as MirroredJit
 from .multiworker import MultiWorkerMirrored as MultiWorkerMirrored
 from .offdevice import CentralStorage as CentralStorage
 from .offdevice import ParameterServer as ParameterServer
+from .parallel import Parallel as Parallel
 from .pmap import MirroredPmap as MirroredPmap
 from .single import SingleDevice as SingleDevice
 from .spmd import SPMD as SPMD

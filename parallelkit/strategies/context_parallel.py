@@ -16,29 +16,28 @@ ContextParallel(seq=1, method='ring', data=1)
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 import jax
 
 from ..core import partition
-from ..core.axes import DATA, SEQ, context_method
+from ..core.axes import DATA, SEQ
 from ..core.contract import Batch, LossFn, PyTree
 from ..core.devices import DeviceCountError, first_devices
-from ..core.mesh import is_count, make_mesh
+from ..core.mesh import is_count
 from ..core.reports import StepTraffic
 from ..core.state import TrainState
 from ..measure.traffic import compiled_traffic
 from ..models.layers import attention
-from .spmd import BATCH, EXPLICIT, SPMD
+from .parallel import LENGTH as LENGTH
+from .parallel import NORM_LENGTH as NORM_LENGTH
+from .parallel import TOKENS as TOKENS
+from .parallel import Parallel
+from .spmd import EXPLICIT
 
-LENGTH = "length"  # the logical name of the tokens' axis, a batch array's second
-NORM_LENGTH = "norm_length"  # the residual stream's length (pk.models.GPT): split the same way
-TOKENS = (BATCH, LENGTH)  # how a batch array's axes are named unless batch_axes says otherwise
 
-
-class ContextParallel(SPMD):
+class ContextParallel(Parallel):
     """``data`` x ``seq`` devices: the batch over ``data``, every sequence over ``seq``, attention by ``method``.
 
     Conceptually, on device ``(i, j)`` with ``d x s`` devices and global tokens ``x`` of length ``T``::
@@ -104,55 +103,11 @@ class ContextParallel(SPMD):
             )
         if devices is None and data is not None:
             devices = first_devices(seq, data, lambda d: f"ContextParallel(seq={seq}, data={d})", "seq x data")
-        mesh = make_mesh(devices, data=data, seq=seq, explicit=explicit)
-        split = ((BATCH, DATA), (LENGTH, SEQ), (NORM_LENGTH, SEQ))
-        super().__init__(mesh, rules=split, param_rules=rules, batch_axes=batch_axes)
+        super().__init__(data, context=seq, context_method=method, rules=rules, batch_axes=batch_axes,
+                         devices=devices, explicit=explicit)  # fmt: skip
         self.method = method
 
-    unnamed_batch_axes = TOKENS  # every batch array not named in batch_axes: split on axis 0 and on its tokens
-
-    def place_batch(self, batch: Batch) -> Batch:
-        """Send each block of every sequence to its device; clear errors for arrays that do not split.
-
-        The checks run only when placing fails, in either mode: on an Auto mesh JAX refuses an array too short
-        for its spec with a ``ValueError``, on an Explicit one with a bare ``AssertionError``.
-        """
-        try:
-            return super().place_batch(batch)
-        except (ValueError, AssertionError):
-            self._check_tokens(batch)
-            raise
-
-    def _check_tokens(self, batch: Batch) -> None:
-        """Raise a clear error for an array whose token axis is missing or does not divide by ``seq``."""
-        seq = self.mesh.shape[SEQ]
-        named = batch.items() if isinstance(batch, Mapping) else enumerate(jax.tree.leaves(batch))
-        for key, leaf in named:
-            unnamed = self.unnamed_batch_axes
-            names = self.batch_axes.get(key, unnamed) if isinstance(batch, Mapping) else unnamed
-            if LENGTH not in names:
-                continue
-            axis = names.index(LENGTH)
-            shape = getattr(leaf, "shape", ())
-            if len(shape) <= axis:
-                raise ValueError(
-                    f"{self!r} splits axis 0 of every batch array over data and axis {axis} over seq, but batch "
-                    f"array {key!r} has shape {tuple(shape)}. If it is one sequence without a batch axis, give it "
-                    f"one (batch[{key!r}][None], shape (1, {', '.join(map(str, shape))})); if it holds one value "
-                    f"per example and no tokens, name it in batch_axes={{{key!r}: ('batch',)}}."
-                )
-            if shape[axis] % seq:
-                raise ValueError(
-                    f"The sequence length {shape[axis]} of batch array {key!r} does not split over seq={seq} "
-                    f"devices: use a length divisible by {seq}, or a seq that divides {shape[axis]}."
-                )
-
-    def tracing(self) -> contextlib.AbstractContextManager:
-        """The rules (:meth:`SPMD.tracing`) and the attention method, while the step traces."""
-        return _with_method(super().tracing(), self.method)
-
-    def replica_tracing(self) -> contextlib.AbstractContextManager:
-        return _with_method(super().replica_tracing(), self.method)
+    shown_axes = (SEQ,)  # the mesh keeps its `seq` axis at seq=1
 
     @staticmethod
     def pattern_for(method: str = "ring") -> str:
@@ -175,9 +130,3 @@ class ContextParallel(SPMD):
     def __repr__(self) -> str:
         shape = f"seq={self.mesh.shape[SEQ]}, method={self.method!r}, data={self.mesh.shape[DATA]}"
         return f"ContextParallel({shape}{EXPLICIT if self.explicit else ''})"
-
-
-@contextlib.contextmanager
-def _with_method(rules: contextlib.AbstractContextManager, method: str) -> Iterator[None]:
-    with rules, context_method(method):
-        yield

@@ -22,27 +22,21 @@ ExpertParallel(expert=1, data=1)
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Sequence
 
 import jax
-import optax
-from jax.sharding import PartitionSpec as P
 
 from ..core import partition
-from ..core.axes import DATA, EXPERT, axis_names
+from ..core.axes import DATA, EXPERT
 from ..core.contract import PyTree
 from ..core.devices import first_devices
-from ..core.mesh import is_count, make_mesh
-from ..core.state import TrainState
-from ..models import declared_axes
-from .spmd import BATCH, EXPLICIT, SPMD
-
-# The expert weights (experts on their leading axis) split over `expert`, by the logical name; the rest replicated.
-EXPERT_RULES = ((r"(^|/)(w_in|w_out|b_in|b_out)$", (EXPERT,)), (".*", ()))
+from ..core.mesh import is_count
+from .parallel import EXPERT_RULES as EXPERT_RULES
+from .parallel import Parallel
+from .spmd import EXPLICIT
 
 
-class ExpertParallel(SPMD):
+class ExpertParallel(Parallel):
     """``data`` x ``expert`` devices: the tokens split over all of them, the experts over ``expert``.
 
     Conceptually, on device ``(i, j)`` with ``d x e`` devices and a global batch ``b``::
@@ -92,54 +86,9 @@ class ExpertParallel(SPMD):
             devices = first_devices(
                 expert, data, lambda d: f"ExpertParallel(expert={expert}, data={d})", "expert x data"
             )
-        mesh = make_mesh(devices, data=data, expert=expert, explicit=explicit)
-        super().__init__(mesh, rules=((BATCH, (DATA, EXPERT)), (EXPERT, EXPERT)), param_rules=rules)
+        super().__init__(data, expert=expert, rules=rules, devices=devices, explicit=explicit)
 
-    def partition_specs(self, params: PyTree) -> PyTree:
-        """The rules' specs; by default the declared ``expert`` axes over ``expert`` (or :data:`EXPERT_RULES`)."""
-        if self.param_rules is not None:
-            return super().partition_specs(params)
-        axes = declared_axes(params)
-        names = [] if axes is None else jax.tree.leaves(axes, is_leaf=lambda x: isinstance(x, tuple))  # None: no leaf
-        declares_experts = any(EXPERT in each for each in names)
-        return self.specs_by(
-            params, partition.logical_specs(axes, self.axis_rules.spec) if declares_experts else EXPERT_RULES
-        )
-
-    def init(
-        self,
-        params: PyTree,
-        tx: optax.GradientTransformation,
-        opt_state: PyTree = None,
-        *,
-        model_state: PyTree = None,
-        rng: int | jax.Array | None = None,
-    ) -> TrainState:
-        """:meth:`SPMD.init`, with a warning when no parameter is split over ``expert``."""
-        specs = jax.tree.leaves(self.partition_specs(params), is_leaf=lambda x: isinstance(x, P))
-        if not any(EXPERT in axis_names(entry) for spec in specs for entry in spec):
-            warnings.warn(self._no_experts(), stacklevel=2)
-        return super().init(params, tx, opt_state, model_state=model_state, rng=rng)
-
-    def _no_experts(self) -> str:
-        """What a model with no parameter split over ``expert`` becomes, and how to split its expert weights."""
-        matched = (
-            "no rule in rules= splits a parameter over 'expert'"
-            if self.param_rules is not None
-            else "no parameter matched the expert rules (none declares the logical axis 'expert', and no path "
-            "ends in w_in, w_out, b_in or b_out)"
-        )
-        return (
-            f"{self!r}: {matched}, so every parameter is replicated and the step is data parallelism over all "
-            f"{self.num_replicas} devices. Name each expert weight w_in, w_out, b_in or b_out with the experts on its "
-            "leading axis (as pk.experts.moe_layer's are), declare that axis 'expert' (pk.models.with_axes), or "
-            "pass rules= that split it over 'expert'."
-        )
-
-    def compute_specs(self, params: PyTree) -> PyTree:
-        """Each expert's weights are used where they live (the all-to-all brings the tokens to them), not gathered
-        as a parameter split over the batch's axes would be."""
-        return self.partition_specs(params)
+    shown_axes = (EXPERT,)  # the mesh keeps its `expert` axis at expert=1
 
     # The layer's shard_map splits the batch's own axes: the step cannot map the replicas (SPMD.maps_replicas), so
     # SPMD.step refuses accumulate > 1, and 16-bit precision's gradient reduction stays where XLA puts it.

@@ -36,14 +36,14 @@ from ..core import partition
 from ..core.axes import DATA
 from ..core.contract import PyTree
 from ..core.devices import resolve_devices
-from ..core.mesh import is_count, make_mesh
 from ..core.reports import ExpectedCollective, Sizes, gradient_all_reduce
-from .spmd import BATCH_ON_DATA, EXPLICIT, SPMD
+from .parallel import Parallel
+from .spmd import EXPLICIT
 
 STAGES = (1, 2, 3)
 
 
-class FullySharded(SPMD):
+class FullySharded(Parallel):
     """ZeRO stage 1, 2 or 3 over all devices (the ``data`` axis); equal to SingleDevice.
 
     Conceptually, for stage 3 with ``n`` devices and a global batch ``b``::
@@ -80,29 +80,13 @@ class FullySharded(SPMD):
                 f"FullySharded(stage={stage!r}): ZeRO has stages 1 (optimizer state sharded), "
                 "2 (and gradients) and 3 (and parameters); choose one of 1, 2, 3."
             )
-        if not is_count(min_size):
-            raise ValueError(f"FullySharded(min_size={min_size!r}): use a whole number of elements >= 1.")
         devices = resolve_devices(devices)
-        super().__init__(make_mesh(devices, data=len(devices), explicit=explicit), rules=BATCH_ON_DATA)
-        self.stage, self.min_size = stage, min_size
+        super().__init__(len(devices), zero=stage, min_size=min_size, devices=devices, explicit=explicit)
+        self.stage = stage
 
     def sharded_specs(self, params: PyTree) -> PyTree:
         """Each leaf's spec when sharded (stage 3's parameters; every stage's optimizer state)."""
-        specs = partition.fully_sharded_specs(params, DATA, self.num_replicas, min_size=self.min_size)
-        partition.check_specs(params, specs, self.mesh)
-        return specs
-
-    def partition_specs(self, params: PyTree) -> PyTree:
-        if self.stage == 3:
-            return self.sharded_specs(params)
-        return super().partition_specs(params)  # SPMD's default: every parameter replicated
-
-    def optimizer_specs(self, params: PyTree) -> PyTree:
-        return self.sharded_specs(params)
-
-    def gradient_specs(self, params: PyTree) -> PyTree:
-        """Stage 1 all-reduces whole gradients; stages 2 and 3 keep each device's shard only."""
-        return self.partition_specs(params) if self.stage == 1 else self.sharded_specs(params)
+        return self.zero_specs(params)
 
     pattern = "fully_sharded"
 

@@ -20,15 +20,16 @@ from collections.abc import Sequence
 import jax
 
 from ..core import partition
-from ..core.axes import DATA
+from ..core.axes import DATA, MODEL
 from ..core.contract import PyTree
 from ..core.devices import first_devices
-from ..core.mesh import is_count, make_mesh
-from .spmd import EXPLICIT, SPMD
-from .tensor import activation_rules, hybrid_hint, model_specs
+from ..core.mesh import is_count
+from .parallel import Parallel
+from .spmd import EXPLICIT
+from .tensor import hybrid_hint, model_specs
 
 
-class Hybrid(SPMD):
+class Hybrid(Parallel):
     """``data`` x ``model`` devices: the batch split over ``data``, the weights over ``model``.
 
     Conceptually, on device ``(i, j)`` with a global batch ``b``::
@@ -78,18 +79,14 @@ class Hybrid(SPMD):
                 raise ValueError(f"Hybrid({name}={size!r}): an axis size must be a whole number >= 1.")
         if devices is None:  # the first data x model devices, with a warning if that leaves some idle
             devices = first_devices(model, data, *hybrid_hint(model))
-        mesh = make_mesh(devices, data=data, model=model, explicit=explicit)
-        super().__init__(mesh, rules=activation_rules(sequence_parallel))
-        self.rules, self.shard_data, self.min_size = rules, shard_data, min_size
-        self.sequence_parallel = sequence_parallel
+        super().__init__(data, zero=3 if shard_data else 0, tensor=model, sequence_parallel=sequence_parallel,
+                         min_size=min_size, devices=devices, explicit=explicit)  # fmt: skip
+        self.rules, self.shard_data = rules, shard_data
 
-    def partition_specs(self, params: PyTree) -> PyTree:
-        specs = model_specs(params, self.rules, self.mesh)
-        if self.shard_data:
-            data = self.mesh.shape[DATA]
-            specs = partition.fully_sharded_specs(params, DATA, data, min_size=self.min_size, base=specs)
-            partition.check_specs(params, specs, self.mesh)
-        return specs
+    shown_axes = (MODEL,)  # the mesh keeps its `model` axis at model=1
+
+    def model_specs(self, params: PyTree) -> PyTree:
+        return model_specs(params, self.rules, self.mesh)
 
     pattern = "hybrid"
 

@@ -25,25 +25,15 @@ from ..core import partition
 from ..core.axes import MODEL, AxisRules
 from ..core.contract import PyTree
 from ..core.devices import first_devices
-from ..core.mesh import is_count, make_mesh
+from ..core.mesh import is_count
 from ..core.reports import ExpectedCollective, Sizes
 from ..models import declared_axes
-from .spmd import BATCH_ON_DATA, EXPLICIT, SPMD
-
-# The logical names a model's parameters declare that tensor parallelism splits over `model`: attention's
-# heads, the MLP's hidden width, the CNN's channels between its first two convolutions, and `model` itself
-# (a model annotated with the mesh axis name). Every other name stays replicated.
-TENSOR_AXES = AxisRules((("heads", MODEL), ("mlp", MODEL), ("hidden_channels", MODEL), (MODEL, MODEL)))
-
-# Megatron's sequence parallelism, as activation rules: the residual stream (``norm_length``: layer norms,
-# dropout, residual adds) split along the sequence over `model`; inside attention and the MLP whole sequences
-# (``length`` replicated) with the heads and hidden units split. Between the two XLA all-gathers the sequence
-# before each column-split layer and reduce-scatters the row-split layer's partial sums after it, where plain
-# tensor parallelism all-reduces them.
-SEQUENCE_PARALLEL = AxisRules((("norm_length", MODEL), ("length", None), ("heads", MODEL), ("mlp", MODEL)))
+from .parallel import SEQUENCE_PARALLEL as SEQUENCE_PARALLEL
+from .parallel import TENSOR_AXES, Parallel, undeclared_axes_error
+from .spmd import EXPLICIT
 
 
-class TensorParallel(SPMD):
+class TensorParallel(Parallel):
     """Split every large weight over ``model`` devices; the batch is not split.
 
     Conceptually, for one MLP block on ``k`` devices::
@@ -98,13 +88,13 @@ class TensorParallel(SPMD):
             raise ValueError(f"TensorParallel(model={model!r}) needs a whole number of devices >= 1.")
         if devices is None:  # the first `model` devices, with a warning if that leaves some idle
             devices = first_devices(model, 1, *hybrid_hint(model), who=f"TensorParallel(model={model})")
-        mesh = make_mesh(devices, data=1, model=model, explicit=explicit)
-        super().__init__(mesh, rules=activation_rules(sequence_parallel))
+        super().__init__(1, tensor=model, sequence_parallel=sequence_parallel, devices=devices, explicit=explicit)
         self.model = model
         self.rules = rules
-        self.sequence_parallel = sequence_parallel
 
-    def partition_specs(self, params: PyTree) -> PyTree:
+    shown_axes = (MODEL,)  # the mesh keeps its `model` axis at model=1
+
+    def model_specs(self, params: PyTree) -> PyTree:
         return model_specs(params, self.rules, self.mesh)
 
     @staticmethod
@@ -130,12 +120,6 @@ class TensorParallel(SPMD):
     def __repr__(self) -> str:
         sequence = ", sequence_parallel=True" if self.sequence_parallel else ""
         return f"TensorParallel(model={self.model}{sequence}{EXPLICIT if self.explicit else ''})"
-
-
-def activation_rules(sequence_parallel: bool) -> AxisRules:
-    """The activation rules of a tensor-parallel preset: the batch over ``data``, and
-    :data:`SEQUENCE_PARALLEL` too with ``sequence_parallel``."""
-    return AxisRules(BATCH_ON_DATA + (SEQUENCE_PARALLEL.rules if sequence_parallel else ()))
 
 
 def hybrid_hint(model: int) -> tuple[Callable[[int], str], str]:
@@ -166,15 +150,7 @@ def _declared(params: PyTree) -> PyTree:
     """The logical axes ``params`` declare; an error saying to give rules when they declare none."""
     axes = declared_axes(params)
     if axes is None:
-        labels = [partition.path_label(path) for path, _ in jax.tree_util.tree_leaves_with_path(params)]
-        raise ValueError(
-            "TensorParallel has default rules only for models whose parameters declare logical axes "
-            "(pk.models.MLP, CNN and Transformer do; an NNX module of your own can, with "
-            "kernel_init=pk.models.with_axes(init, names), turned into parameters by pk.models.from_nnx); "
-            "give rules=[(regex, PartitionSpec), ...] "
-            f"for this model (its parameters: {', '.join(labels[:6])}{', ...' if len(labels) > 6 else ''}), "
-            'for example [(".*kernel", P(None, "model")), (".*", P())].'
-        )
+        raise undeclared_axes_error(params)
     return axes
 
 
