@@ -12,7 +12,7 @@ import optax
 from flax import nnx
 
 from ..core.axes import constrain
-from .functional import functional, graph_and_params, with_axes
+from .functional import functional, graph_and_params, param_axes, record_axes, with_axes
 from .layers.basic import apply_dropout, apply_layer, dense, layer_norm
 from .layers.sequence import RESIDUAL, gather_columns, scatter_rows
 from .recompute import maybe_remat, remat_policy
@@ -381,14 +381,20 @@ def stack_layers(module: nnx.Module, embedding: Callable, run_block: Callable, p
         return nnx.merge(head, nnx.State(params["head"]))(x)
 
     blocks = [graph_and_params(block) for block in module.blocks]
-    return Layers(
-        [embed_layer, *(block_layer(graphdef) for graphdef, _ in blocks), classify],
-        [
-            {"embed": embed_params, "position": module.position[...]},
-            *(params for _, params in blocks),
-            {"norm": norm_params, "head": head_params},
-        ],
-    )
+    params = [
+        {"embed": embed_params, "position": module.position[...]},
+        *(params for _, params in blocks),
+        {"norm": norm_params, "head": head_params},
+    ]
+    axes = param_axes(module)  # each layer's declared logical axes, found again by declared_axes
+    declared = [
+        {"embed": axes["embed"], "position": axes["position"]},
+        *(axes["blocks"][i] for i in range(len(blocks))),
+        {"norm": axes["norm"], "head": axes["head"]},
+    ]
+    for layer_params, layer_axes in zip(params, declared, strict=True):
+        record_axes(layer_params, layer_axes)
+    return Layers([embed_layer, *(block_layer(graphdef) for graphdef, _ in blocks), classify], params)
 
 
 def build(name: str, input_shape: Sequence[int], num_classes: int, seed: int = 0) -> tuple[Apply, dict]:

@@ -49,7 +49,7 @@ def from_nnx(module: nnx.Module) -> Functional:
     """
     graphdef, params, rest = nnx.split(module, nnx.Param, ...)
     rest_dict, params = nnx.to_pure_dict(rest), nnx.to_pure_dict(params)
-    _record_axes(params, param_axes(module))
+    record_axes(params, param_axes(module))
     takes = set(inspect.signature(type(module).__call__).parameters)
 
     def apply(params: dict, x: jax.Array, *, rng: jax.Array | None = None, model_state=None, train: bool = True):
@@ -151,11 +151,24 @@ def declared_axes(params: dict) -> dict | None:
     {'bias': ('classes',), 'kernel': ('mlp', 'classes')}
     >>> declared_axes({"w": np.zeros(3)}) is None
     True
+
+    A list of per-layer parameters (:func:`parallelkit.models.as_layers`' ``params``, or a pipeline stage's
+    run of them) declares what its layers declare, a layer that declares nothing its leaves' ``None``:
+
+    >>> [axes["head"]["bias"] for axes in declared_axes([params, params])]
+    [('classes',), ('classes',)]
     """
-    return _DECLARED.get(_signature(params))
+    found = _DECLARED.get(_signature(params))
+    if found is not None or not isinstance(params, list | tuple):
+        return found
+    layers = [declared_axes(layer) for layer in params]
+    if all(axes is None for axes in layers):
+        return None
+    pairs = zip(params, layers, strict=True)
+    return [jax.tree.map(lambda _: None, layer) if axes is None else axes for layer, axes in pairs]
 
 
-def _record_axes(params: dict, axes: dict) -> None:
+def record_axes(params: dict, axes: dict) -> None:
     """Record ``axes`` for trees like ``params`` (:func:`declared_axes`); forget an older record when ``axes``
     declares nothing."""
     key = _signature(params)

@@ -1,12 +1,11 @@
 """A layout as the kit's strategy: which layouts the kit can run, and the strategy that runs each.
 
-The kit runs one family of axes at a time beside ``data``: ``tensor`` (with sequence
-parallelism, and ZeRO-3 over ``data``: :class:`~parallelkit.Hybrid`), ``context``
-(:class:`~parallelkit.ContextParallel`), ``stages`` (:class:`~parallelkit.Pipeline`) or
-``expert`` (:class:`~parallelkit.ExpertParallel`); ``data`` alone with any ZeRO stage
-(:class:`~parallelkit.Mirrored`, :class:`~parallelkit.FullySharded`). Accumulation is the
-step's (``strategy.step(loss_fn, accumulate=layout.accumulate)``). Recomputation belongs to the
-model, not to a strategy (:func:`parallelkit.models.remat`), so a layout that recomputes is
+Without a pipeline every product of ``data`` (with ZeRO 0-3), ``tensor`` (with sequence
+parallelism), ``context`` and ``expert`` is one :class:`~parallelkit.Parallel` step; ``data``
+alone without ZeRO is :class:`~parallelkit.Mirrored`. With ``stages``, a
+:class:`~parallelkit.Pipeline` whose every stage is that ``Parallel`` over its own devices
+(``stage_axes``). Accumulation is the step's (``strategy.step(loss_fn, accumulate=layout.accumulate)``).
+Recomputation belongs to the model (:func:`parallelkit.models.remat`), so a layout that recomputes is
 planned but not built here.
 """
 
@@ -19,30 +18,27 @@ import jax
 
 from ..core.devices import resolve_devices
 from ..core.protocol import StrategyProtocol
-from ..strategies import (
-    ContextParallel,
-    ExpertParallel,
-    FullySharded,
-    Hybrid,
-    Mirrored,
-    SingleDevice,
-    TensorParallel,
-)
+from ..strategies import Mirrored, Parallel, SingleDevice
 from ..strategies.pipeline import Pipeline
-
-MODEL_AXES = ("tensor", "context", "stages", "expert")
 
 
 def unsupported(layout: Any) -> str | None:
     """Why the kit has no strategy for ``layout``; None when it has one."""
-    used = [axis for axis in MODEL_AXES if getattr(layout, axis) > 1]
-    if len(used) > 1:
-        return f"the kit splits one of {', '.join(MODEL_AXES)} beside data at a time, not {' and '.join(used)}"
     if layout.recompute != "none":
         return "recomputation is the model's choice (pk.models.remat), not a strategy's"
-    if layout.zero and used and not (used == ["tensor"] and layout.zero == 3):
-        return f"ZeRO-{layout.zero} runs over data alone (or ZeRO-3 beside tensor, as Hybrid(shard_data=True))"
+    if layout.stages > 1 and layout.expert > 1:
+        return "the kit's MoE GPT is not a list of layers (its blocks return the router's aux), so it has no pipeline"
+    if layout.stages == 1 and layout.expert > 1 and layout.microbatches > 1:
+        return ("expert parallelism does not accumulate gradients: its layers split the batch's own devices in "
+                "shard_map, so the step cannot map the microbatches over them")  # fmt: skip
     return None
+
+
+def stage_axes(layout: Any) -> dict[str, Any]:
+    """The :class:`~parallelkit.Parallel` keywords of each of ``layout``'s pipeline stages (empty: data alone)."""
+    axes = dict(tensor=layout.tensor, sequence_parallel=layout.sequence_parallel, context=layout.context,
+                context_method=layout.context_method, expert=layout.expert, zero=layout.zero)  # fmt: skip
+    return axes if layout.devices > layout.stages * layout.data or layout.zero else {}
 
 
 def kit_strategy(
@@ -79,14 +75,17 @@ def kit_strategy(
     if layout.stages > 1:
         if layers is None:
             raise ValueError(f"{layout.name} is a pipeline: pass layers=pk.models.as_layers(model).apply.")
-        return Pipeline(layers, layout.stages, layout.microbatches, layout.schedule, data=layout.data, devices=devices)
-    if layout.expert > 1:
-        return ExpertParallel(layout.expert, layout.data, devices=devices)
-    if layout.context > 1:
-        return ContextParallel(layout.context, layout.context_method, layout.data, devices=devices)
-    if layout.tensor > 1:
-        if layout.data == 1:
-            return TensorParallel(layout.tensor, sequence_parallel=layout.sequence_parallel, devices=devices)
-        return Hybrid(layout.data, layout.tensor, shard_data=layout.zero == 3,
-                      sequence_parallel=layout.sequence_parallel, devices=devices)  # fmt: skip
-    return FullySharded(layout.zero, devices) if layout.zero else Mirrored(devices)
+        return Pipeline(layers, layout.stages, layout.microbatches, layout.schedule, data=layout.data,
+                        stage_axes=stage_axes(layout), devices=devices)  # fmt: skip
+    if layout.devices == layout.data and not layout.zero:
+        return Mirrored(devices)
+    return Parallel(
+        layout.data,
+        zero=layout.zero,
+        tensor=layout.tensor,
+        sequence_parallel=layout.sequence_parallel,
+        context=layout.context,
+        context_method=layout.context_method,
+        expert=layout.expert,
+        devices=devices,
+    )

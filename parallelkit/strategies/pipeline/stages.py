@@ -22,6 +22,7 @@ schedule: a schedule changes only the order in which they are called.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any
@@ -94,7 +95,7 @@ def split_layers(num_layers: int, stages: int, layers_per_stage: Sequence[int] |
     return [range(a, b) for a, b in zip(bounds, bounds[1:], strict=False)]
 
 
-def _stage_output(layers, head_loss, first, last, params, x, batch, precision=None):
+def _stage_output(layers, head_loss, first, last, params, x, batch, precision=None, within=None):
     """The stage's layers on its input (the batch on the first stage); on the last stage, ``(loss, (aux, _))``.
 
     With ``precision`` the parameters, the input and the batch's floating arrays are cast to its
@@ -103,24 +104,29 @@ def _stage_output(layers, head_loss, first, last, params, x, batch, precision=No
     """
     if precision is not None:
         params, x, batch = cast_floating((params, x, batch), precision.compute_dtype)
-    y = run_layers(layers, params, batch if first else x)
+    with contextlib.nullcontext() if within is None else within.tracing():  # a stage SPMD over its own devices
+        y = run_layers(layers, params, batch if first else x)
     if not last:
         return y
     out = loss_with_aux(head_loss)(y, batch)
     return out if precision is None else cast_floating(out, jnp.float32)
 
 
-_STATIC = ("layers", "head_loss", "first", "last", "precision")
+_STATIC = ("layers", "head_loss", "first", "last", "precision", "within")
 
 
 @partial(jax.jit, static_argnames=_STATIC)
-def forward(params, x, batch, *, layers, head_loss, first, last, precision=None):
-    """One microbatch through the stage: its output for the next stage, or ``(loss, aux)`` on the last."""
-    out = _stage_output(layers, head_loss, first, last, params, x, batch, precision)
+def forward(params, x, batch, *, layers, head_loss, first, last, precision=None, within=None):
+    """One microbatch through the stage: its output for the next stage, or ``(loss, aux)`` on the last.
+
+    ``within``: the stage's :class:`~parallelkit.Parallel` when the stage is SPMD over its own devices (its
+    rules are active while the stage's layers trace); None otherwise. Every program here takes it.
+    """
+    out = _stage_output(layers, head_loss, first, last, params, x, batch, precision, within)
     return (out[0], out[1][0]) if last else out
 
 
-def _pullback(params, x, batch, cotangent, *, wrt, layers, head_loss, first, last, precision):
+def _pullback(params, x, batch, cotangent, *, wrt, layers, head_loss, first, last, precision, within=None):
     """The stage's forward pass recomputed under :func:`jax.vjp`: ``(parameter gradients, input gradient)``.
 
     ``wrt`` says which: ``"both"``, ``"params"`` (the input's gradient None) or ``"input"``
@@ -128,7 +134,7 @@ def _pullback(params, x, batch, cotangent, *, wrt, layers, head_loss, first, las
     """
 
     def output(p, inputs):
-        out = _stage_output(layers, head_loss, first, last, p, inputs, batch, precision)
+        out = _stage_output(layers, head_loss, first, last, p, inputs, batch, precision, within)
         return out[0] if last else out
 
     if wrt == "input":
@@ -147,7 +153,9 @@ _BACKWARD = (*_STATIC, "wrt")
 
 
 @partial(jax.jit, static_argnames=_BACKWARD, donate_argnames=("grads",))
-def backward(params, x, batch, cotangent, grads, *, layers, head_loss, first, last, precision=None, wrt="both"):
+def backward(
+    params, x, batch, cotangent, grads, *, layers, head_loss, first, last, precision=None, wrt="both", within=None
+):
     """Recompute the stage's forward pass under ``jax.vjp``; return ``(grads + this microbatch's, input gradient)``.
 
     ``cotangent`` is the gradient of the step's loss with respect to the stage's output:
@@ -157,22 +165,22 @@ def backward(params, x, batch, cotangent, grads, *, layers, head_loss, first, la
     zero-bubble schedule's weight pass: the parameters' gradients only (no input gradient);
     :func:`backward_input` is the other half.
     """
-    statics = dict(layers=layers, head_loss=head_loss, first=first, last=last, precision=precision)
+    statics = dict(layers=layers, head_loss=head_loss, first=first, last=last, precision=precision, within=within)
     param_grads, input_grad = _pullback(params, x, batch, cotangent, wrt=wrt, **statics)
     return jax.tree.map(jnp.add, grads, param_grads), input_grad
 
 
 @partial(jax.jit, static_argnames=_STATIC)
-def backward_input(params, x, batch, cotangent, *, layers, head_loss, first, last, precision=None):
+def backward_input(params, x, batch, cotangent, *, layers, head_loss, first, last, precision=None, within=None):
     """A zero-bubble schedule's backward pass: the gradient of the stage's input alone (None on the first
     stage), which the stage above waits for; the parameters' gradients wait for the weight pass."""
-    statics = dict(layers=layers, head_loss=head_loss, first=first, last=last, precision=precision)
+    statics = dict(layers=layers, head_loss=head_loss, first=first, last=last, precision=precision, within=within)
     return _pullback(params, x, batch, cotangent, wrt="input", **statics)[1]
 
 
 @partial(jax.jit, static_argnames=(*_BACKWARD, "mesh"), donate_argnames=("grads",))
 def backward_unreduced(
-    params, x, batch, cotangent, grads, *, mesh, layers, head_loss, first, last, precision=None, wrt="both"
+    params, x, batch, cotangent, grads, *, mesh, layers, head_loss, first, last, precision=None, wrt="both", within=None
 ):
     """:func:`backward` on each of the stage's ``data`` devices alone, with no collective.
 

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import math
 from collections import Counter
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from functools import cached_property, lru_cache, partial
 from typing import Any
 
@@ -15,7 +16,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from ...core.accumulate import refuse_accumulation
-from ...core.axes import DATA
+from ...core.axes import DATA, EXPERT, MODEL, SEQ
 from ...core.contract import Batch, LossInputError, PyTree, batch_size, guard_inputs, tree_bytes
 from ...core.devices import DeviceCountError, first_devices
 from ...core.mesh import is_count, make_mesh, outside_callers_mesh
@@ -27,6 +28,7 @@ from ...measure.inspect import Collective, parse_collectives
 from ...measure.traffic import bus_bytes, per_replica_bytes
 from ..base import Strategy, refuse_explicit
 from ..offdevice.split_update import check_update_splits
+from ..parallel import Parallel
 from . import schedules
 from . import stages as programs
 from .executor import Timeline, execute
@@ -86,6 +88,11 @@ class Pipeline(Strategy):
       virtual: chunks of layers per stage (the model is cut into ``stages x virtual`` runs),
         for an interleaved schedule; 1 otherwise.
       data: devices per stage that split each microbatch (data parallelism on a second axis).
+      stage_axes: each stage itself SPMD over its own devices: :class:`~parallelkit.Parallel`'s keywords
+        (``tensor``, ``sequence_parallel``, ``context``, ``context_method``, ``expert``, ``zero``), so that
+        ``stage_axes=dict(tensor=2)`` splits every stage's weights over 2 of its devices. Each stage then
+        runs on ``data x tensor x context x expert`` devices and its programs are that ``Parallel``'s
+        (gradients meet over ``data`` inside each backward pass, as XLA places them).
       layers_per_stage: how many layers each of the model's ``stages x virtual`` runs holds (as
         even as possible by default).
       devices: ``stages x data`` devices; the first ``stages x data`` by default. Stage ``s``
@@ -111,6 +118,7 @@ class Pipeline(Strategy):
         *,
         virtual: int = 1,
         data: int = 1,
+        stage_axes: Mapping[str, Any] | None = None,
         layers_per_stage: Sequence[int] | None = None,
         devices: Sequence[jax.Device] | None = None,
         explicit: bool = False,
@@ -143,22 +151,32 @@ class Pipeline(Strategy):
                 f"and needs at least {stages * virtual} layers, but the model has {len(self.layers)}. Use fewer "
                 "stages or chunks, or split the model into more layers."
             )
+        self.stage_axes = _checked_stage_axes(stage_axes)
+        inner = math.prod(self.stage_axes.get(axis, 1) for axis in ("tensor", "context", "expert"))
         self.stage_layers = split_layers(len(self.layers), stages * virtual, layers_per_stage)
         # The first layer reads the batch: a batch it cannot read or fit raises a clear error.
         self.layers = (_guarded(self.layers[0]), *self.layers[1:])
-        wanted = stages * data
+        wanted = stages * data * inner
+        sizes = "stages x data" + (" x the stage axes" if inner > 1 else "")
         if devices is not None and len(devices) != wanted:
             raise DeviceCountError(
-                f"Pipeline(stages={stages}, data={data}) runs on stages x data = {wanted} devices, "
+                f"Pipeline(stages={stages}, data={data}) runs on {sizes} = {wanted} devices, "
                 f"but {len(devices)} were given. Pass {wanted} devices (e.g. jax.devices()[:{wanted}]), "
                 "or change stages or data so that they multiply to the device count."
             )
         if devices is None:  # the first stages x data devices, with a warning if that leaves some idle
             devices = first_devices(
-                stages, data, lambda d: f"data={d}", "stages x data", f"Pipeline(stages={stages}, data={data})"
+                stages * inner, data, lambda d: f"data={d}", sizes, f"Pipeline(stages={stages}, data={data})"
             )
         super().__init__(devices)
-        self.mesh = make_mesh(self.devices, data=data, stage=stages)
+        inside = {_MESH_AXES[axis]: self.stage_axes[axis] for axis in _MESH_AXES if self.stage_axes.get(axis, 1) > 1}
+        self.mesh = make_mesh(self.devices, data=data, stage=stages, **inside)
+        # Each stage SPMD over its own devices (stage s: the mesh's `stage = s` slice, in order), where it has axes
+        self.stage_strategies = (
+            [Parallel(data, devices=list(self.mesh.devices[:, s].flat), **self.stage_axes) for s in range(stages)]
+            if self.stage_axes
+            else None
+        )
         self.microbatches, self.data = microbatches, data
         self.schedule_name = schedule if isinstance(schedule, str) else getattr(schedule, "__name__", "custom")
         self.schedule = SCHEDULES[schedule] if isinstance(schedule, str) else schedule
@@ -177,16 +195,18 @@ class Pipeline(Strategy):
 
     @property
     def num_replicas(self) -> int:
-        return self.data
+        return self.data if self.stage_strategies is None else self.stage_strategies[0].num_replicas
 
     @cached_property
     def stage_meshes(self) -> list[Mesh]:
-        """Stage ``s``'s devices as a one-axis (``data``) mesh."""
+        """Stage ``s``'s devices as a mesh: one ``data`` axis, or its :class:`~parallelkit.Parallel`'s axes."""
+        if self.stage_strategies is not None:
+            return [strategy.mesh for strategy in self.stage_strategies]
         return [Mesh(self.mesh.devices[:, s], (DATA,)) for s in range(self.stages)]
 
     def stage_devices(self, stage: int) -> list[jax.Device]:
-        """Run ``stage``'s devices: its stage's column of the ``data x stage`` mesh."""
-        return list(self.mesh.devices[:, stage % self.stages])
+        """Run ``stage``'s devices: its stage's slice of the ``data x stage (x the stage axes)`` mesh."""
+        return list(self.mesh.devices[:, stage % self.stages].flat)
 
     def replicated(self, stage: int) -> NamedSharding:
         """Where run ``stage``'s parameters and optimizer state live: a full copy on each of its devices."""
@@ -194,7 +214,24 @@ class Pipeline(Strategy):
 
     def split(self, stage: int) -> NamedSharding:
         """Where run ``stage``'s microbatches and activations live: split over its devices along the batch."""
+        if self.stage_strategies is not None:
+            return self.stage_strategies[stage % self.stages].batch_sharding
         return NamedSharding(self.stage_meshes[stage % self.stages], P(DATA))
+
+    def batch_placement(self, stage: int, batch: Batch) -> Any:
+        """Where run ``stage``'s microbatch of the batch lives: :meth:`split`, or by its stage's rules (the
+        tokens over ``context`` too)."""
+        if self.stage_strategies is not None:
+            return self.stage_strategies[stage % self.stages].batch_shardings(batch)
+        return self.split(stage)
+
+    def state_placement(self, stage: int, params: PyTree, tx: optax.GradientTransformation) -> tuple[Any, Any]:
+        """Where run ``stage``'s parameters and optimizer state live: a copy on each of its devices, or as its
+        stage's :class:`~parallelkit.Parallel` lays them out (split weights, ZeRO)."""
+        if self.stage_strategies is None:
+            return self.replicated(stage), self.replicated(stage)
+        target = self.stage_strategies[stage % self.stages].state_shardings(params, tx)
+        return target.params, target.opt_state
 
     def planned(self) -> list[schedules.Slot]:
         """The computed schedule this pipeline runs (in units of one forward pass), checked."""
@@ -266,13 +303,14 @@ class Pipeline(Strategy):
             "or FullySharded, which update every parameter at once.",
         )  # fmt: skip
         per_stage = self.stage_params(params)
-        placed = [_placed_copy(p, self.replicated(s)) for s, p in enumerate(per_stage)]
+        where = [self.state_placement(s, p, tx) for s, p in enumerate(per_stage)]
+        placed = [_placed_copy(p, where[s][0]) for s, p in enumerate(per_stage)]
         if opt_state is None:
-            opt_states = [jax.jit(tx.init, out_shardings=self.replicated(s))(p) for s, p in enumerate(placed)]
+            opt_states = [jax.jit(tx.init, out_shardings=where[s][1])(p) for s, p in enumerate(placed)]
         else:
             expected = [jax.eval_shape(tx.init, p) for p in per_stage]
             check_same_tree(expected, list(opt_state), what="opt_state", against="[tx.init(stage params), ...]")
-            opt_states = [_placed_copy(o, self.replicated(s)) for s, o in enumerate(opt_state)]
+            opt_states = [_placed_copy(o, where[s][1]) for s, o in enumerate(opt_state)]
         step = jax.device_put(jnp.zeros((), jnp.int32), self.replicated(0))
         return TrainState(step=step, params=self.layer_params(placed), opt_state=opt_states, tx=tx)
 
@@ -284,11 +322,11 @@ class Pipeline(Strategy):
                 f"A batch of {size} examples does not split into {self.microbatches} equal microbatches. "
                 f"Use a batch size divisible by {self.microbatches}, or another microbatch count."
             )
-        micro = size // self.microbatches
-        if micro % self.data:
+        micro, replicas = size // self.microbatches, self.num_replicas
+        if micro % replicas:
             raise ValueError(
-                f"A microbatch of {micro} examples does not split over the {self.data} devices of a stage. "
-                f"Use a batch size divisible by microbatches x data = {self.microbatches * self.data}."
+                f"A microbatch of {micro} examples does not split over the {replicas} replicas of a stage. "
+                f"Use a batch size divisible by microbatches x replicas = {self.microbatches * replicas}."
             )
         return [jax.tree.map(lambda x, m=m: x[m * micro : (m + 1) * micro], batch) for m in range(self.microbatches)]
 
@@ -362,9 +400,28 @@ class Pipeline(Strategy):
 
     def __repr__(self) -> str:
         data = f", data={self.data}" if self.data > 1 else ""
+        if self.stage_axes:
+            data += f", stage_axes={self.stage_axes}"
         data = f", virtual={self.virtual}{data}" if self.virtual > 1 else data
         schedule = f"schedule={self.schedule_name!r}"
         return f"Pipeline(stages={self.stages}, microbatches={self.microbatches}, {schedule}{data})"
+
+
+# A stage axis, by Parallel's keyword, and its mesh axis in the pipeline's mesh.
+_MESH_AXES = {"context": SEQ, "expert": EXPERT, "tensor": MODEL}
+_STAGE_KEYWORDS = ("tensor", "sequence_parallel", "context", "context_method", "expert", "zero")
+
+
+def _checked_stage_axes(stage_axes: Mapping[str, Any] | None) -> dict[str, Any]:
+    """``stage_axes`` as a dict without its defaults; a clear error for a keyword a stage does not take."""
+    given = dict(stage_axes or {})
+    if unknown := sorted(set(given) - set(_STAGE_KEYWORDS)):
+        what = "'data' is Pipeline's own data=" if "data" in unknown else f"{unknown[0]!r} is not one of them"
+        raise ValueError(
+            f"Pipeline(stage_axes={given}): a stage takes pk.Parallel's keywords {_STAGE_KEYWORDS}; {what}."
+        )
+    splits = any(given.get(key, 1) > 1 for key in _MESH_AXES) or given.get("zero", 0) or given.get("sequence_parallel")
+    return given if splits else {}  # a stage split over nothing but data is the plain pipeline's
 
 
 def _layer_functions(layers: Iterable[Layer]) -> tuple[Layer, ...]:
@@ -444,8 +501,15 @@ class PipelineStep(Step):
         last = pipeline.model_stages - 1
         # The static arguments of each stage's programs: the shared ones, its layers, and whether it is first or last.
         shared = dict(head_loss=head_loss, precision=precision)
+        within = pipeline.stage_strategies or [None] * pipeline.stages  # a stage's rules while its programs trace
         self.statics = [
-            dict(layers=tuple(pipeline.layers[i] for i in layers), first=s == 0, last=s == last, **shared)
+            dict(
+                layers=tuple(pipeline.layers[i] for i in layers),
+                first=s == 0,
+                last=s == last,
+                within=within[s % pipeline.stages],
+                **shared,
+            )  # fmt: skip
             for s, layers in enumerate(pipeline.stage_layers)
         ]
         self.timeline: Timeline | None = None
@@ -530,15 +594,17 @@ class PipelineStep(Step):
         seed = jnp.float32(1 / pipe.microbatches)
         seed = jax.device_put(seed if scale is None else seed * scale, pipe.replicated(last))
 
-        def send(what: str, tree: Any, stage: int, m: int) -> Any:
-            """``tree`` placed on ``stage``'s devices, split along the batch, and its bytes there recorded."""
-            placed = jax.device_put(tree, pipe.split(stage))
+        def send(what: str, tree: Any, stage: int, m: int, where: Any = None) -> Any:
+            """``tree`` placed on ``stage``'s devices (split along the batch unless ``where`` says otherwise), and
+            its bytes there recorded."""
+            placed = jax.device_put(tree, pipe.split(stage) if where is None else where)
             moved.append((what, stage, m, per_replica_bytes(placed, pipe.stage_devices(stage))))
             return placed
 
         def task(kind: str, stage: int, m: int, received: Any) -> Any:
             if kind == "forward":  # the first stage reads the batch, the last its labels
-                batch = send("batch", microbatches[m], stage, m) if stage in (0, last) else None
+                batch = send("batch", microbatches[m], stage, m, where=pipe.batch_placement(stage, microbatches[m]))
+                batch = batch if stage in (0, last) else None
                 stash[stage][m] = (received, batch)
                 out = programs.forward(params[stage], received, batch, **statics[stage])
                 if stage == last:
@@ -571,14 +637,14 @@ class PipelineStep(Step):
         watched = [pipe.stage_devices(s)[0] for s in range(pipe.stages)]  # whose own memory reading is kept
         timeline = execute(self.orders, task, stashed_bytes, watched, virtual=pipe.virtual)
         timeline.moved = sorted(moved)
-        if pipe.data > 1:  # each device's own sums, all-reduced once a step
+        if pipe.data > 1 and pipe.stage_strategies is None:  # each device's own sums, all-reduced once a step
             grads = [programs.reduce_unreduced(g, where=pipe.replicated(s)) for s, g in enumerate(grads)]
         return grads, [outputs[m] for m in range(pipe.microbatches)], timeline
 
     def _zero_grads(self, stage: int, params: PyTree) -> PyTree:
         """A stage's running sum of gradients at zero: like its parameters, or with ``data > 1`` one row per device."""
         pipe = self.pipeline
-        if pipe.data == 1:
+        if pipe.data == 1 or pipe.stage_strategies is not None:  # laid out like the parameters
             return jax.tree.map(jnp.zeros_like, params)
         rows = jax.tree.map(lambda p: jnp.zeros((pipe.data, *p.shape), p.dtype), params)
         return jax.device_put(rows, pipe.split(stage))
@@ -588,7 +654,7 @@ class PipelineStep(Step):
         for them: with ``data > 1``, :func:`~parallelkit.strategies.pipeline.stages.backward_unreduced`."""
         pipe = self.pipeline
         program, arguments = programs.backward, dict(self.statics[stage], wrt=wrt)
-        if pipe.data > 1:
+        if pipe.data > 1 and pipe.stage_strategies is None:
             program, arguments["mesh"] = programs.backward_unreduced, pipe.stage_meshes[stage % pipe.stages]
         return (program.lower if lower else program)(*args, **arguments)
 
@@ -630,7 +696,7 @@ class PipelineStep(Step):
                 lowered["weight"] = self._backward(s, params[s], x, batch, cotangent, grads, wrt="params", lower=True)
             else:
                 lowered["backward"] = self._backward(s, params[s], x, batch, cotangent, grads, lower=True)
-            if pipe.data > 1:
+            if pipe.data > 1 and pipe.stage_strategies is None:
                 lowered["reduce"] = programs.reduce_unreduced.lower(grads, where=pipe.replicated(s))
             for kind, program in lowered.items():
                 found += [(s, kind, c) for c in parse_collectives(program.compile().as_text())]
