@@ -24,6 +24,7 @@ from .layers import attention
 from .layers.basic import apply_dropout, apply_layer, dense, layer_norm
 from .layers.experts import check_routing, moe_layer
 from .layers.sequence import RESIDUAL, scatter_rows
+from .recompute import recompute_block
 
 _INIT = nnx.initializers.normal(0.02)  # GPT-2's initialisation of every weight matrix and embedding
 LOAD_BALANCING = 0.01  # the weight of the load-balancing loss (the Switch Transformer's alpha)
@@ -140,8 +141,9 @@ class GPT(nnx.Module):
         x = apply_layer(self.embed, tokens) + self.position[:length][None]
         x = constrain(apply_dropout(x, self.dropout_rate, keys[0]), RESIDUAL)
         layers = []
+        run = recompute_block(lambda block, x, key: block(x, self.heads, self.dropout_rate, key, self.routing))
         for block, key in zip(self.blocks, keys[1:], strict=True):
-            x, aux = block(x, self.heads, self.dropout_rate, key, self.routing)
+            x, aux = run(block, x, key)
             layers.append(aux)
         # laid out a token at a time, as the norms are
         logits = constrain(apply_layer(self.head, self.norm(x)), ("batch", "norm_length", "vocab"))

@@ -23,6 +23,8 @@ recomputation of layers in an unrolled Python loop (:class:`~parallelkit.models.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 from collections.abc import Callable
 from typing import Any
@@ -30,7 +32,12 @@ from typing import Any
 import jax
 from flax import nnx
 
+from ..core.axes import _setting
+
 POLICIES = ("nothing_saveable", "dots_saveable", "dots_with_no_batch_dims_saveable", "everything_saveable")
+RECOMPUTE = ("none", "selective", "full")  # a layout's recomputation, for every model of the kit
+
+_RECOMPUTATION: contextvars.ContextVar[str] = contextvars.ContextVar("recomputation", default="none")
 
 
 def checkpoint_policy(name: str) -> Callable[..., bool]:
@@ -98,3 +105,85 @@ def remat(fn: Callable[..., Any], policy: str = "nothing_saveable") -> Callable[
 def maybe_remat(fn: Callable[..., Any], policy: str | None) -> Callable[..., Any]:
     """``remat(fn, policy)``, or ``fn`` itself when ``policy`` is None (a model's ``remat=False``)."""
     return fn if policy is None else remat(fn, policy)
+
+
+def check_recomputation(name: str) -> None:
+    """Raise a ValueError naming :data:`RECOMPUTE` unless ``name`` is one of them."""
+    if name not in RECOMPUTE:
+        raise ValueError(
+            f"Unknown recomputation {name!r}: use one of {', '.join(map(repr, RECOMPUTE))} "
+            "(pk.models.remat takes jax.checkpoint_policies' names instead)."
+        )
+
+
+def recomputation(name: str) -> contextlib.AbstractContextManager:
+    """A block inside which the kit's transformers recompute as ``name`` says (one of :data:`RECOMPUTE`).
+
+    A strategy opens it while it traces its step; the models read it then
+    (:func:`active_recomputation`), not at every call.
+
+    >>> with recomputation("full"):
+    ...     active_recomputation()
+    'full'
+    >>> active_recomputation()
+    'none'
+
+    Raises:
+      ValueError: an unknown name, listing the known ones.
+    """
+    check_recomputation(name)
+    return _setting(_RECOMPUTATION, name)
+
+
+def active_recomputation() -> str:
+    """The recomputation of the innermost :func:`recomputation` block: ``"none"`` outside any."""
+    return _RECOMPUTATION.get()
+
+
+def block_policy(name: str) -> str | None:
+    """The policy (a name of :data:`POLICIES`) a transformer block runs under for recomputation ``name``.
+
+    ``"nothing_saveable"`` for ``"full"``; None (the block is not wrapped) for ``"none"`` and for
+    ``"selective"``, which recomputes inside attention only (:func:`scores_policy`).
+
+    >>> block_policy("none"), block_policy("selective"), block_policy("full")
+    (None, None, 'nothing_saveable')
+
+    Raises:
+      ValueError: an unknown name, listing the known ones.
+    """
+    check_recomputation(name)
+    return "nothing_saveable" if name == "full" else None
+
+
+def scores_policy(name: str) -> str | None:
+    """The policy (a name of :data:`POLICIES`) attention's scores and softmax run under for recomputation ``name``.
+
+    ``"nothing_saveable"`` for ``"selective"``: from the queries, keys and values, the backward pass
+    computes the scores and probabilities again. None (not wrapped) for ``"none"`` and for ``"full"``,
+    whose block recomputes them already (:func:`block_policy`).
+
+    >>> scores_policy("none"), scores_policy("selective"), scores_policy("full")
+    (None, 'nothing_saveable', None)
+
+    Raises:
+      ValueError: an unknown name, listing the known ones.
+    """
+    check_recomputation(name)
+    return "nothing_saveable" if name == "selective" else None
+
+
+def recompute_block(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn``, a transformer block, wrapped as the active recomputation says (:func:`block_policy`).
+
+    Read when ``fn``'s caller is traced. ``fn`` takes arrays and modules, as for :func:`remat`.
+    """
+    return maybe_remat(fn, block_policy(active_recomputation()))
+
+
+def recompute_scores(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn``, attention's scores and softmax, wrapped as the active recomputation says (:func:`scores_policy`).
+
+    Read when ``fn``'s caller is traced. ``fn`` takes arrays (None for an absent one), as for :func:`remat`.
+    """
+    return maybe_remat(fn, scores_policy(active_recomputation()))
