@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
@@ -147,6 +146,9 @@ class Transformer(nnx.Module):
     Dropout is active when ``rngs`` (a PRNG key) is passed to ``__call__``. ``remat`` (False,
     True for ``"nothing_saveable"``, or a policy name) wraps each block with
     :func:`parallelkit.models.remat` (:mod:`parallelkit.models.recompute` says what the compiler keeps).
+    With ``remat=False`` the blocks recompute as the strategy's :func:`~parallelkit.models.recomputation`
+    says (``"selective"``: the attention weights, dropout included; ``"full"``: each block); a model built
+    with ``remat`` refuses any recomputation besides ``"none"``, when the step is traced.
     """
 
     def __init__(
@@ -209,12 +211,13 @@ class _Block(nnx.Module):
         batch, tokens, dim = x.shape
         keys = [None] * 3 if key is None else list(jax.random.split(key, 3))
         q, k, v = project_heads(self, x, heads)
-        attended = recompute_scores(functools.partial(_attend, rate=rate))(q, k, v, keys[0]).reshape(batch, tokens, dim)
+        attend = recompute_scores(lambda q, k, v, key: _attend(q, k, v, key, rate))  # the rate bound, not traced
+        attended = attend(q, k, v, keys[0]).reshape(batch, tokens, dim)
         x = constrain(x + apply_dropout(scatter_rows(attended, self.out, "heads"), rate, keys[1]), RESIDUAL)
         return constrain(x + apply_dropout(feed_forward(self, x), rate, keys[2]), RESIDUAL)
 
 
-def _attend(q: jax.Array, k: jax.Array, v: jax.Array, key: jax.Array | None, *, rate: float) -> jax.Array:
+def _attend(q: jax.Array, k: jax.Array, v: jax.Array, key: jax.Array | None, rate: float) -> jax.Array:
     """Every token's attention to every token, with dropout (rate ``rate``, from ``key``) on the softmax weights."""
     weights = jax.nn.softmax(jnp.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(q.shape[-1]), axis=-1)
     return jnp.einsum("bhqk,bkhd->bqhd", apply_dropout(weights, rate, key), v)
@@ -333,7 +336,9 @@ def as_layers(module: Any) -> Layers:
     takes the previous one's output; the last gives the logits, for :func:`cross_entropy`.
     The MLP's layers are its Dense layers (ReLU after each hidden one); the transformer's
     are the embedding (with the position embedding), each block, and the final norm with
-    the head. As layers, the transformer runs without dropout, and neither model recomputes. Composed in order
+    the head. As layers, the transformer runs without dropout and neither model applies its ``remat``
+    option; the transformer's blocks (and the GPT's) recompute as the active
+    :func:`~parallelkit.models.recomputation` says. Composed in order
     (:func:`parallelkit.strategies.pipeline.sequential_loss`) they compute the module's own logits.
 
     >>> layers, params = as_layers(MLP(4, (8,), 2, rngs=nnx.Rngs(0)))

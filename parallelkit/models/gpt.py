@@ -40,7 +40,9 @@ class GPT(nnx.Module):
     the embedding and the head can be split differently. Dropout (rate ``dropout``) acts
     on the embeddings and on the output of both branches of every block (not on the
     attention weights, which stay inside ``attend``) when ``rngs`` (a PRNG key) is passed
-    to ``__call__``; each block draws from its own key split from it.
+    to ``__call__``; each block draws from its own key split from it. Inside a
+    :func:`~parallelkit.models.recomputation` block, open while the step is traced, the backward pass
+    recomputes attention's scores and probabilities (``"selective"``) or each whole block (``"full"``).
 
     With ``experts > 0`` the model is a mixture of experts: the MLP of every block (as in
     Mixtral; GShard replaces every other one) is
@@ -156,7 +158,8 @@ class GPT(nnx.Module):
 
         The embedding (tokens ``batch["x"]`` and positions), each block, and the final norm with
         the head, whose logits :func:`~parallelkit.models.cross_entropy` scores against
-        ``batch["y"]`` as :func:`lm_loss` does. As layers, the GPT runs without dropout.
+        ``batch["y"]`` as :func:`lm_loss` does. As layers, the GPT runs without dropout; its blocks
+        recompute as the active :func:`~parallelkit.models.recomputation` says.
 
         Raises:
           TypeError: a GPT with experts (its blocks return the router's aux as well).

@@ -19,6 +19,28 @@ The compiler decides what is kept in the end. Read from the compiled program wit
 layers run by ``jax.lax.scan`` (:class:`~parallelkit.models.Tower`) fall, while XLA merges the
 recomputation of layers in an unrolled Python loop (:class:`~parallelkit.models.MLP`,
 :class:`~parallelkit.models.Transformer`) back into their forward pass, so theirs do not.
+
+A layout's recomputation (:data:`RECOMPUTE`) is chosen by the strategy that runs the step, not by
+the model: inside a :func:`recomputation` block, open while the step is traced, the kit's
+transformers (:class:`~parallelkit.models.GPT` and :class:`~parallelkit.models.Transformer`) recompute
+
+- ``"none"``: nothing; every activation the backward pass needs is kept.
+- ``"selective"``: attention's scores and softmax probabilities, the ``batch x heads x length x length``
+  arrays, from the queries, keys and values (:func:`scores_policy`); everything else is kept. The price
+  is the scores' product ``q k^T`` once more.
+- ``"full"``: each block from its input, which is all it keeps (:func:`block_policy`); nearly one more
+  forward pass of the blocks (all but the products whose outputs the backward pass does not read).
+
+Selective recomputation wraps the scores' arithmetic itself in ``jax.checkpoint``: a policy for the
+whole block that named the scores with ``jax.ad_checkpoint.checkpoint_name`` and refused only those
+names would keep the same arrays, since the backward pass would then keep the values the names were
+applied to. Read from the TPU compiler's program (:func:`parallelkit.aot.compile`), the peak memory
+falls from ``"none"`` to ``"selective"`` to ``"full"``; XLA's CPU backend drops the selective
+recomputation's product and shows no fall in its temporaries (``tests/test_recomputation.py``).
+
+References:
+  Korthikanti et al., "Reducing Activation Recomputation in Large Transformer Models", 2022
+  (selective and full recomputation, section 4).
 """
 
 from __future__ import annotations
