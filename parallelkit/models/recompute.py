@@ -20,9 +20,10 @@ layers run by ``jax.lax.scan`` (:class:`~parallelkit.models.Tower`) fall, while 
 recomputation of layers in an unrolled Python loop (:class:`~parallelkit.models.MLP`,
 :class:`~parallelkit.models.Transformer`) back into their forward pass, so theirs do not.
 
-A layout's recomputation (:data:`RECOMPUTE`) is chosen by the strategy that runs the step, not by
-the model: inside a :func:`recomputation` block, open while the step is traced, the kit's
-transformers (:class:`~parallelkit.models.GPT` and :class:`~parallelkit.models.Transformer`) recompute
+A layout's recomputation (:data:`RECOMPUTE`) is not a model's option but the step's: inside a
+:func:`recomputation` block open while the step is traced (by the loss function, or by a strategy
+that takes a recomputation), the kit's transformers (:class:`~parallelkit.models.GPT` and
+:class:`~parallelkit.models.Transformer`) recompute
 
 - ``"none"``: nothing; every activation the backward pass needs is kept.
 - ``"selective"``: attention's scores and softmax probabilities, the ``batch x heads x length x length``
@@ -39,8 +40,8 @@ falls from ``"none"`` to ``"selective"`` to ``"full"``; XLA's CPU backend drops 
 recomputation's product and shows no fall in its temporaries (``tests/test_recomputation.py``).
 
 References:
-  Korthikanti et al., "Reducing Activation Recomputation in Large Transformer Models", 2022
-  (selective and full recomputation, section 4).
+  Korthikanti et al., "Reducing Activation Recomputation in Large Transformer Models", 2022:
+  selective recomputation, and the activations each choice keeps.
 """
 
 from __future__ import annotations
@@ -141,8 +142,8 @@ def check_recomputation(name: str) -> None:
 def recomputation(name: str) -> contextlib.AbstractContextManager:
     """A block inside which the kit's transformers recompute as ``name`` says (one of :data:`RECOMPUTE`).
 
-    A strategy opens it while it traces its step; the models read it then
-    (:func:`active_recomputation`), not at every call.
+    Open it where the step is traced (in the loss function, or in a strategy that takes a recomputation):
+    the models read it then (:func:`active_recomputation`), not at every call.
 
     >>> with recomputation("full"):
     ...     active_recomputation()
