@@ -146,7 +146,7 @@ class Transformer(nnx.Module):
     Dropout is active when ``rngs`` (a PRNG key) is passed to ``__call__``. ``remat`` (False,
     True for ``"nothing_saveable"``, or a policy name) wraps each block with
     :func:`parallelkit.models.remat` (:mod:`parallelkit.models.recompute` says what the compiler keeps).
-    With ``remat=False`` the blocks recompute as the strategy's :func:`~parallelkit.models.recomputation`
+    With ``remat=False`` the blocks recompute as the active :func:`~parallelkit.models.recomputation`
     says (``"selective"``: the attention weights, dropout included; ``"full"``: each block); a model built
     with ``remat`` refuses any recomputation besides ``"none"``, when the step is traced.
     """
