@@ -15,7 +15,7 @@ from ..core.axes import constrain
 from .functional import functional, graph_and_params, param_axes, record_axes, with_axes
 from .layers.basic import apply_dropout, apply_layer, dense, layer_norm
 from .layers.sequence import RESIDUAL, gather_columns, scatter_rows
-from .recompute import maybe_remat, remat_policy
+from .recompute import active_recomputation, block_policy, maybe_remat, recompute_block, recompute_scores, remat_policy
 
 Apply = Callable[[dict, jax.Array], jax.Array]
 
@@ -146,6 +146,9 @@ class Transformer(nnx.Module):
     Dropout is active when ``rngs`` (a PRNG key) is passed to ``__call__``. ``remat`` (False,
     True for ``"nothing_saveable"``, or a policy name) wraps each block with
     :func:`parallelkit.models.remat` (:mod:`parallelkit.models.recompute` says what the compiler keeps).
+    With ``remat=False`` the blocks recompute as the active :func:`~parallelkit.models.recomputation`
+    says (``"selective"``: the attention weights, dropout included; ``"full"``: each block); a model built
+    with ``remat`` refuses any recomputation besides ``"none"``, when the step is traced.
     """
 
     def __init__(
@@ -176,10 +179,20 @@ class Transformer(nnx.Module):
         x = x.reshape(x.shape[0], x.shape[1], -1)  # (batch, tokens, features of a token)
         x = constrain(apply_layer(self.embed, x) + self.position[None], RESIDUAL)
         keys = [None] * len(self.blocks) if rngs is None else list(jax.random.split(rngs, len(self.blocks)))
-        run = maybe_remat(lambda block, x, key: block(x, self.heads, self.dropout_rate, key), self.remat)
+        run = maybe_remat(lambda block, x, key: block(x, self.heads, self.dropout_rate, key), self._block_policy())
         for block, key in zip(self.blocks, keys, strict=True):
             x = run(block, x, key)
         return apply_layer(self.head, self.norm(x).mean(axis=1))
+
+    def _block_policy(self) -> str | None:
+        """The blocks' policy: the model's ``remat``, or the active recomputation's; both at once are refused."""
+        layout = active_recomputation()
+        if self.remat is not None and layout != "none":
+            raise ValueError(
+                f"Transformer(remat={self.remat!r}) and recomputation {layout!r} both choose what the blocks "
+                "recompute: build the model with remat=False to let the strategy choose, or recompute 'none'."
+            )
+        return self.remat or block_policy(layout)
 
 
 class _Block(nnx.Module):
@@ -198,11 +211,16 @@ class _Block(nnx.Module):
         batch, tokens, dim = x.shape
         keys = [None] * 3 if key is None else list(jax.random.split(key, 3))
         q, k, v = project_heads(self, x, heads)
-        weights = jax.nn.softmax(jnp.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(dim // heads), axis=-1)
-        weights = apply_dropout(weights, rate, keys[0])
-        attended = jnp.einsum("bhqk,bkhd->bqhd", weights, v).reshape(batch, tokens, dim)
+        attend = recompute_scores(lambda q, k, v, key: _attend(q, k, v, key, rate))  # the rate bound, not traced
+        attended = attend(q, k, v, keys[0]).reshape(batch, tokens, dim)
         x = constrain(x + apply_dropout(scatter_rows(attended, self.out, "heads"), rate, keys[1]), RESIDUAL)
         return constrain(x + apply_dropout(feed_forward(self, x), rate, keys[2]), RESIDUAL)
+
+
+def _attend(q: jax.Array, k: jax.Array, v: jax.Array, key: jax.Array | None, rate: float) -> jax.Array:
+    """Every token's attention to every token, with dropout (rate ``rate``, from ``key``) on the softmax weights."""
+    weights = jax.nn.softmax(jnp.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(q.shape[-1]), axis=-1)
+    return jnp.einsum("bhqk,bkhd->bqhd", apply_dropout(weights, rate, key), v)
 
 
 def project_heads(block: nnx.Module, x: jax.Array, heads: int) -> tuple[jax.Array, ...]:
@@ -318,7 +336,9 @@ def as_layers(module: Any) -> Layers:
     takes the previous one's output; the last gives the logits, for :func:`cross_entropy`.
     The MLP's layers are its Dense layers (ReLU after each hidden one); the transformer's
     are the embedding (with the position embedding), each block, and the final norm with
-    the head. As layers, the transformer runs without dropout, and neither model recomputes. Composed in order
+    the head. As layers, the transformer runs without dropout and neither model applies its ``remat``
+    option; the transformer's blocks (and the GPT's) recompute as the active
+    :func:`~parallelkit.models.recomputation` says. Composed in order
     (:func:`parallelkit.strategies.pipeline.sequential_loss`) they compute the module's own logits.
 
     >>> layers, params = as_layers(MLP(4, (8,), 2, rngs=nnx.Rngs(0)))
@@ -374,7 +394,7 @@ def stack_layers(module: nnx.Module, embedding: Callable, run_block: Callable, p
         return embedding(nnx.merge(embed, nnx.State(params["embed"])), params["position"], batch["x"])
 
     def block_layer(graphdef):
-        return lambda params, x: run_block(nnx.merge(graphdef, nnx.State(params)), x)
+        return lambda params, x: recompute_block(run_block)(nnx.merge(graphdef, nnx.State(params)), x)
 
     def classify(params: dict, x: jax.Array) -> jax.Array:
         x = pool(nnx.merge(norm, nnx.State(params["norm"]))(x))

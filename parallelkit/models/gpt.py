@@ -24,6 +24,7 @@ from .layers import attention
 from .layers.basic import apply_dropout, apply_layer, dense, layer_norm
 from .layers.experts import check_routing, moe_layer
 from .layers.sequence import RESIDUAL, scatter_rows
+from .recompute import recompute_block
 
 _INIT = nnx.initializers.normal(0.02)  # GPT-2's initialisation of every weight matrix and embedding
 LOAD_BALANCING = 0.01  # the weight of the load-balancing loss (the Switch Transformer's alpha)
@@ -39,7 +40,9 @@ class GPT(nnx.Module):
     the embedding and the head can be split differently. Dropout (rate ``dropout``) acts
     on the embeddings and on the output of both branches of every block (not on the
     attention weights, which stay inside ``attend``) when ``rngs`` (a PRNG key) is passed
-    to ``__call__``; each block draws from its own key split from it.
+    to ``__call__``; each block draws from its own key split from it. Inside a
+    :func:`~parallelkit.models.recomputation` block, open while the step is traced, the backward pass
+    recomputes attention's scores and probabilities (``"selective"``) or each whole block (``"full"``).
 
     With ``experts > 0`` the model is a mixture of experts: the MLP of every block (as in
     Mixtral; GShard replaces every other one) is
@@ -140,8 +143,9 @@ class GPT(nnx.Module):
         x = apply_layer(self.embed, tokens) + self.position[:length][None]
         x = constrain(apply_dropout(x, self.dropout_rate, keys[0]), RESIDUAL)
         layers = []
+        run = recompute_block(lambda block, x, key: block(x, self.heads, self.dropout_rate, key, self.routing))
         for block, key in zip(self.blocks, keys[1:], strict=True):
-            x, aux = block(x, self.heads, self.dropout_rate, key, self.routing)
+            x, aux = run(block, x, key)
             layers.append(aux)
         # laid out a token at a time, as the norms are
         logits = constrain(apply_layer(self.head, self.norm(x)), ("batch", "norm_length", "vocab"))
@@ -154,7 +158,8 @@ class GPT(nnx.Module):
 
         The embedding (tokens ``batch["x"]`` and positions), each block, and the final norm with
         the head, whose logits :func:`~parallelkit.models.cross_entropy` scores against
-        ``batch["y"]`` as :func:`lm_loss` does. As layers, the GPT runs without dropout.
+        ``batch["y"]`` as :func:`lm_loss` does. As layers, the GPT runs without dropout; its blocks
+        recompute as the active :func:`~parallelkit.models.recomputation` says.
 
         Raises:
           TypeError: a GPT with experts (its blocks return the router's aux as well).

@@ -19,10 +19,35 @@ The compiler decides what is kept in the end. Read from the compiled program wit
 layers run by ``jax.lax.scan`` (:class:`~parallelkit.models.Tower`) fall, while XLA merges the
 recomputation of layers in an unrolled Python loop (:class:`~parallelkit.models.MLP`,
 :class:`~parallelkit.models.Transformer`) back into their forward pass, so theirs do not.
+
+A layout's recomputation (:data:`RECOMPUTE`) is not a model's option but the step's: inside a
+:func:`recomputation` block open while the step is traced (by the loss function, or by a strategy
+that takes a recomputation), the kit's transformers (:class:`~parallelkit.models.GPT` and
+:class:`~parallelkit.models.Transformer`) recompute
+
+- ``"none"``: nothing; every activation the backward pass needs is kept.
+- ``"selective"``: attention's scores and softmax probabilities, the ``batch x heads x length x length``
+  arrays, from the queries, keys and values (:func:`scores_policy`); everything else is kept. The price
+  is the scores' product ``q k^T`` once more.
+- ``"full"``: each block from its input, which is all it keeps (:func:`block_policy`); nearly one more
+  forward pass of the blocks (all but the products whose outputs the backward pass does not read).
+
+Selective recomputation wraps the scores' arithmetic itself in ``jax.checkpoint``: a policy for the
+whole block that named the scores with ``jax.ad_checkpoint.checkpoint_name`` and refused only those
+names would keep the same arrays, since the backward pass would then keep the values the names were
+applied to. Read from the TPU compiler's program (:func:`parallelkit.aot.compile`), the peak memory
+falls from ``"none"`` to ``"selective"`` to ``"full"``; XLA's CPU backend drops the selective
+recomputation's product and shows no fall in its temporaries (``tests/test_recomputation.py``).
+
+References:
+  Korthikanti et al., "Reducing Activation Recomputation in Large Transformer Models", 2022:
+  selective recomputation, and the activations each choice keeps.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 from collections.abc import Callable
 from typing import Any
@@ -30,7 +55,12 @@ from typing import Any
 import jax
 from flax import nnx
 
+from ..core.axes import _setting
+
 POLICIES = ("nothing_saveable", "dots_saveable", "dots_with_no_batch_dims_saveable", "everything_saveable")
+RECOMPUTE = ("none", "selective", "full")  # a layout's recomputation, for every model of the kit
+
+_RECOMPUTATION: contextvars.ContextVar[str] = contextvars.ContextVar("recomputation", default="none")
 
 
 def checkpoint_policy(name: str) -> Callable[..., bool]:
@@ -98,3 +128,85 @@ def remat(fn: Callable[..., Any], policy: str = "nothing_saveable") -> Callable[
 def maybe_remat(fn: Callable[..., Any], policy: str | None) -> Callable[..., Any]:
     """``remat(fn, policy)``, or ``fn`` itself when ``policy`` is None (a model's ``remat=False``)."""
     return fn if policy is None else remat(fn, policy)
+
+
+def check_recomputation(name: str) -> None:
+    """Raise a ValueError naming :data:`RECOMPUTE` unless ``name`` is one of them."""
+    if name not in RECOMPUTE:
+        raise ValueError(
+            f"Unknown recomputation {name!r}: use one of {', '.join(map(repr, RECOMPUTE))} "
+            "(pk.models.remat takes jax.checkpoint_policies' names instead)."
+        )
+
+
+def recomputation(name: str) -> contextlib.AbstractContextManager:
+    """A block inside which the kit's transformers recompute as ``name`` says (one of :data:`RECOMPUTE`).
+
+    Open it where the step is traced (in the loss function, or in a strategy that takes a recomputation):
+    the models read it then (:func:`active_recomputation`), not at every call.
+
+    >>> with recomputation("full"):
+    ...     active_recomputation()
+    'full'
+    >>> active_recomputation()
+    'none'
+
+    Raises:
+      ValueError: an unknown name, listing the known ones.
+    """
+    check_recomputation(name)
+    return _setting(_RECOMPUTATION, name)
+
+
+def active_recomputation() -> str:
+    """The recomputation of the innermost :func:`recomputation` block: ``"none"`` outside any."""
+    return _RECOMPUTATION.get()
+
+
+def block_policy(name: str) -> str | None:
+    """The policy (a name of :data:`POLICIES`) a transformer block runs under for recomputation ``name``.
+
+    ``"nothing_saveable"`` for ``"full"``; None (the block is not wrapped) for ``"none"`` and for
+    ``"selective"``, which recomputes inside attention only (:func:`scores_policy`).
+
+    >>> block_policy("none"), block_policy("selective"), block_policy("full")
+    (None, None, 'nothing_saveable')
+
+    Raises:
+      ValueError: an unknown name, listing the known ones.
+    """
+    check_recomputation(name)
+    return "nothing_saveable" if name == "full" else None
+
+
+def scores_policy(name: str) -> str | None:
+    """The policy (a name of :data:`POLICIES`) attention's scores and softmax run under for recomputation ``name``.
+
+    ``"nothing_saveable"`` for ``"selective"``: from the queries, keys and values, the backward pass
+    computes the scores and probabilities again. None (not wrapped) for ``"none"`` and for ``"full"``,
+    whose block recomputes them already (:func:`block_policy`).
+
+    >>> scores_policy("none"), scores_policy("selective"), scores_policy("full")
+    (None, 'nothing_saveable', None)
+
+    Raises:
+      ValueError: an unknown name, listing the known ones.
+    """
+    check_recomputation(name)
+    return "nothing_saveable" if name == "selective" else None
+
+
+def recompute_block(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn``, a transformer block, wrapped as the active recomputation says (:func:`block_policy`).
+
+    Read when ``fn``'s caller is traced. ``fn`` takes arrays and modules, as for :func:`remat`.
+    """
+    return maybe_remat(fn, block_policy(active_recomputation()))
+
+
+def recompute_scores(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn``, attention's scores and softmax, wrapped as the active recomputation says (:func:`scores_policy`).
+
+    Read when ``fn``'s caller is traced. ``fn`` takes arrays (None for an absent one), as for :func:`remat`.
+    """
+    return maybe_remat(fn, scores_policy(active_recomputation()))

@@ -31,6 +31,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..core.mesh import is_count
+from ..models.recompute import RECOMPUTE
 from .model import Transformer
 
 # Bytes per parameter of (parameters, gradients, optimizer state), by precision and optimizer.
@@ -41,7 +42,6 @@ STATE_BYTES = {
     ("fp32", "sgd"): (4, 4, 0),
 }
 ELEMENT_BYTES = {"bf16": 2, "fp32": 4}  # a stored activation, by the training precision
-RECOMPUTE = ("none", "selective", "full")
 SCHEDULES = ("gpipe", "1f1b", "zb-h1")
 CONTEXT_METHODS = ("allgather", "ring", "ulysses")
 

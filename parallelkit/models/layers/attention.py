@@ -26,6 +26,7 @@ from jax.sharding import PartitionSpec as P
 
 from ...core import axes
 from ...core.axes import SEQ, MeshAxes
+from ..recompute import recompute_scores
 
 METHODS = ("allgather", "ring", "ring_zigzag", "ulysses")
 DEFAULT_METHOD = "allgather"  # what attend uses when no method block is open
@@ -59,8 +60,16 @@ def _block(q: jax.Array, k: jax.Array, v: jax.Array, visible: jax.Array | None =
     """One block of the online softmax: row max ``m``, row sum ``l`` of ``exp(s - m)``, and ``exp(s - m) v``.
 
     ``visible[query, key]`` masks the scores (``None``: every key visible); every row
-    must see at least one key, as every query sees itself under a causal mask.
+    must see at least one key, as every query sees itself under a causal mask. Under
+    :func:`parallelkit.models.recompute.recomputation` ``"selective"`` the backward pass
+    computes the block's scores and probabilities again from ``q``, ``k`` and ``v``
+    instead of keeping them.
     """
+    return recompute_scores(_softmax_block)(q, k, v, visible)
+
+
+def _softmax_block(q: jax.Array, k: jax.Array, v: jax.Array, visible: jax.Array | None) -> Block:
+    """:func:`_block`'s arithmetic, as one function that recomputation can wrap."""
     s = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32) * q.shape[-1] ** -0.5
     if visible is not None:
         s = jnp.where(visible, s, -jnp.inf)
