@@ -79,18 +79,41 @@ def _marks(layout: dict, step, state, batch) -> None:
     assert "all-reduce" in found or "reduce-scatter" in found, found  # the gradients meet
 
 
-@pytest.mark.parametrize("layout", DENSE, ids=lambda c: pk.Parallel.__name__ + str(sorted(c.items())))
-def test_dense_products_equal_one_device(layout, batches, single):
-    params, compiled = _train(pk.Parallel(**layout), 0, batches)
+# Each product without recomputation in every run; with selective and full recomputation in the slow runs.
+RECOMPUTATIONS = ["none", *(pytest.param(name, marks=pytest.mark.slow) for name in ("selective", "full"))]
+
+
+def _name(layout: dict) -> str:
+    return ",".join(f"{key}={value}" for key, value in layout.items())
+
+
+@pytest.mark.parametrize("recompute", RECOMPUTATIONS)
+@pytest.mark.parametrize("layout", DENSE, ids=_name)
+def test_dense_products_equal_one_device(layout, recompute, batches, single):
+    params, compiled = _train(pk.Parallel(**layout, recompute=recompute), 0, batches)
     tree_allclose(params, single[0])
     _marks(layout, *compiled)
 
 
-@pytest.mark.parametrize("layout", MOE, ids=lambda c: pk.Parallel.__name__ + str(sorted(c.items())))
-def test_moe_products_equal_one_device(layout, batches, single):
-    params, compiled = _train(pk.Parallel(**layout), 8, batches)
+@pytest.mark.parametrize("recompute", RECOMPUTATIONS)
+@pytest.mark.parametrize("layout", MOE, ids=_name)
+def test_moe_products_equal_one_device(layout, recompute, batches, single):
+    params, compiled = _train(pk.Parallel(**layout, recompute=recompute), 8, batches)
     tree_allclose(params, single[8])
     _marks(layout, *compiled)
+
+
+def test_recomputation_is_the_steps_own():
+    """The step traces inside its recomputation: the lowered program holds the barriers jax.checkpoint leaves,
+    and none without it."""
+    apply, params = pk.models.functional(_gpt(0))
+    batch = next(pk.data.batches(pk.data.text(length=LENGTH, max_bytes=20_000), 8, steps=1))
+    texts = {}
+    for recompute in ("none", "full"):
+        strategy = pk.Parallel(data=2, tensor=2, context=2, recompute=recompute)
+        step = strategy.step(pk.models.lm_loss(apply))
+        texts[recompute] = step.lower(strategy.init(params, ADAM), batch).as_text()
+    assert "optimization_barrier" not in texts["none"] and "optimization_barrier" in texts["full"]
 
 
 def test_each_parameter_is_split_over_the_axes_its_logical_names_and_zero_give():
@@ -126,6 +149,7 @@ def test_one_axis_presets_are_its_spellings():
         (dict(sequence_parallel=True), r"sequence_parallel=True, tensor=1\): sequence parallelism splits"),
         (dict(context=2, context_method="rings"), r"rings"),
         (dict(data=3, tensor=2), r"needs 6 devices, but 8 were given"),
+        (dict(recompute="some"), r"some"),
     ],
 )
 def test_bad_axes_get_a_clear_error(kwargs, match):
@@ -145,7 +169,7 @@ def test_repr_names_the_axes_it_splits():
 PIPELINES = [
     dict(schedule="1f1b", data=2, stage_axes=dict(tensor=2)),
     dict(schedule="zb-h1", data=2, stage_axes=dict(context=2, context_method="allgather")),
-    dict(schedule="interleaved", virtual=2, stage_axes=dict(zero=3, tensor=2, sequence_parallel=True)),
+    dict(schedule="interleaved", virtual=2, data=2, stage_axes=dict(zero=3, tensor=2, sequence_parallel=True)),
     dict(schedule="gpipe", stage_axes=dict(tensor=2, context=2, context_method="ulysses")),
 ]
 

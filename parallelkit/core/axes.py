@@ -122,7 +122,7 @@ _ACTIVE: contextvars.ContextVar[tuple[Mesh, AxisRules] | None] = contextvars.Con
 
 
 @contextlib.contextmanager
-def _setting(variable: contextvars.ContextVar, value: object) -> Iterator[None]:
+def setting(variable: contextvars.ContextVar, value: object) -> Iterator[None]:
     """``variable`` set to ``value`` inside the block."""
     token = variable.set(value)
     try:
@@ -133,7 +133,7 @@ def _setting(variable: contextvars.ContextVar, value: object) -> Iterator[None]:
 
 def active_rules(mesh: Mesh, rules: AxisRules) -> contextlib.AbstractContextManager:
     """Make :func:`constrain` use ``rules`` on ``mesh`` inside the block (a strategy wraps its tracing in it)."""
-    return _setting(_ACTIVE, (mesh, rules))
+    return setting(_ACTIVE, (mesh, rules))
 
 
 def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
@@ -218,7 +218,7 @@ def context_method(name: str) -> contextlib.AbstractContextManager:
     :func:`parallelkit.models.layers.attention.attend` reads it when it is traced (``"allgather"``
     when no block is open); :func:`parallelkit.models.layers.attention.method` checks the name first.
     """
-    return _setting(_CONTEXT_METHOD, name)
+    return setting(_CONTEXT_METHOD, name)
 
 
 def active_context_method() -> str | None:

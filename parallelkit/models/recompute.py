@@ -55,7 +55,7 @@ from typing import Any
 import jax
 from flax import nnx
 
-from ..core.axes import _setting
+from ..core.axes import setting
 
 POLICIES = ("nothing_saveable", "dots_saveable", "dots_with_no_batch_dims_saveable", "everything_saveable")
 RECOMPUTE = ("none", "selective", "full")  # a layout's recomputation, for every model of the kit
@@ -155,7 +155,7 @@ def recomputation(name: str) -> contextlib.AbstractContextManager:
       ValueError: an unknown name, listing the known ones.
     """
     check_recomputation(name)
-    return _setting(_RECOMPUTATION, name)
+    return setting(_RECOMPUTATION, name)
 
 
 def active_recomputation() -> str:

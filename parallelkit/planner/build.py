@@ -4,9 +4,8 @@ Without a pipeline every product of ``data`` (with ZeRO 0-3), ``tensor`` (with s
 parallelism), ``context`` and ``expert`` is one :class:`~parallelkit.Parallel` step; ``data``
 alone without ZeRO is :class:`~parallelkit.Mirrored`. With ``stages``, a
 :class:`~parallelkit.Pipeline` whose every stage is that ``Parallel`` over its own devices
-(``stage_axes``). Accumulation is the step's (``strategy.step(loss_fn, accumulate=layout.accumulate)``).
-Recomputation belongs to the model (:func:`parallelkit.models.remat`), so a layout that recomputes is
-planned but not built here.
+(``stage_axes``). Accumulation is the step's (``strategy.step(loss_fn, accumulate=layout.accumulate)``);
+recomputation the strategy's too (``Parallel(recompute=...)``: the kit's models recompute as it says).
 """
 
 from __future__ import annotations
@@ -24,8 +23,6 @@ from ..strategies.pipeline import Pipeline
 
 def unsupported(layout: Any) -> str | None:
     """Why the kit has no strategy for ``layout``; None when it has one."""
-    if layout.recompute != "none":
-        return "recomputation is the model's choice (pk.models.remat), not a strategy's"
     if layout.stages > 1 and layout.expert > 1:
         return "the kit's MoE GPT is not a list of layers (its blocks return the router's aux), so it has no pipeline"
     if layout.stages == 1 and layout.expert > 1 and layout.microbatches > 1:
@@ -37,8 +34,10 @@ def unsupported(layout: Any) -> str | None:
 def stage_axes(layout: Any) -> dict[str, Any]:
     """The :class:`~parallelkit.Parallel` keywords of each of ``layout``'s pipeline stages (empty: data alone)."""
     axes = dict(tensor=layout.tensor, sequence_parallel=layout.sequence_parallel, context=layout.context,
-                context_method=layout.context_method, expert=layout.expert, zero=layout.zero)  # fmt: skip
-    return axes if layout.devices > layout.stages * layout.data or layout.zero else {}
+                context_method=layout.context_method, expert=layout.expert, zero=layout.zero,
+                recompute=layout.recompute)  # fmt: skip
+    inside = layout.devices > layout.stages * layout.data or layout.zero or layout.recompute != "none"
+    return axes if inside else {}
 
 
 def kit_strategy(
@@ -77,7 +76,7 @@ def kit_strategy(
             raise ValueError(f"{layout.name} is a pipeline: pass layers=pk.models.as_layers(model).apply.")
         return Pipeline(layers, layout.stages, layout.microbatches, layout.schedule, data=layout.data,
                         stage_axes=stage_axes(layout), devices=devices)  # fmt: skip
-    if layout.devices == layout.data and not layout.zero:
+    if layout.devices == layout.data and not layout.zero and layout.recompute == "none":
         return Mirrored(devices)
     return Parallel(
         layout.data,
@@ -87,5 +86,6 @@ def kit_strategy(
         context=layout.context,
         context_method=layout.context_method,
         expert=layout.expert,
+        recompute=layout.recompute,
         devices=devices,
     )

@@ -33,6 +33,7 @@ from ..core.mesh import is_count, make_mesh
 from ..core.state import TrainState
 from ..models import declared_axes
 from ..models.layers import attention
+from ..models.recompute import check_recomputation, recomputation
 from .spmd import BATCH, SPMD, without_axes
 
 LENGTH = "length"  # the logical name of the tokens' axis, a batch array's second
@@ -86,6 +87,9 @@ class Parallel(SPMD):
       context: devices each sequence is split over; attention by ``context_method``.
       context_method: one of :data:`parallelkit.models.layers.attention.METHODS`.
       expert: devices the experts are split over; they split the batch too.
+      recompute: what the kit's models recompute in the backward pass, one of
+        :data:`parallelkit.models.RECOMPUTE`: ``"none"``, ``"selective"`` (attention's scores and softmax,
+        Korthikanti et al. 2022) or ``"full"`` (each block from its input).
       rules: ``(regex, spec)`` partition rules for the parameters (a spec may be a tuple of logical
         names); by default the logical axes the model declares (``pk.models.with_axes``).
       batch_axes: the logical names of a batch array's axes, by its key, ``batch`` first.
@@ -112,6 +116,7 @@ class Parallel(SPMD):
         context: int = 1,
         context_method: str = "ring",
         expert: int = 1,
+        recompute: str = "none",
         rules: partition.Rules | PyTree | None = None,
         batch_axes: Mapping[str, Sequence[str | None]] | None = None,
         min_size: int = partition.MIN_SHARD_SIZE,
@@ -130,6 +135,7 @@ class Parallel(SPMD):
         if not is_count(min_size):
             raise ValueError(f"{type(self).__name__}(min_size={min_size!r}): use a whole number of elements >= 1.")
         attention.check_method(context_method)
+        check_recomputation(recompute)
         axes = {name: size for name, size in sizes.items() if name == DATA or name in self.shown_axes or size != 1}
         if sequence_parallel and MODEL not in axes:
             raise ValueError(
@@ -140,7 +146,7 @@ class Parallel(SPMD):
         super().__init__(mesh, rules=_activation_rules(mesh, sequence_parallel), param_rules=rules,
                          batch_axes=batch_axes)  # fmt: skip
         self.zero, self.min_size = zero, min_size
-        self.sequence_parallel, self.context_method = sequence_parallel, context_method
+        self.sequence_parallel, self.context_method, self.recompute = sequence_parallel, context_method, recompute
 
     def size(self, axis: str) -> int:
         """The size of mesh axis ``axis`` (1 where the mesh does not have it)."""
@@ -294,7 +300,8 @@ class Parallel(SPMD):
                 )
 
     def tracing(self) -> contextlib.AbstractContextManager:
-        """The rules (:meth:`SPMD.tracing`) and, on a context axis, attention's method, while the step traces."""
+        """The rules (:meth:`SPMD.tracing`), the recomputation and, on a context axis, attention's method, while
+        the step traces."""
         return self._with_method(super().tracing())
 
     def replica_tracing(self) -> contextlib.AbstractContextManager:
@@ -302,7 +309,8 @@ class Parallel(SPMD):
 
     @contextlib.contextmanager
     def _with_method(self, rules: contextlib.AbstractContextManager) -> Iterator[None]:
-        with rules, context_method(self.context_method) if SEQ in self.mesh.shape else contextlib.nullcontext():
+        method = context_method(self.context_method) if SEQ in self.mesh.shape else contextlib.nullcontext()
+        with rules, method, recomputation(self.recompute):
             yield
 
     pattern = "spmd"  # several axes' collectives in one program: the measured payloads are reported as they are
@@ -318,6 +326,8 @@ class Parallel(SPMD):
             shown.append("sequence_parallel=True")
         if SEQ in self.mesh.shape:
             shown.append(f"context_method={self.context_method!r}")
+        if self.recompute != "none":
+            shown.append(f"recompute={self.recompute!r}")
         return f"Parallel({', '.join(shown)}{', explicit=True' if self.explicit else ''})"
 
 

@@ -89,7 +89,8 @@ class Pipeline(Strategy):
         for an interleaved schedule; 1 otherwise.
       data: devices per stage that split each microbatch (data parallelism on a second axis).
       stage_axes: each stage itself SPMD over its own devices: :class:`~parallelkit.Parallel`'s keywords
-        (``tensor``, ``sequence_parallel``, ``context``, ``context_method``, ``expert``, ``zero``), so that
+        (``tensor``, ``sequence_parallel``, ``context``, ``context_method``, ``expert``, ``zero``,
+        ``recompute``), so that
         ``stage_axes=dict(tensor=2)`` splits every stage's weights over 2 of its devices. Each stage then
         runs on ``data x tensor x context x expert`` devices and its programs are that ``Parallel``'s
         (gradients meet over ``data`` inside each backward pass, as XLA places them).
@@ -409,7 +410,7 @@ class Pipeline(Strategy):
 
 # A stage axis, by Parallel's keyword, and its mesh axis in the pipeline's mesh.
 _MESH_AXES = {"context": SEQ, "expert": EXPERT, "tensor": MODEL}
-_STAGE_KEYWORDS = ("tensor", "sequence_parallel", "context", "context_method", "expert", "zero")
+_STAGE_KEYWORDS = ("tensor", "sequence_parallel", "context", "context_method", "expert", "zero", "recompute")
 
 
 def _checked_stage_axes(stage_axes: Mapping[str, Any] | None) -> dict[str, Any]:
@@ -421,7 +422,8 @@ def _checked_stage_axes(stage_axes: Mapping[str, Any] | None) -> dict[str, Any]:
             f"Pipeline(stage_axes={given}): a stage takes pk.Parallel's keywords {_STAGE_KEYWORDS}; {what}."
         )
     splits = any(given.get(key, 1) > 1 for key in _MESH_AXES) or given.get("zero", 0) or given.get("sequence_parallel")
-    return given if splits else {}  # a stage split over nothing but data is the plain pipeline's
+    recomputes = given.get("recompute", "none") != "none"
+    return given if splits or recomputes else {}  # a stage over nothing but data, recomputing nothing: plain
 
 
 def _layer_functions(layers: Iterable[Layer]) -> tuple[Layer, ...]:
