@@ -41,7 +41,7 @@ class StrategyProtocol(Protocol):
       the collectives its formulas expect;
     - ``pattern``: how it communicates, in the cost model's names (a key of ``pk.costmodel.PATTERNS``,
       by which :func:`~parallelkit.measure.costmodel.predict` and
-      :class:`~parallelkit.measure.traffic.TopologyModel` time it);
+      :class:`~parallelkit.measure.costmodel.TopologyModel` time it);
     - ``checkpoint_refusal()``: why a checkpoint could not resume its run exactly (None: it can).
     """
 

@@ -3,7 +3,8 @@
 Teaching claims such as "mirrored training all-reduces every gradient once per
 step" are shown from the compiler's own output (the optimized HLO), not asserted.
 :func:`flops` and :class:`StepCost` are those of :mod:`parallelkit.measure.flops`,
-kept here too so that ``pk.inspect`` reads every count of the compiled program.
+kept here too so that ``pk.inspect`` reads every count of the compiled program (loaded when
+first asked for: reading collectives, as every strategy's traffic report does, needs no FLOP count).
 """
 
 from __future__ import annotations
@@ -17,8 +18,6 @@ from dataclasses import dataclass, field
 import jax
 
 from ..core.step import check_step_call
-from .flops import StepCost as StepCost
-from .flops import flops as flops
 
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all")
 
@@ -367,3 +366,12 @@ def count_compilations() -> Iterator[list[float]]:
 
 
 _BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+
+
+def __getattr__(name: str) -> object:
+    """:func:`flops` and :class:`StepCost`, from :mod:`parallelkit.measure.flops` when first asked for."""
+    if name in ("flops", "StepCost"):
+        from . import flops
+
+        return getattr(flops, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -38,14 +38,14 @@ state (``S``: parameters, optimizer state ``O``, counters) into and out of host 
 the owner; parameter servers a pull and a push of ``P`` per worker, each split over the
 ``k`` shards, and each shard's state round trip.
 
-:class:`TopologyModel` turns these bytes into a rough communication time per step, under
-assumptions it states, to ask when central storage beats mirroring.
+The cost model's :class:`~parallelkit.measure.costmodel.TopologyModel` turns these bytes into a
+rough communication time per step; it, ``TOPOLOGY`` and ``register_topology`` are importable from
+here too, as before.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import jax
@@ -62,7 +62,6 @@ from ..core.reports import Flow as Flow
 from ..core.reports import Sizes as Sizes
 from ..core.reports import StepTraffic as StepTraffic
 from ..core.reports import gradient_all_reduce as gradient_all_reduce
-from .costmodel import PATTERNS, Cluster, Link, Round, allreduce_rounds, alltoall_rounds
 from .inspect import Collective, collectives, sent_bytes, summarize
 
 if TYPE_CHECKING:
@@ -188,155 +187,13 @@ def step_traffic(strategy: Strategy, loss_fn: LossFn, state: TrainState, batch: 
     return strategy.traffic(loss_fn, state, batch)
 
 
-@dataclass(frozen=True)
-class TopologyModel:
-    """A back-of-the-envelope model of one step's communication time (latency-bandwidth, "alpha-beta").
-
-    It is a model, not a measurement: :mod:`parallelkit.measure.costmodel`'s, for devices
-    with links of their own (their collectives are its rounds over a one-machine
-    :class:`~parallelkit.measure.costmodel.Cluster`), with what the cost model leaves out
-    added: the host's links, which central storage and parameter servers cross, and devices
-    that reach each other only through host memory. Its assumptions, all of them:
-
-    - sending ``b`` bytes over a link costs ``latency + b / bandwidth``; links are full
-      duplex (sending and receiving at once do not slow each other);
-    - each device has its own link of ``host_link_GBps`` (one direction) to host memory
-      (PCIe); the host side that every device's transfers cross (its PCIe root, its
-      memory) carries at most ``host_total_GBps`` in each direction (``None``: no limit);
-    - devices talk to each other over links of ``device_link_GBps`` (NVLink, PCIe
-      peer-to-peer), or, with ``device_link_GBps=None``, not directly at all: a message
-      then goes up to host memory and down again, costing two latencies and crossing
-      the shared host side;
-    - mirrored: a ring all-reduce of ``P`` bytes over ``n`` devices runs ``2(n-1)`` rounds,
-      in each of which every device sends ``P/n`` bytes to the next, all at once;
-    - central storage: every device pulls ``P`` before it computes and pushes ``P`` after,
-      all devices at once, all through the one host;
-    - parameter servers: ``k`` shards, each with a host side of ``host_total_GBps`` of its
-      own (separate machines), each serving its ``P/k`` to every worker;
-    - expert parallelism: the all-to-alls a step's compiled program holds (their measured
-      payloads ``S``), each a pairwise exchange over all ``n`` replicas in ``n - 1`` rounds
-      of ``S/n`` per device, plus a ring all-reduce of every gradient ``P`` over all of them
-      (with a ``data`` axis the expert groups are smaller and the expert weights' gradients
-      meet only across them: then this is an upper bound);
-    - compute, the optimizer update, the batch and any overlap of communication with
-      compute are left out (real systems overlap: the ring can start during the backward
-      pass, a pull cannot start before the previous update ends).
-
-    >>> nvlink = TopologyModel(device_link_GBps=300, host_link_GBps=25, host_total_GBps=50, latency_us=5)
-    >>> round(nvlink.mirrored_seconds(400e6, 8) * 1e3, 2), round(nvlink.central_seconds(400e6, 8) * 1e3, 1)
-    (2.4, 128.0)
-    """
-
-    device_link_GBps: float | None
-    host_link_GBps: float
-    host_total_GBps: float | None = None
-    latency_us: float = 0.0
-
-    def __post_init__(self) -> None:
-        for name in ("device_link_GBps", "host_link_GBps", "host_total_GBps"):
-            value = getattr(self, name)
-            if (value is not None or name == "host_link_GBps") and not (isinstance(value, int | float) and value > 0):
-                raise ValueError(f"TopologyModel({name}={value!r}): a bandwidth must be a number > 0 (GB/s).")
-        if self.latency_us < 0:
-            raise ValueError(f"TopologyModel(latency_us={self.latency_us!r}): a latency must be >= 0 (microseconds).")
-
-    def _per_byte(self, per_device: float, through_host: float) -> float:
-        """Seconds per byte when each device moves ``per_device`` bytes and the host side ``through_host``."""
-        own = per_device / (self.host_link_GBps * 1e9)
-        shared = through_host / (self.host_total_GBps * 1e9) if self.host_total_GBps else 0.0
-        return max(own, shared)
-
-    def _ring_round(self, n: int) -> tuple[float, float]:
-        """(latency, seconds per byte of ``P``) of one ring round: every device sends ``P/n`` to the next."""
-        alpha = self.latency_us * 1e-6
-        if self.device_link_GBps is None:  # up to the host and down again: n messages of P/n cross it
-            return 2 * alpha, self._per_byte(1 / n, 1.0)
-        return alpha, 1 / (n * self.device_link_GBps * 1e9)
-
-    def _rounds_seconds(self, rounds: list[Round], nbytes: float, n: int) -> float:
-        """``rounds`` of the ``n`` devices over their own links (the cost model's one-machine cluster), or, without
-        such links, as many ring rounds through the host (:meth:`_ring_round`) of ``nbytes``."""
-        if self.device_link_GBps is None:
-            alpha, per_byte = self._ring_round(n)
-            return len(rounds) * (alpha + nbytes * per_byte)
-        cluster = Cluster(1, n, Link("device link", self.device_link_GBps, self.latency_us, "TopologyModel"))
-        return sum(cluster.round_seconds(r) for r in rounds)
-
-    def mirrored_seconds(self, param_bytes: float, n: int) -> float:
-        """Ring all-reduce: ``2(n-1)`` rounds, each moving ``P/n`` per device (the cost model's rounds)."""
-        return self._rounds_seconds(allreduce_rounds("ring", n, param_bytes), param_bytes, n) if n > 1 else 0.0
-
-    def alltoall_seconds(self, nbytes: float, n: int) -> float:
-        """Pairwise exchange: ``n-1`` rounds, in each of which every device sends ``nbytes/n`` to another.
-
-        >>> TopologyModel(device_link_GBps=1, host_link_GBps=1).alltoall_seconds(4e6, 4)  # 3 x 1 MB at 1 GB/s
-        0.003
-        """
-        return self._rounds_seconds(alltoall_rounds([list(range(n))], nbytes), nbytes, n) if n > 1 else 0.0
-
-    def central_seconds(self, param_bytes: float, n: int) -> float:
-        """A pull of ``P`` to every device, then a push of ``P`` from every device, all through one host."""
-        return 2 * (self.latency_us * 1e-6 + param_bytes * self._per_byte(1.0, n))
-
-    def parameter_server_seconds(self, param_bytes: float, n: int, shards: int) -> float:
-        """A pull and a push of ``P`` per worker, ``P/k`` from each shard; the ``k`` shards serve in parallel."""
-        return 2 * (self.latency_us * 1e-6 + param_bytes * self._per_byte(1.0, n / shards))
-
-    def seconds(self, traffic: StepTraffic) -> float:
-        """The model's communication time for a measured step, by its traffic pattern (see :data:`TOPOLOGY`)."""
-        if traffic.pattern not in TOPOLOGY:
-            raise ValueError(
-                f"TopologyModel has no model for {traffic.strategy}'s traffic (pattern {traffic.pattern!r}); it models "
-                f"the patterns {list(TOPOLOGY)}. Use the measured bytes in traffic.flows, or register_topology one."
-            )
-        return TOPOLOGY[traffic.pattern](self, traffic)
-
-    def crossover_bytes(self, n: int) -> float:
-        """The parameter bytes below which central storage is faster than mirrored (0: never; inf: always).
-
-        Both times are ``latency terms + P x per-byte cost``, so they cross at most once:
-        mirrored pays ``2(n-1)`` round latencies, central storage 2.
-        """
-        if n <= 1:
-            return 0.0  # one device: mirrored sends nothing
-        alpha, per_byte = self._ring_round(n)
-        extra_latency = (n - 1) * alpha - self.latency_us * 1e-6  # mirrored's, beyond central's
-        cheaper = self._per_byte(1.0, n) - (n - 1) * per_byte  # central's bytes cost this much more
-        if cheaper <= 0:
-            return float("inf") if extra_latency >= 0 else 0.0
-        return max(extra_latency / cheaper, 0.0)
+_COST_MODEL_NAMES = ("TOPOLOGY", "TopologyModel", "register_topology")  # the cost model's, once imported from here
 
 
-# How TopologyModel times each pattern (a strategy's ``pattern``, one of the cost model's names): from a
-# measured step's parameter bytes, replicas and owners.
-TOPOLOGY: dict[str, Callable[[TopologyModel, StepTraffic], float]] = {}
+def __getattr__(name: str) -> object:
+    """The cost model's names once imported from here, loaded when asked for: measuring needs no cost model."""
+    if name in _COST_MODEL_NAMES:
+        from .costmodel import topology
 
-
-def register_topology(pattern: str, seconds: Callable[[TopologyModel, StepTraffic], float]) -> None:
-    """Let :meth:`TopologyModel.seconds` time steps of ``pattern`` as ``seconds(model, traffic)`` says.
-
-    Raises:
-      ValueError: ``pattern`` has a model already, or is not one of the cost model's patterns
-        (``pk.costmodel.PATTERNS``: one vocabulary for both models).
-    """
-    if pattern in TOPOLOGY:
-        raise ValueError(f"TopologyModel already models the pattern {pattern!r}.")
-    if pattern not in PATTERNS:
-        raise ValueError(f"{pattern!r} is not one of the cost model's patterns {list(PATTERNS)}: register_pattern it.")
-    TOPOLOGY[pattern] = seconds
-
-
-register_topology("single", lambda model, t: 0.0)
-register_topology("mirrored", lambda model, t: model.mirrored_seconds(t.param_bytes, t.replicas))
-register_topology("central_storage", lambda model, t: model.central_seconds(t.param_bytes, t.replicas))
-register_topology(
-    "expert",
-    lambda model, t: (
-        model.mirrored_seconds(t.param_bytes, t.replicas)
-        + sum(model.alltoall_seconds(f.measured, t.replicas) for f in t.flows if "(all-to-all)" in f.what)
-    ),
-)
-register_topology(
-    "parameter_server",
-    lambda model, t: model.parameter_server_seconds(t.param_bytes, t.replicas, len(t.owner_bytes)),
-)
+        return getattr(topology, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

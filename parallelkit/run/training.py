@@ -29,11 +29,9 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import signal
-import threading
 import time
 import warnings
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from itertools import islice
 from pathlib import Path
@@ -49,7 +47,7 @@ from ..core.mesh import is_count
 from ..core.precision import Precision, PrecisionWarning
 from ..core.skipped import NonFiniteGradientsError
 from ..core.state import TrainState
-from ..core.step import DONATED_STATE, Placed, is_deleted
+from ..core.step import DONATED_STATE, Placed, Step, is_deleted
 from ..data import Dataset
 from ..strategies.base import Strategy
 from .callbacks import (
@@ -66,6 +64,7 @@ from .callbacks import (
 )
 from .checkpoint import Checkpoints, host_step
 from .prefetch import prefetch as prefetch_batches
+from .signals import InterruptsDeferred
 
 __all__ = [
     "Callback",
@@ -213,54 +212,13 @@ def fit(
             raise ValueError(f"fit(state=...): {DONATED_STATE}")
         info = RunInfo(repr(strategy), len(strategy.devices), total, device_summary().simulated)
         state = strategy.init(params, tx, model_state=model_state, rng=rng) if state is None else state
-        options = {"accumulate": accumulate} if accumulate != 1 else {}
-        options |= {"precision": precision} if precision is not None else {}
-        step, history = strategy.step(loss_fn, **options), History()
-        step.keep_finite = check_finite  # a step whose loss is not finite changes nothing: the check stops the run
+        step = _training_step(strategy, loss_fn, accumulate, precision, check_finite)
         counted = host_step(strategy, state) if ckpt or check_finite else 0  # the counter before this run's steps
-        first = counted if ckpt else 0
-        hooks = [NonFiniteCheck(first)] if check_finite else []
-        if check_finite and precision is not None and precision.loss_scale is not None:
-
-            def nonfinite(scale: float) -> list[str]:  # reads `state` and `batch` as the loop rebinds them
-                host = batch.batch if isinstance(batch, Placed) else batch
-                return nonfinite_gradients(loss_fn, strategy.unreplicate(state.params), host, precision, scale)
-
-            hooks.append(SkippedStepsCheck(precision, first, nonfinite))
-            step.watch = None  # the check above stops the run: the step need not warn as well
-        if ckpt:  # reads `state` as the loop rebinds it
-            hooks.append(
-                Checkpointing(ckpt, strategy, lambda: state, first=first, consumed=consumed, saved=resumed_from)
-            )
-        hooks += callbacks
+        run = _Run(strategy, state, counted, first=counted if ckpt else 0, resumed_from=resumed_from)
+        hooks = _own_hooks(run, loss_fn, step, precision, check_finite, ckpt, consumed) + list(callbacks)
         feed = prefetch_batches(batches, strategy, prefetch) if prefetch else iter(batches)
-        interrupted, pending = False, None  # pending: the step whose state is bound but not yet recorded
         try:
-            for cb in hooks:
-                cb.on_train_begin(info)
-            for i, batch in enumerate(feed, start=1):
-                start = time.perf_counter()
-                with _InterruptsDeferred():  # between the old state's donation and the new one's binding
-                    state, metrics = step(state, batch)
-                    pending = (i, start, metrics, batch.size if isinstance(batch, Placed) else batch_size(batch))
-                record, pending = history.record(*pending, state), None
-                for cb in hooks:
-                    cb.on_step_end(record)
-        except KeyboardInterrupt:
-            interrupted = True
-            if pending is not None:  # interrupted while waiting for a step: its state is the one we hold
-                history.record(*pending, state)
-            log.warning("fit interrupted after %d steps; returning the state so far.", len(history.records))
-        except Exception as err:
-            # The state of the last completed step is intact (the step rebinds it at once): hand it over with the error.
-            if pending is not None:
-                with contextlib.suppress(Exception):  # a step that failed on the device leaves nothing to keep
-                    history.record(*pending, state)
-            err.fit_result = FitResult(state, history, strategy, True, resumed_from)
-            err.add_note(_stopped_note(err, strategy, state, counted, first, len(history.records)))
-            for cb in hooks:
-                cb.on_train_error(history, err)
-            raise
+            history, interrupted = _loop(run, step, feed, hooks, info)
         finally:  # the prefetching thread ends, also on a crash
             if prefetch:
                 feed.close()
@@ -268,7 +226,101 @@ def fit(
             _tell_short_run(len(history.records), steps, consumed)
         for cb in hooks:
             cb.on_train_end(history, interrupted)
-    return FitResult(state, history, strategy, interrupted, resumed_from)
+    return FitResult(run.state, history, strategy, interrupted, resumed_from)
+
+
+@dataclass
+class _Run:
+    """What :func:`fit`'s loop rebinds each step (``state``, ``batch``), read by the hooks that need the latest."""
+
+    strategy: Strategy
+    state: TrainState
+    counted: int  # the state's step counter when the run began
+    first: int  # the step the run's numbering starts from (the counter, with checkpoints; else 0)
+    resumed_from: int | None
+    batch: Batch | Placed | None = None
+
+
+def _training_step(
+    strategy: Strategy, loss_fn: LossFn, accumulate: int, precision: Precision | None, check_finite: bool
+) -> Step:
+    """``strategy.step(loss_fn)`` with the options asked for; with ``check_finite``, a step whose loss is not finite
+    changes nothing (the check then stops the run)."""
+    options = {"accumulate": accumulate} if accumulate != 1 else {}
+    options |= {"precision": precision} if precision is not None else {}
+    step = strategy.step(loss_fn, **options)
+    step.keep_finite = check_finite
+    return step
+
+
+def _own_hooks(
+    run: _Run,
+    loss_fn: LossFn,
+    step: Step,
+    precision: Precision | None,
+    check_finite: bool,
+    ckpt: Checkpoints | None,
+    consumed: int,
+) -> list[Callback]:
+    """``fit``'s own callbacks, told of each step before the user's: the non-finite checks, then checkpointing."""
+    hooks: list[Callback] = [NonFiniteCheck(run.first)] if check_finite else []
+    if check_finite and precision is not None and precision.loss_scale is not None:
+
+        def nonfinite(scale: float) -> list[str]:  # reads the state and batch as the loop rebinds them
+            host = run.batch.batch if isinstance(run.batch, Placed) else run.batch
+            return nonfinite_gradients(loss_fn, run.strategy.unreplicate(run.state.params), host, precision, scale)
+
+        hooks.append(SkippedStepsCheck(precision, run.first, nonfinite))
+        step.watch = None  # the check above stops the run: the step need not warn as well
+    if ckpt:  # reads the state as the loop rebinds it
+        saving = Checkpointing(
+            ckpt, run.strategy, lambda: run.state, first=run.first, consumed=consumed, saved=run.resumed_from
+        )
+        hooks.append(saving)
+    return hooks
+
+
+def _loop(
+    run: _Run, step: Step, feed: Iterable[Batch], hooks: Sequence[Callback], info: RunInfo
+) -> tuple[History, bool]:
+    """Every step on ``feed``, each recorded and told to ``hooks``; returns the history and whether it was interrupted.
+
+    A KeyboardInterrupt ends the run with the state so far; any other error is raised with it attached
+    (:func:`_hand_over`).
+    """
+    history, pending = History(), None  # pending: the step whose state is bound but not yet recorded
+    try:
+        for cb in hooks:
+            cb.on_train_begin(info)
+        for i, batch in enumerate(feed, start=1):
+            run.batch, start = batch, time.perf_counter()
+            with InterruptsDeferred():  # between the old state's donation and the new one's binding
+                run.state, metrics = step(run.state, batch)
+                pending = (i, start, metrics, batch.size if isinstance(batch, Placed) else batch_size(batch))
+            record, pending = history.record(*pending, run.state), None
+            for cb in hooks:
+                cb.on_step_end(record)
+    except KeyboardInterrupt:
+        if pending is not None:  # interrupted while waiting for a step: its state is the one we hold
+            history.record(*pending, run.state)
+        log.warning("fit interrupted after %d steps; returning the state so far.", len(history.records))
+        return history, True
+    except Exception as err:
+        _hand_over(err, run, history, pending, hooks)
+        raise
+    return history, False
+
+
+def _hand_over(err: Exception, run: _Run, history: History, pending: tuple | None, hooks: Sequence[Callback]) -> None:
+    """Attach the state of the last completed step to ``err`` (``err.fit_result``), with a note saying what it holds,
+    and tell ``hooks``. The state is intact: the step rebinds it at once."""
+    if pending is not None:
+        with contextlib.suppress(Exception):  # a step that failed on the device leaves nothing to keep
+            history.record(*pending, run.state)
+    err.fit_result = FitResult(run.state, history, run.strategy, True, run.resumed_from)
+    err.add_note(_stopped_note(err, run.strategy, run.state, run.counted, run.first, len(history.records)))
+    for cb in hooks:
+        cb.on_train_error(history, err)
 
 
 def _stopped_note(err: Exception, strategy: Strategy, state: TrainState, counted: int, first: int, done: int) -> str:
@@ -401,43 +453,6 @@ def _check_resume(resume: bool, checkpoint_dir: str | Path | None, state: TrainS
         )
     if resume and state is not None:
         raise ValueError("Give state or resume=True, not both: resuming restores the state from checkpoint_dir.")
-
-
-class SignalHandlers:
-    """Within the block ``handler(signum, frame)`` handles ``signals``; the previous handlers come back after it.
-
-    Signal handlers belong to the main thread; elsewhere nothing changes. A class rather than a
-    generator: :func:`fit` enters one around every step, and a class costs about a microsecond less.
-    """
-
-    def __init__(self, signals: Iterable[int], handler: Callable) -> None:
-        self.signals, self.handler, self.previous = tuple(signals), handler, {}
-
-    def __enter__(self) -> None:
-        main = threading.current_thread() is threading.main_thread()
-        self.previous = {sig: signal.signal(sig, self.handler) for sig in self.signals} if main else {}
-
-    def __exit__(self, *exc: object) -> None:
-        for sig, old in self.previous.items():
-            signal.signal(sig, old)
-
-
-class _InterruptsDeferred(SignalHandlers):
-    """Hold back a KeyboardInterrupt (SIGINT) until the block ends, then raise it.
-
-    Around the step call: an interrupt between the step consuming the old state and
-    the new state being bound would leave nothing usable. Dispatch is quick, so the
-    interrupt is late by milliseconds (by the compile time on the first step).
-    """
-
-    def __init__(self) -> None:
-        caught = self.caught = []  # the handler holds the list, not self: no reference cycle a step
-        super().__init__((signal.SIGINT,), lambda signum, frame: caught.append(signum))
-
-    def __exit__(self, kind: type[BaseException] | None, *exc: object) -> None:
-        super().__exit__(kind, *exc)
-        if self.caught and kind is None:
-            raise KeyboardInterrupt
 
 
 def _remaining(batches: Iterable[Batch], steps: int | None, consumed: int) -> tuple[Iterable[Batch], int | None]:

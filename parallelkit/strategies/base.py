@@ -118,7 +118,7 @@ class Strategy(abc.ABC):
 
     # How it communicates, in the cost model's names (a key of pk.costmodel.PATTERNS): the catalog
     # names it for pk.costmodel.predict, StepTraffic.pattern carries it, and TopologyModel times the
-    # patterns of parallelkit.measure.traffic.TOPOLOGY.
+    # patterns of pk.costmodel.TOPOLOGY.
     pattern = "single"
 
     def traffic(self, loss_fn: LossFn, state: TrainState, batch: Batch) -> StepTraffic:

@@ -6,7 +6,7 @@ its communication follows (the class's ``pattern``, read here, never written aga
 flags the tools read. The tour and the bench build their rows from it, and
 :func:`parallelkit.measure.costmodel.predict` takes its names (:func:`register` names each for the
 cost model); the traffic report asks the strategy itself (``strategy.traffic``), and
-:class:`~parallelkit.measure.traffic.TopologyModel` times it by the same pattern. No tool asks
+:class:`~parallelkit.measure.costmodel.TopologyModel` times it by the same pattern. No tool asks
 which class a strategy is. A new strategy joins them all through :func:`register`:
 
 >>> entry = get("Mirrored(jit)")

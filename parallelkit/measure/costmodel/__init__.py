@@ -14,6 +14,9 @@ Rabenseifner and Gropp, 2005) applied round by round. Its assumptions, all of th
 - between machines, all the bytes that leave a machine in one round (and all that
   enter it) share that machine's ``network`` link: its bandwidth is the machine's
   total (all its network cards together);
+- transfers to and from host memory (central storage's, and parameter servers' in one
+  machine) cross each device's own ``host`` link (``inside`` unless given) and, all
+  together, the ``host_side`` (no limit unless given): :meth:`Cluster.host_seconds`;
 - every collective runs in rounds (:func:`allreduce_rounds`, :func:`ring_rounds`,
   :func:`alltoall_rounds`); a round lasts as long as its slowest message, and the next
   round starts when it ends;
@@ -42,11 +45,12 @@ Rabenseifner and Gropp, 2005) applied round by round. Its assumptions, all of th
 >>> round(p.compute_s * 1e3, 1), round(p.communication_s * 1e3, 3), round(p.efficiency, 3)
 (32.0, 0.631, 0.981)
 
-The model lives in five modules, one idea each: :mod:`.links` (a link, a cluster, the rounds
+The model lives in six modules, one idea each: :mod:`.links` (a link, a cluster, the rounds
 of every collective, the one alpha-beta fit), :mod:`.workload` (what a step needs and what a
 pattern is), :mod:`.patterns` (how each family of strategies communicates, the sequence's
 splits among them: :mod:`.sequence`), :mod:`.estimate` (a step's time and efficiency) and
-:mod:`.buckets` (gradient buckets on one communication stream, hidden behind the backward pass or not).
+:mod:`.buckets` (gradient buckets on one communication stream, hidden behind the backward pass or not);
+:mod:`.topology` times a measured step's traffic on one machine's links (:class:`TopologyModel`).
 Everything is importable from here.
 """
 
@@ -88,6 +92,9 @@ from .patterns import sequence_collectives as sequence_collectives
 from .sequence import CONTEXT_METHODS as CONTEXT_METHODS
 from .sequence import PLANS as PLANS
 from .sequence import Planned as Planned
+from .topology import TOPOLOGY as TOPOLOGY
+from .topology import TopologyModel as TopologyModel
+from .topology import register_topology as register_topology
 from .workload import KINDS as KINDS
 from .workload import Options as Options
 from .workload import Pattern as Pattern

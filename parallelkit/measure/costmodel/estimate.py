@@ -44,10 +44,13 @@ def communication_seconds(
     - mirrored: one all-reduce of ``P`` by ``allreduce``;
     - fully_sharded (ZeRO-3): an all-gather of ``P`` for the forward pass, another for
       the backward, a reduce-scatter of the gradients: three half-rings, 1.5 all-reduces;
-    - central_storage: every device pulls ``P`` from and pushes ``P`` to the first
-      machine's host memory over its ``inside`` link (one machine only);
-    - parameter_server: ``shards`` servers on machines of their own, each with a
-      ``network`` link, each sending ``P/shards`` to every device and receiving as much;
+    - central_storage: every device pulls ``P`` from and pushes ``P`` to the machine's host
+      memory, all at once, over its own ``host`` link (``inside`` by default), all of them
+      through the ``host_side`` when the cluster has one (one machine only);
+    - parameter_server: ``shards`` servers on machines of their own, each sending
+      ``P/shards`` to every device and receiving as much: over the ``network`` (each
+      worker machine's link carrying its devices' ``P``), or in one machine over each
+      device's ``host`` link, each server's ``host_side`` carrying its share (no limit without one);
     - tensor (``model`` = all devices) and hybrid (groups of ``model``): each of the
       workload's ``activation_allreduces`` over every group at once, for the group's
       ``model x batch_per_device`` samples; hybrid adds an all-reduce of each device's

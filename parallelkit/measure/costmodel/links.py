@@ -13,7 +13,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -87,12 +87,20 @@ PRESETS: dict[str, Link] = {
 
 @dataclass(frozen=True)
 class Cluster:
-    """Machines of ``devices_per_machine`` devices; ``inside`` links them within a machine, ``network`` between."""
+    """Machines of ``devices_per_machine`` devices; ``inside`` links them within a machine, ``network`` between.
+
+    The host's links, which central storage and parameter servers cross (keywords only): ``host``, each
+    device's own link to host memory (PCIe; the ``inside`` link when None), and ``host_side``, what
+    every device's transfers to host memory cross together in each direction (the host's PCIe root and
+    memory; a parameter server's shard, a machine of its own, has one of these; no limit when None).
+    """
 
     machines: int
     devices_per_machine: int
     inside: Link
     network: Link | None = None  # a machine's total network bandwidth; needed when machines > 1
+    host: Link | None = field(default=None, kw_only=True)
+    host_side: Link | None = field(default=None, kw_only=True)
 
     def __post_init__(self) -> None:
         for name in ("machines", "devices_per_machine"):
@@ -124,6 +132,18 @@ class Cluster:
         for shared in (*leaving.values(), *entering.values()):
             slowest = max(slowest, self.network.seconds(shared))
         return slowest
+
+    def host_seconds(self, per_device: float, through_host: float) -> float:
+        """One round of transfers to or from host memory: each device moves ``per_device`` bytes over its own
+        ``host`` link while the ``host_side`` carries ``through_host`` bytes; the slower of the two.
+
+        >>> pcie = Link("PCIe", 25, 5, "by hand")
+        >>> c = Cluster(1, 8, pcie, host=pcie, host_side=Link("host", 50, 5, "by hand"))
+        >>> round(c.host_seconds(1e6, 8e6) * 1e6, 6)  # 8 devices' 1 MB share 50 GB/s: 5 us + 160 us
+        165.0
+        """
+        own = (self.host or self.inside).seconds(per_device)
+        return max(own, self.host_side.seconds(through_host)) if self.host_side else own
 
 
 Round = list[tuple[int, int, float]]  # (source, target, bytes) messages sent at once

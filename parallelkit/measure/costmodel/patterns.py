@@ -88,16 +88,22 @@ def _fully_sharded(workload: Workload, cluster: Cluster, options: Options) -> tu
 
 
 def _central_storage(workload: Workload, cluster: Cluster, options: Options) -> tuple[float, float]:
+    """A pull of ``P`` to every device, then a push of ``P`` from every device, all at once through the one host."""
     if cluster.machines > 1:
         raise ValueError("central_storage keeps the parameters in one machine's memory: use machines=1.")
-    return 2 * cluster.inside.seconds(workload.param_bytes), 0.0  # pull then push, every device on its own link
+    p = workload.param_bytes
+    return 2 * cluster.host_seconds(p, cluster.devices * p), 0.0
 
 
 def _parameter_server(workload: Workload, cluster: Cluster, options: Options) -> tuple[float, float]:
-    link, p = cluster.network or cluster.inside, workload.param_bytes
-    server = cluster.devices * p / options.shards  # each server's link carries its share for every device
-    worker_machine = cluster.devices_per_machine * p if cluster.machines > 1 else p
-    return 2 * link.seconds(max(server, worker_machine)), 0.0
+    """A pull and a push of ``P`` per worker, ``P/k`` from and to each of the ``k`` shards, machines of their own that
+    serve at once. Over machines, the network: a worker machine's link carries its devices' ``P`` each, a server's its
+    share for every device. In one machine, the host's links: each device's own carries its ``P``, each shard's host
+    side its share for every device."""
+    p, server = workload.param_bytes, cluster.devices * workload.param_bytes / options.shards
+    if cluster.machines == 1:
+        return 2 * cluster.host_seconds(p, server), 0.0
+    return 2 * cluster.network.seconds(max(server, cluster.devices_per_machine * p)), 0.0
 
 
 PATTERNS: dict[str, Pattern] = {  # by name; register_pattern adds more

@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..training import SignalHandlers
+from ..signals import SignalHandlers
 from .cluster import (
     ENV_COORDINATOR,
     ENV_HEARTBEAT_TIMEOUT,

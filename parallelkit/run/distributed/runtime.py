@@ -33,10 +33,6 @@ DEFAULT_SHUTDOWN_TIMEOUT = 60
 _joined: ClusterSpec | None = None
 
 
-def _env_int(name: str, default: int) -> int:
-    return int(os.environ[name]) if os.environ.get(name) else default
-
-
 def initialize(
     coordinator_address: str | None = None,
     num_processes: int | None = None,
@@ -53,10 +49,12 @@ def initialize(
 ) -> ClusterSpec:
     """Join the cluster this process belongs to; call it once, before any JAX work.
 
-    Resolves the cluster (see :func:`resolve_cluster` for the order of sources),
-    logs what it found and where, runs preflight checks, then calls
-    ``jax.distributed.initialize``. With no cluster found it does nothing and the
-    program runs as one process. Calling it again with the same cluster is a no-op.
+    Resolves the cluster (see :func:`resolve_cluster` for the order of sources) and
+    logs what it found and where; joins it (preflight checks, then
+    ``jax.distributed.initialize``); and guards it: an uncaught exception then ends the
+    process at once instead of leaving its peers waiting for it. With no cluster found
+    it joins nothing and the program runs as one process (with ``local_devices`` CPU
+    devices if asked). Calling it again with the same cluster is a no-op.
 
     Conceptually, this is::
 
@@ -95,29 +93,56 @@ def initialize(
     log.info("parallelkit cluster: %s", spec.describe())
     _exit_with_launcher()
     if _joined is not None:
-        if spec != _joined:
-            raise ClusterError(
-                f"This process already joined a cluster ({_joined.describe()}); it cannot join another "
-                f"({spec.describe()}). Restart the process to change clusters."
-            )
-        return _joined
+        return _same_cluster(spec, _joined)
+    if spec.is_single_process:  # nothing to join; on CPU, perhaps devices to simulate
+        _simulate_alone(spec)
+        _joined = spec
+    else:
+        _join(spec, initialization_timeout, heartbeat_timeout, shutdown_timeout)
+        _joined = spec
+        _check_joined(spec)
+        _exit_at_once_on_uncaught_exceptions()
+    _mark("joined")
+    return spec
+
+
+def _env_int(name: str, default: int) -> int:
+    return int(os.environ[name]) if os.environ.get(name) else default
+
+
+def _same_cluster(spec: ClusterSpec, joined: ClusterSpec) -> ClusterSpec:
+    """The cluster this process already joined, when ``spec`` is that cluster; a clear error otherwise."""
+    if spec != joined:
+        raise ClusterError(
+            f"This process already joined a cluster ({joined.describe()}); it cannot join another "
+            f"({spec.describe()}). Restart the process to change clusters."
+        )
+    return joined
+
+
+def _simulate_alone(spec: ClusterSpec) -> None:
+    """One process: simulate ``spec.local_devices`` CPU devices if asked (a DeviceCountError when too late)."""
+    from ...core.devices import simulate_devices
+
+    if spec.local_devices:
+        simulate_devices(spec.local_devices)
+
+
+def _join(
+    spec: ClusterSpec, initialization_timeout: int | None, heartbeat_timeout: int | None, shutdown_timeout: int | None
+) -> None:
+    """``jax.distributed.initialize`` for ``spec``, guarded: refused once JAX has started, the coordinator checked
+    first, and a process whose cluster does not form within the timeout ended with a message saying why."""
+    from ...core.devices import backends_started, configure_cpu_devices
+
     init_timeout = initialization_timeout or _env_int(ENV_INIT_TIMEOUT, DEFAULT_INIT_TIMEOUT)
     heartbeat = heartbeat_timeout or _env_int(ENV_HEARTBEAT_TIMEOUT, DEFAULT_HEARTBEAT_TIMEOUT)
     shutdown = shutdown_timeout or _env_int(ENV_SHUTDOWN_TIMEOUT, DEFAULT_SHUTDOWN_TIMEOUT)
-
-    from ...core.devices import DeviceCountError, backends_started, configure_cpu_devices, simulate_devices
-
-    if not spec.is_single_process and backends_started():
+    if backends_started():
         raise ClusterError(
             "JAX has already started (something ran a computation or listed devices), so this process can no "
             "longer join a cluster. Call pk.distributed.initialize() first thing in the program, before any JAX work."
         )
-    if spec.is_single_process:
-        if spec.local_devices:
-            simulate_devices(spec.local_devices)  # raises DeviceCountError when too late
-        _joined = spec
-        _mark("joined")
-        return spec
     _mark("started")
     if spec.coordinator_address is not None:
         check_coordinator(spec, timeout=init_timeout)
@@ -145,7 +170,14 @@ def initialize(
         )
     finally:
         watchdog.cancel()
-    _joined = spec
+
+
+def _check_joined(spec: ClusterSpec) -> None:
+    """Once the cluster is up: the CPU device count set before JAX started checked, and the cluster logged."""
+    import jax
+
+    from ...core.devices import DeviceCountError
+
     got = jax.local_device_count()
     if spec.local_devices and jax.local_devices()[0].platform == "cpu" and got != spec.local_devices:
         raise DeviceCountError(f"Asked for {spec.local_devices} CPU devices per process, got {got}.")
@@ -156,9 +188,6 @@ def initialize(
         jax.local_device_count(),
         jax.device_count(),
     )
-    _exit_at_once_on_uncaught_exceptions()
-    _mark("joined")
-    return spec
 
 
 def _exit_with_launcher(poll_seconds: float = 0.5) -> None:

@@ -27,5 +27,5 @@ from .executor import execute as execute
 from .stages import run_layers as run_layers
 from .stages import sequential_loss as sequential_loss
 from .stages import split_layers as split_layers
+from .step import PipelineStep as PipelineStep
 from .strategy import Pipeline as Pipeline
-from .strategy import PipelineStep as PipelineStep
