@@ -324,9 +324,10 @@ class Pipeline(Strategy):
             )
         micro, replicas = size // self.microbatches, self.num_replicas
         if micro % replicas:
+            over, axes = ("devices", "data") if self.stage_strategies is None else ("replicas", "replicas")
             raise ValueError(
-                f"A microbatch of {micro} examples does not split over the {replicas} replicas of a stage. "
-                f"Use a batch size divisible by microbatches x replicas = {self.microbatches * replicas}."
+                f"A microbatch of {micro} examples does not split over the {replicas} {over} of a stage. "
+                f"Use a batch size divisible by microbatches x {axes} = {self.microbatches * replicas}."
             )
         return [jax.tree.map(lambda x, m=m: x[m * micro : (m + 1) * micro], batch) for m in range(self.microbatches)]
 
