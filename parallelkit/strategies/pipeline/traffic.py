@@ -6,6 +6,7 @@ from collections import Counter
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from ...core.axes import SEQ
 from ...core.contract import Batch, tree_bytes
 from ...core.reports import D2D, H2D, Flow, StepTraffic
 from ...core.state import TrainState
@@ -26,18 +27,20 @@ def pipeline_traffic(pipe: Pipeline, loss_fn: HeadLoss, state: TrainState, batch
     moved: Counter[tuple[str, int]] = Counter()
     for what, stage, _, nbytes in step.passes(params, microbatches)[2].moved:
         moved[what, stage] += nbytes
-    m, d, last = pipe.microbatches, pipe.data, pipe.model_stages - 1
+    m, d, last = pipe.microbatches, pipe.num_replicas, pipe.model_stages - 1
     outputs = step.output_shapes(params, microbatches[0])
     metric_bytes = tree_bytes(outputs[last])
     total = tree_bytes(batch)
+    c = pipe.stage_meshes[0].shape.get(SEQ, 1)  # a stage's context axis splits the batch's tokens too
     ends = [(0, "batch, to stage 0")] + ([(last, f"batch, to stage {last} (labels)")] if last else [])
-    flows = [Flow(H2D, what, moved["batch", s], total / d, "B/d", "placed microbatches") for s, what in ends]
+    share, formula = total / (d * c), "B/d" if c == 1 else "B/(d x c)"
+    flows = [Flow(H2D, what, moved["batch", s], share, formula, "placed microbatches") for s, what in ends]
     for s in range(last):
         boundary = tree_bytes(outputs[s]) / d
         for what, to, arrow in (("activations", s + 1, f"{s} -> {s + 1}"), ("gradients", s, f"{s + 1} -> {s}")):
             flows.append(Flow(D2D, f"{what}, stage {arrow}", moved[what, to], m * boundary, f"m x A_{s}/d",
                               "arrays handed over"))  # fmt: skip
-    found = step.stage_collectives(state, microbatches[0]) if d > 1 else []
+    found = step.stage_collectives(state, microbatches[0]) if d > 1 or pipe.stage_strategies else []
     flows += _collective_flows(found, m, metric_bytes, state, pipe)
     every_call = [c for _, kind, c in found for _ in range(_calls(kind, m))]
     return StepTraffic(repr(pipe), pipe.pattern, d, tree_bytes(state.params), metric_bytes, tuple(flows),
@@ -53,11 +56,16 @@ def _collective_flows(
     found: Sequence[tuple[int, str, Collective]], m: int, metric_bytes: int, state: TrainState, pipe: Pipeline
 ) -> list[Flow]:
     """The stages' collectives as flows, each counted as often as its program runs a step (:func:`_calls`):
-    each stage's one gradient all-reduce, the last stage's metrics', and any other."""
+    each stage's one gradient all-reduce, the last stage's metrics', and any other. Where the stages are
+    SPMD over more than data (``stage_axes``), each program's collectives as they are, without a formula: XLA
+    places their activations' and gradients' collectives inside each microbatch's passes."""
     stage_params, last = pipe.stage_params(state.params), pipe.model_stages - 1
     totals: dict[tuple[int, str, str], int] = {}
     for s, kind, c in found:
         totals[s, kind, c.op] = totals.get((s, kind, c.op), 0) + _calls(kind, m) * c.bytes
+    if pipe.stage_strategies:
+        return [Flow(D2D, f"stage {s} {kind} ({op})", measured, None, "-", f"compiled HLO, x {_calls(kind, m)} calls")
+                for (s, kind, op), measured in totals.items()]  # fmt: skip
     flows = []
     for s in range(pipe.model_stages if found else 0):
         measured = totals.pop((s, "reduce", "all-reduce"), 0)
