@@ -369,6 +369,8 @@ def as_layers(module: Any) -> Layers:
 
             return apply
 
+        for linear, (_, params) in zip(linears, parts, strict=True):  # each layer's declared axes, for declared_axes
+            record_axes(params, param_axes(linear))
         return Layers([dense_layer(i) for i in range(len(linears))], [params for _, params in parts])
     if isinstance(module, Transformer):
         return stack_layers(
