@@ -7,7 +7,7 @@
 >>> print(answer.table(1))  # doctest: +NORMALIZE_WHITESPACE
   #  layout                                        GB/dev   step s    MFU  binds
   1  context 8, ZeRO-1, allgather, accumulate 128    68.3   16.970  47.7%  compute
-(483 layouts fit, 619 do not: plan.rejected)
+(213 layouts fit, 46 do not: plan.rejected; 843 could not reach the first 10, not weighed)
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from .cluster import Cluster
 from .layout import Layout, activations
 from .memory import STATE_BYTES
 from .model import MODELS, Transformer
-from .search import RESERVE, Candidate, assess, layouts, simpler_first, weigh
+from .search import RESERVE, TOP, Candidate, assess, layouts, search, simpler_first, weigh
 from .steptime import OVERLAP
 
 
@@ -38,6 +38,7 @@ class Plan:
     reserve: float
     ranked: tuple[Candidate, ...]
     rejected: tuple[Candidate, ...]
+    unweighed: int = 0  # layouts left unweighed: none could reach the first TOP (search.search)
 
     @property
     def best(self) -> Layout:
@@ -87,7 +88,8 @@ class Plan:
         for rank, c in enumerate(shown, 1):
             lines.append(f"{rank:>3}  {c.layout.name:<{width}} {c.memory.total / 1e9:>7.1f} {c.time.total:>8.3f} "
                          f"{c.mfu:>6.1%}  {c.time.binding}")  # fmt: skip
-        lines.append(f"({len(self.ranked)} layouts fit, {len(self.rejected)} do not: plan.rejected)")
+        left = f"; {self.unweighed} could not reach the first {TOP}, not weighed" if self.unweighed else ""
+        lines.append(f"({len(self.ranked)} layouts fit, {len(self.rejected)} do not: plan.rejected{left})")
         return "\n".join(lines)
 
     def explain(self, layout: Layout) -> str:
@@ -152,6 +154,7 @@ def plan(
     efficiency: float = 0.5,
     overlap: str = "none",
     reserve: float = RESERVE,
+    exhaustive: bool = False,
 ) -> Plan:
     """Rank every layout of ``cluster``'s devices that trains ``model`` on ``global_batch_tokens`` tokens a step.
 
@@ -161,6 +164,8 @@ def plan(
     fairly). ``efficiency``: the share of the peak FLOP/s compute reaches; ``overlap``:
     ``"none"`` or ``"full"`` hiding of the gradients' communication behind compute
     (:mod:`.steptime`); ``reserve``: the share of each device's memory kept back (:mod:`.search`).
+    The first :data:`.search.TOP` (10) of the ranking are exact; a layout that could not reach them
+    is not weighed (:func:`.search.search`; ``Plan.unweighed`` counts them) unless ``exhaustive``.
 
     Raises:
       TypeError: a ``model`` or ``cluster`` of another type.
@@ -183,14 +188,17 @@ def plan(
     batch = max(1, round(Fraction(int(global_batch_tokens), model.seq)))  # exact: a float loses huge counts
     options = {"precision": precision, "optimizer": optimizer, "efficiency": efficiency, "overlap": overlap,
                "reserve": reserve}  # fmt: skip
-    verdicts = [weigh(model, layout, cluster, batch, **options) for layout in layouts(model, cluster.devices, batch)]
+    if not isinstance(exhaustive, bool):
+        raise ValueError(f"plan(exhaustive={exhaustive!r}) is not a bool: give True to weigh every layout, or False "
+                         f"(the default) to leave those that could not reach the first {TOP}.")  # fmt: skip
+    verdicts, unweighed = search(model, cluster, batch, top=None if exhaustive else TOP, **options)
     ranked = tuple(
         sorted((c for c in verdicts if c.fits), key=lambda c: (-c.mfu, *simpler_first(c.layout, c.memory.total)))
     )
     rejected = tuple(sorted((c for c in verdicts if not c.fits), key=lambda c: c.memory.total or float("inf")))
     if not ranked:
         raise ValueError(_nothing_fits(model, cluster, batch, rejected, **options))
-    return Plan(model, cluster, batch, precision, optimizer, efficiency, overlap, reserve, ranked, rejected)
+    return Plan(model, cluster, batch, precision, optimizer, efficiency, overlap, reserve, ranked, rejected, unweighed)
 
 
 def _model(model: object) -> Transformer:

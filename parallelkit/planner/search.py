@@ -9,22 +9,28 @@ that fit, of the counts that split a replica's sequences evenly: :func:`weigh`),
 fastest variant that fits in ``(1 - reserve)`` of a device's memory; a layout with none that fits is
 kept as rejected, with by how much it misses. The rest are ranked by model FLOPs utilisation
 (MFU: the model's FLOPs a second, over the devices' peak): the same order as tokens a second;
-ties go to the simpler layout (:func:`simpler_first`).
+ties go to the simpler layout (:func:`simpler_first`). Layouts are weighed from the highest bound on
+their MFU down (:func:`ceilings`), and those whose bound falls below the :data:`TOP`-th best MFU found
+are left (:func:`search`): the first :data:`TOP` are exactly the whole search's.
 """
 
 from __future__ import annotations
 
 import functools
+import heapq
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 
 from ..measure.roofline import flops_utilisation
 from .cluster import Cluster
 from .layout import Layout, check, memory_per_device
-from .memory import CONTEXT_METHODS, SCHEDULES, Memory
+from .memory import CONTEXT_METHODS, ELEMENT_BYTES, SCHEDULES, Memory
 from .model import Transformer
-from .steptime import StepTime, step_time
+from .steptime import StepTime, bubble_share, gradient_seconds, step_time
 
+TOP = (
+    10  # the first rows of the ranking plan() finds exactly (Plan.table's): layouts that could not reach them are left
+)
 RESERVE = 0.1  # the share of a device's memory left to the framework, its allocator and what the model leaves out
 
 
@@ -98,9 +104,14 @@ def meshes(model: Transformer, devices: int) -> Iterator[dict[str, int]]:
 def layouts(model: Transformer, devices: int, batch: int) -> Iterator[Layout]:
     """Every layout :func:`plan` weighs, before recomputation and accumulation are chosen."""
     for mesh in meshes(model, devices):
-        replicas = mesh["data"] * mesh["expert"]
-        if replicas > batch:
-            continue
+        yield from mesh_layouts(mesh, batch)
+
+
+def mesh_layouts(mesh: dict[str, int], batch: int) -> Iterator[Layout]:
+    """The layouts of one mesh (axis sizes) that :func:`plan` weighs: each ZeRO stage, sequence parallelism,
+    context method and pipeline schedule; none when the mesh has more replicas than ``batch`` sequences."""
+    replicas = mesh["data"] * mesh["expert"]
+    if replicas <= batch:
         sharded = mesh["data"] * mesh["context"] * mesh["expert"] > 1
         stages = mesh["stages"]
         per_replica = batch // replicas
@@ -111,6 +122,82 @@ def layouts(model: Transformer, devices: int, batch: int) -> Iterator[Layout]:
                     for schedule, m in pipelines if stages > 1 else [("1f1b", 1)]:
                         yield Layout(**mesh, zero=zero, sequence_parallel=sp, context_method=method,
                                      schedule=schedule, microbatches=m)  # fmt: skip
+
+
+def ceilings(model: Transformer, group: Sequence[Layout], cluster: Cluster, batch: int, **options) -> list[float]:
+    """The highest MFU each layout of ``group`` (the layouts of one mesh: :func:`mesh_layouts`) could reach.
+
+    Its step time is at least the one this adds up, so its MFU is at most this, whatever :func:`weigh` then
+    chooses (recomputation, accumulation). Each part is one that no such variant goes below:
+
+    - compute without recomputation, at one microbatch (recomputation only adds FLOPs; more microbatches
+      make each matrix product smaller, which never raises its efficiency);
+    - the layout's pipeline bubble share of that compute (:func:`.steptime.bubble_share`);
+    - the tensor, context (the layout's method) and expert collectives at one microbatch: ``m`` collectives of
+      ``1/m`` the bytes each take at least as long as one of all the bytes (each round is a latency plus bytes
+      over a bandwidth, :meth:`~parallelkit.measure.costmodel.Link.seconds`); the pipeline's sends at least 0;
+    - without overlap, the gradients' collectives of the layout's ZeRO stage (at one accumulation step, the
+      fewest, without a pipeline); with ``overlap="full"`` at least 0.
+    """
+    precision, overlap = options["precision"], options["overlap"]
+    first = replace(group[0], zero=0, sequence_parallel=False, schedule="1f1b", microbatches=1, recompute="none")
+    timed = {}
+    for method in {layout.context_method for layout in group}:
+        timed[method] = step_time(model, replace(first, context_method=method), cluster, batch, precision=precision,
+                                  efficiency=options["efficiency"], overlap="none")  # fmt: skip
+    element = ELEMENT_BYTES[precision]
+    used = batch // first.replicas * first.replicas
+    per_device = model.flops_per_token() * used * model.seq / cluster.devices
+    peak = cluster.peak_flops(precision)
+    found = []
+    for layout in group:
+        t = timed[layout.context_method]
+        parts = t.communication
+        seconds = t.compute * (1 + bubble_share(layout)) + sum(
+            parts.get(k, 0.0) for k in ("tensor", "context", "experts")
+        )
+        if overlap == "none" and "gradients" in parts:
+            accumulate = replace(first, zero=layout.zero, microbatches=layout.microbatches if layout.stages > 1 else 1)
+            seconds += gradient_seconds(model, accumulate, cluster, element)
+        found.append(flops_utilisation(per_device, seconds, peak))
+    return found
+
+
+def search(
+    model: Transformer, cluster: Cluster, batch: int, *, top: int | None = TOP, **options
+) -> tuple[list[Candidate], int]:
+    """Every layout's verdict that could rank among the ``top`` best MFUs (all of them when ``top`` is None),
+    in :func:`layouts`'s order, and how many layouts were not weighed.
+
+    The layouts are weighed from the highest :func:`ceilings` down; once ``top`` layouts fit and the next
+    layout's ceiling is below the ``top``-th best MFU found, it and every one after it is left: none could
+    reach the first ``top`` (a tie could: ties are weighed). The first ``top`` of the ranking are then exactly
+    those of the search that weighs everything.
+    """
+    found = [layout for mesh in meshes(model, cluster.devices) for layout in mesh_layouts(mesh, batch)]
+    order = range(len(found))
+    if top is not None:
+        bounds, start = [], 0
+        while start < len(found):  # one mesh at a time: its layouts are consecutive
+            end = start + 1
+            while end < len(found) and _mesh(found[end]) == _mesh(found[start]):
+                end += 1
+            bounds += ceilings(model, found[start:end], cluster, batch, **options)
+            start = end
+        order = sorted(order, key=lambda i: -bounds[i])
+    weighed: dict[int, Candidate] = {}
+    best: list[float] = []  # a heap of the top MFUs found so far, the lowest first
+    for i in order:
+        if top is not None and len(best) == top and bounds[i] < best[0] * (1 - 1e-9):  # rounding aside
+            break
+        weighed[i] = verdict = weigh(model, found[i], cluster, batch, **options)
+        if verdict.fits and top is not None:
+            (heapq.heappush if len(best) < top else heapq.heappushpop)(best, verdict.mfu)
+    return [weighed[i] for i in sorted(weighed)], len(found) - len(weighed)
+
+
+def _mesh(layout: Layout) -> tuple[int, ...]:
+    return layout.tensor, layout.expert, layout.context, layout.stages, layout.data
 
 
 def assess(

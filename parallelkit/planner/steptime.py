@@ -77,6 +77,20 @@ class StepTime:
         return max(parts, key=parts.get)
 
 
+def bubble_share(layout: Layout) -> float:
+    """The pipeline's idle time over its compute: ``(stages - 1) / microbatches`` (GPipe, 1F1B), a third of it
+    under ZB-H1; 0 without a pipeline.
+
+    GPipe and 1F1B idle for ``stages - 1`` microbatches' forward and backward passes; ZB-H1 only for their
+    forward passes (its weight passes fill the rest), for passes of equal length.
+
+    >>> bubble_share(Layout(stages=4, microbatches=8)), bubble_share(Layout(stages=4, microbatches=8, schedule="zb-h1"))
+    (0.375, 0.125)
+    """
+    share = (layout.stages - 1) / layout.microbatches
+    return share / 3 if layout.schedule == "zb-h1" else share
+
+
 def strides(layout: Layout) -> dict[str, int]:
     """How many devices apart neighbours along each axis are (:data:`MESH_ORDER`, innermost first)."""
     out, stride = {}, 1
@@ -116,9 +130,7 @@ def step_time(
     attention = per_token - 6 * model.active_params
     extra = {"none": 0.0, "selective": attention / 3, "full": per_token / 3}[layout.recompute]
     compute = (per_token + extra) * batch * model.seq / (layout.devices * efficiency * cluster.peak_flops(precision))
-    # idle: (stages - 1) microbatches' forward and backward passes (GPipe, 1F1B); ZB-H1 idles only their
-    # forward passes, a third of that (its weight passes fill the rest), for passes of equal length
-    bubble = compute * (stages - 1) / m / (3 if layout.schedule == "zb-h1" else 1)
+    bubble = compute * bubble_share(layout)
 
     apart = strides(layout)
     micro = batch // (layout.replicas * m)
