@@ -3,11 +3,11 @@
 >>> from parallelkit.planner import MODELS, Cluster
 >>> answer = plan(MODELS["llama3-8b"], Cluster.published("H100 SXM", per_node=8), global_batch_tokens=1_048_576)
 >>> answer.best.name, answer.batch  # 128 sequences of 8192 tokens
-('context 8, ZeRO-1, allgather, accumulate 128', 128)
+('context 2 x tensor 2 x stages 2 (SP), ZeRO-1, allgather, zb-h1 m=128', 128)
 >>> print(answer.table(1))  # doctest: +NORMALIZE_WHITESPACE
-  #  layout                                        GB/dev   step s    MFU  binds
-  1  context 8, ZeRO-1, allgather, accumulate 128    68.3   16.970  47.7%  compute
-(213 layouts fit, 46 do not: plan.rejected; 843 could not reach the first 10, not weighed)
+  #  layout                                                                GB/dev   step s    MFU  binds
+  1  context 2 x tensor 2 x stages 2 (SP), ZeRO-1, allgather, zb-h1 m=128    69.6   13.754  58.8%  compute
+(533 layouts fit, 28 do not: plan.rejected; 116 could not reach the first 10, not weighed)
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from fractions import Fraction
 
-from ..core.mesh import is_count
+from ..core.mesh import is_count, is_number
 from .cluster import Cluster
 from .layout import Layout, activations
 from .memory import STATE_BYTES
@@ -33,7 +33,7 @@ class Plan:
     batch: int  # sequences asked for
     precision: str
     optimizer: str
-    efficiency: float
+    efficiency: float | None
     overlap: str
     reserve: float
     ranked: tuple[Candidate, ...]
@@ -119,13 +119,17 @@ class Plan:
             f"= {split}" + (f", then ZeRO-{c.layout.zero} over {shared}" if c.layout.zero else ""),
             f"    activations {m.activations / gb:.2f} GB"
             + (f" on {stage}" if c.layout.stages > 1 else "")
-            + f": {act.layers} layers x {act.in_flight} microbatch(es) of {act.micro} sequence(s) in flight x "
+            + f": {act.layers} layers x {act.in_flight:g} microbatch(es) of {act.micro} sequence(s) in flight x "
             f"{act.per_layer / gb:.3f} GB a layer (Korthikanti et al.'s accounting, recompute {c.layout.recompute}: "
             "memory.layer_activation_bytes)"
+            + (f", and {act.pending} deferred weight pass(es) x {act.per_pending / gb:.3f} GB a layer (ZB-H1: "
+               "memory.weight_pass_bytes)" if act.pending else "")
             + (f" + {act.rebuilt / gb:.3f} GB for the layer being rebuilt" if act.rebuilt else ""),
             f"    logits {m.logits / gb:.2f} GB: 4 bytes x {act.micro} x {self.model.seq // c.layout.context} tokens x "
             f"{self.model.vocab} vocabulary / tensor {c.layout.tensor}",
-            f"  time: compute {c.time.compute:.3f} s at {self.efficiency:.0%} of the peak, "
+            f"  time: compute {c.time.compute:.3f} s at {c.time.efficiency:.0%} of the peak"
+            + (" (its matrix products' roofline)" if self.efficiency is None else "")
+            + ", "
             f"bubble {c.time.bubble:.3f} s",
         ]  # fmt: skip
         for family, seconds in c.time.communication.items():
@@ -151,7 +155,7 @@ def plan(
     global_batch_tokens: int,
     precision: str = "bf16",
     optimizer: str = "adam",
-    efficiency: float = 0.5,
+    efficiency: float | None = None,
     overlap: str = "none",
     reserve: float = RESERVE,
     exhaustive: bool = False,
@@ -161,7 +165,8 @@ def plan(
     ``model``: a :class:`Transformer`, or the name of a published one (a key of :data:`.model.MODELS`).
     The batch is ``global_batch_tokens / model.seq`` sequences (rounded); a layout whose replicas
     do not split it evenly takes the largest batch below it that they do (MFU compares them
-    fairly). ``efficiency``: the share of the peak FLOP/s compute reaches; ``overlap``:
+    fairly). ``efficiency``: None for each matrix product's share of the peak (a roofline:
+    :func:`.steptime.matmul_efficiency`), or the share every FLOP reaches; ``overlap``:
     ``"none"`` or ``"full"`` hiding of the gradients' communication behind compute
     (:mod:`.steptime`); ``reserve``: the share of each device's memory kept back (:mod:`.search`).
     The first :data:`.search.TOP` (10) of the ranking are exact; a layout that could not reach them
@@ -181,10 +186,10 @@ def plan(
                          f"for example {64 * model.seq} (64 sequences of {model.seq}).")  # fmt: skip
     if not 0 <= reserve < 1:
         raise ValueError(f"plan(reserve={reserve!r}): the share of memory kept back, from 0 up to (not) 1, e.g. 0.1.")
-    if overlap not in OVERLAP or not 0 < efficiency <= 1 or (precision, optimizer) not in STATE_BYTES:
+    if overlap not in OVERLAP or not _is_share(efficiency) or (precision, optimizer) not in STATE_BYTES:
         raise ValueError(f"plan(precision={precision!r}, optimizer={optimizer!r}, efficiency={efficiency!r}, "
                          f"overlap={overlap!r}): precision and optimizer one of {list(STATE_BYTES)}, efficiency in "
-                         f"(0, 1], overlap one of {OVERLAP}.")  # fmt: skip
+                         f"(0, 1] or None (each matrix product's roofline), overlap one of {OVERLAP}.")  # fmt: skip
     batch = max(1, round(Fraction(int(global_batch_tokens), model.seq)))  # exact: a float loses huge counts
     options = {"precision": precision, "optimizer": optimizer, "efficiency": efficiency, "overlap": overlap,
                "reserve": reserve}  # fmt: skip
@@ -199,6 +204,11 @@ def plan(
     if not ranked:
         raise ValueError(_nothing_fits(model, cluster, batch, rejected, **options))
     return Plan(model, cluster, batch, precision, optimizer, efficiency, overlap, reserve, ranked, rejected, unweighed)
+
+
+def _is_share(efficiency: object) -> bool:
+    """Whether ``efficiency`` is None (the roofline's) or a share of the peak in (0, 1]."""
+    return efficiency is None or (is_number(efficiency) and 0 < efficiency <= 1)
 
 
 def _model(model: object) -> Transformer:
