@@ -1,4 +1,4 @@
-"""A layout's step time: compute at a stated efficiency, every collective on the cost model's links, the bubble.
+"""A layout's step time: compute on its products' roofline, every collective on the cost model's links, the bubble.
 
 The assumptions, all of them (each a parameter or a line here):
 
@@ -9,9 +9,11 @@ The assumptions, all of them (each a parameter or a line here):
   given. Recomputation adds its forward pass: the whole layer's (``2 N`` a token more) under
   ``"full"``, the attention scores' under ``"selective"``.
 - **A matrix product** of ``m x k`` by ``k x n`` takes the longer of its FLOPs, ``2 m k n``, at
-  :data:`ACHIEVABLE` of the peak, and its bytes, ``(m k + k n + m n)`` elements, at the
-  device's memory bandwidth (a roofline, :func:`matmul_seconds`; FLOPs alone where the cluster
-  has no bandwidth). The products of a layer, forward, for one microbatch on one device: the
+  :data:`ACHIEVABLE` of the peak (S. Bekman's measured best over shapes: 80.3 % on an H100,
+  86.9 % on an A100; other chips take the H100's), and its bytes, ``(m k + k n + m n)``
+  elements, at the device's memory bandwidth (the peak and the bandwidth: the datasheets of
+  :data:`parallelkit.measure.hardware.PUBLISHED`): a roofline (:func:`matmul_seconds`; FLOPs
+  alone where the cluster has no bandwidth). The products of a layer, forward, for one microbatch on one device: the
   query, key and value projection, the attention's output projection, the MLP's up (and gate)
   and down projections (each routed expert's, over the tokens routed to it), split over
   ``tensor`` as Megatron splits them, on the microbatch's tokens (over ``context``); and the
