@@ -196,3 +196,12 @@ def test_an_efficiency_that_is_not_a_share_names_the_argument(efficiency):
 def test_a_memory_bandwidth_that_is_not_a_rate_names_the_argument(bandwidth):
     with pytest.raises(ValueError, match=r"Cluster\(hbm_bytes_per_s=.*\) is not a finite number > 0: give each"):
         replace(H100, hbm_bytes_per_s=bandwidth)
+
+
+def test_explain_counts_interleaved_warm_up_and_deferred_weight_passes():
+    answer = plan(DEEP, H100, global_batch_tokens=64 * 2048)
+    woven = answer.explain(Layout(data=2, stages=4, schedule="interleaved", virtual=2, microbatches=8))
+    assert "4 layers x 5.5 microbatch(es) of 4 sequence(s) in flight" in woven  # 4 (1 + 3 / (4 x 2))
+    zb = answer.explain(Layout(data=2, stages=4, schedule="zb-h1", microbatches=8))
+    assert "on the last stage: 4 layers x 4 microbatch(es)" in zb
+    assert "and 3 deferred weight pass(es) x" in zb and "(ZB-H1: memory.weight_pass_bytes)" in zb
