@@ -420,7 +420,8 @@ def _planner() -> list[str]:
         f"rank the {len(v['rows'])} layouts (pipelines too) with a Spearman correlation of {v['spearman']:.2f}",
         f"its first choice ({v['first_choice']}) measured {v['first_choice_over_best']:.2f} times the best "
         f"({v['measured_best']})",
-        f"It plans Llama 3 70B on 1,024 GPUs ({speed['layouts_weighed']:,} layouts) in {speed['median_s']:.2f} s",
+        f"It plans Llama 3 70B on 1,024 GPUs ({speed['layouts_weighed']:,} layouts weighed, {speed['layouts_left']:,} "
+        f"left) in {speed['median_s']:.2f} s",
         f"It predicts {len(v['tied_with_first'])} layouts equal at the top",
         f"which measured {min(v['tied_over_best']):.2f} to {max(v['tied_over_best']):.2f} times the best",
     ]
@@ -436,6 +437,13 @@ def _planner() -> list[str]:
         quotes.append(said.format(f"{mine['mfu']:.1%}", f"{theirs['mfu']:.1%}").replace("%", " %"))
     quotes.append(f"it predicts {tpu['planner_for_their_layout']['mfu']:.1%} beside the {tpu['published']['mfu']:.1%} "
                   "MaxText's".replace("%", " %"))  # fmt: skip
+    runs = record["published_runs"]
+    for r in runs["rows"]:  # the README's table of published runs, row by row
+        quotes.append(f"| {r['run']} | {r['layout']} | {r['published_mfu']:.1%} | {r['mfu']:.1%} | "
+                      f"{r['mfu_error']:+.0%} | {r['memory_bytes'] / 1e9:.1f} |".replace("%", " %"))  # fmt: skip
+    summary = runs["summary"]
+    quotes.append(f"the mean absolute MFU error is {summary['mean_abs_mfu_error']:.1%} ({summary['within_10pct']} of "
+                  f"{summary['runs']} runs within 10 %".replace("%", " %").replace("  %", " %"))  # fmt: skip
     return quotes
 
 

@@ -53,13 +53,13 @@ def test_the_bubble_and_what_binds():
 
 def test_zero_3_gathers_each_microbatch_and_full_overlap_hides_the_gradients():
     model = MODELS["gpt2-xl"]
-    cluster = _cluster()
-    zero1 = step_time(model, Layout(data=8, zero=1, microbatches=4), cluster, 32)
-    zero3 = step_time(model, Layout(data=8, zero=3, microbatches=4), cluster, 32)
+    cluster = _cluster()  # no memory bandwidth: at half the peak (the one-number model) compute outlasts the gradients
+    zero1 = step_time(model, Layout(data=8, zero=1, microbatches=4), cluster, 32, efficiency=0.5)
+    zero3 = step_time(model, Layout(data=8, zero=3, microbatches=4), cluster, 32, efficiency=0.5)
     ring = 2 * 7 * (2e-6 + model.params * 2 / 8 / 100e9)  # one all-reduce of the bf16 gradients
     assert zero1.communication["gradients"] == pytest.approx(ring)
     assert zero3.communication["gradients"] == pytest.approx(3 * 4 * ring / 2)  # 3 gathers of half a ring each
-    hidden = step_time(model, Layout(data=8, zero=1, microbatches=4), cluster, 32, overlap="full")
+    hidden = step_time(model, Layout(data=8, zero=1, microbatches=4), cluster, 32, overlap="full", efficiency=0.5)
     assert hidden.total == pytest.approx(hidden.compute) and hidden.total < zero1.total
 
 
@@ -97,7 +97,7 @@ def test_every_kind_of_axis_is_weighed():
         assert any(getattr(layout, axis) == 8 for layout in seen), axis
     assert {layout.zero for layout in seen} == {0, 1, 2, 3}
     assert {layout.context_method for layout in seen if layout.context > 1} == {"allgather", "ring", "ulysses"}
-    assert {layout.schedule for layout in seen if layout.stages > 1} == {"gpipe", "1f1b", "zb-h1"}
+    assert {layout.schedule for layout in seen if layout.stages > 1} == {"gpipe", "1f1b", "interleaved", "zb-h1"}
     assert any(layout.sequence_parallel for layout in seen)
 
 

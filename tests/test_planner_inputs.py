@@ -142,12 +142,13 @@ def test_divisors_are_every_divisor_in_order():
 
 
 def _by_trying_everything(model: Transformer, layout: Layout, batch: int) -> pk.planner.Candidate:
-    """Every recomputation with every accumulation count: the fastest variant that fits (ties to less
-    recomputation, then fewer steps), else the one that needs the least memory."""
+    """Every recomputation with every accumulation count (a pipeline's microbatch counts from the layout's up): the
+    fastest variant that fits (ties to less recomputation, then fewer steps), else the one that needs the least
+    memory."""
     per_replica = batch // layout.replicas
-    counts = (
-        [m for m in range(1, per_replica + 1) if per_replica % m == 0] if layout.stages == 1 else [layout.microbatches]
-    )
+    counts = [m for m in range(1, per_replica + 1) if per_replica % m == 0]
+    if layout.stages > 1:
+        counts = [m for m in counts if m >= layout.microbatches and (layout.virtual == 1 or m % layout.stages == 0)]
     tried = [
         assess(model, dataclasses.replace(layout, recompute=r, microbatches=m), H100, batch, **OPTIONS)
         for r in ("none", "selective", "full")

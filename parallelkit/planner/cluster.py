@@ -33,7 +33,9 @@ class Cluster(costmodel.Cluster):
     Args (beyond the cost model's ``machines``, ``devices_per_machine``, ``inside``, ``network``):
       bf16_flops, fp32_flops: one device's matrix-product FLOP/s with 16-bit and 32-bit inputs.
       memory_bytes: one device's memory.
-      chip: what the devices are, for tables.
+      chip: what the devices are, for tables (a key of ``hardware.PUBLISHED`` picks its achievable matmul share,
+        :data:`.steptime.ACHIEVABLE`).
+      hbm_bytes_per_s: one device's memory bandwidth, for the matrix products' roofline; None: FLOPs alone.
 
     Raises:
       ValueError: ``machines`` or ``devices_per_machine`` that is not a whole number >= 1 (NumPy
@@ -44,6 +46,7 @@ class Cluster(costmodel.Cluster):
     fp32_flops: float = 0.0
     memory_bytes: float = 0.0
     chip: str = ""
+    hbm_bytes_per_s: float | None = None
 
     def __post_init__(self) -> None:
         for field in ("machines", "devices_per_machine"):  # a NumPy integer is a whole number too: kept as an int
@@ -54,6 +57,11 @@ class Cluster(costmodel.Cluster):
             if not (is_number(value) and math.isfinite(value) and value > 0):
                 raise ValueError(f"Cluster({field}={value!r}) is not a finite number > 0: give each device's "
                                  "bf16_flops, fp32_flops and memory_bytes.")  # fmt: skip
+        bandwidth = self.hbm_bytes_per_s
+        if bandwidth is not None and not (is_number(bandwidth) and math.isfinite(bandwidth) and bandwidth > 0):
+            raise ValueError(f"Cluster(hbm_bytes_per_s={bandwidth!r}) is not a finite number > 0: give each "
+                             "device's memory bandwidth in bytes a second, or None to time matrix products by FLOPs "
+                             "alone.")  # fmt: skip
 
     def peak_flops(self, precision: str) -> float:
         """One device's FLOP/s for ``"bf16"`` or ``"fp32"`` training."""
@@ -90,7 +98,7 @@ class Cluster(costmodel.Cluster):
         inside = Link(c.link_name, c.axis_link_bytes_per_s / 1e9, INSIDE_LATENCY_US, source)
         network = Link(f"{per_node} x network", per_node * c.network_bytes_per_s / 1e9, NETWORK_LATENCY_US, source)
         fp32 = c.tf32_flops or c.fp32_flops or c.bf16_flops
-        return cls(nodes, per_node, inside, network, c.bf16_flops, fp32, c.memory_bytes, chip)
+        return cls(nodes, per_node, inside, network, c.bf16_flops, fp32, c.memory_bytes, chip, c.hbm_bytes_per_s)
 
     @classmethod
     def measured(cls, devices: Sequence[jax.Device] | None = None, *, quick: bool = True) -> Cluster:

@@ -27,6 +27,8 @@ from .memory import (
     is_zero_stage,
     layer_activation_bytes,
     state_bytes,
+    weight_pass_bytes,
+    weight_passes_pending,
 )
 from .model import Transformer
 
@@ -45,6 +47,9 @@ class Layout:
       context: devices each sequence is split over, by ``context_method``.
       stages: pipeline stages; ``schedule`` and ``microbatches`` run them (without a pipeline,
         ``microbatches > 1`` is gradient accumulation).
+      virtual: chunks of layers each stage holds under ``schedule="interleaved"`` (Megatron-LM's
+        interleaved 1F1B, the kit's ``pk.Pipeline(..., schedule="interleaved", virtual=)``): 2 or more
+        there, 1 under every other schedule.
       expert: devices the experts are split over (MoE models); they take a share of the batch too.
       recompute: ``"none"``, ``"selective"`` (attention's scores, as FlashAttention does) or ``"full"``.
 
@@ -63,9 +68,10 @@ class Layout:
     microbatches: int = 1
     expert: int = 1
     recompute: str = "none"
+    virtual: int = 1
 
     def __post_init__(self) -> None:
-        for axis in ("data", "tensor", "context", "stages", "microbatches", "expert"):
+        for axis in ("data", "tensor", "context", "stages", "microbatches", "expert", "virtual"):
             value = getattr(self, axis)
             if not is_count(value):
                 raise ValueError(f"Layout({axis}={value!r}): a whole number >= 1.")
@@ -80,6 +86,10 @@ class Layout:
             raise ValueError(f"Layout(recompute={self.recompute!r}): one of {RECOMPUTE}.")
         if self.context_method not in CONTEXT_METHODS:
             raise ValueError(f"Layout(context_method={self.context_method!r}): one of {CONTEXT_METHODS}.")
+        if (self.schedule == "interleaved") != (self.virtual > 1):
+            raise ValueError(f"Layout(schedule={self.schedule!r}, virtual={self.virtual}): virtual chunks a stage "
+                             "are interleaved 1F1B's: give schedule='interleaved' with virtual >= 2, or another "
+                             "schedule with virtual=1.")  # fmt: skip
         if self.sequence_parallel and self.tensor == 1:
             raise ValueError("Layout(sequence_parallel=True) splits the tokens over the tensor axis: give tensor > 1.")
 
@@ -119,7 +129,8 @@ class Layout:
         if self.context > 1:
             extras.append(self.context_method)
         if self.stages > 1:
-            extras.append(f"{self.schedule} m={self.microbatches}")
+            chunks = f" v={self.virtual}" if self.virtual > 1 else ""
+            extras.append(f"{self.schedule}{chunks} m={self.microbatches}")
         elif self.microbatches > 1:
             extras.append(f"accumulate {self.microbatches}")
         if self.recompute != "none":
@@ -140,6 +151,10 @@ def check(model: Transformer, layout: Layout, batch: int) -> str | None:
         return f"Ulysses needs heads ({model.heads}) divisible by context x tensor"
     if layout.stages > model.layers:
         return f"{layout.stages} stages for {model.layers} layers"
+    if layout.virtual > 1 and (model.layers % (layout.stages * layout.virtual) or layout.microbatches % layout.stages):
+        return (f"interleaved 1F1B (Megatron-LM's) needs the {model.layers} layers in stages x virtual = "
+                f"{layout.stages * layout.virtual} equal chunks and microbatches ({layout.microbatches}) a multiple "
+                f"of the {layout.stages} stages")  # fmt: skip
     if layout.expert > 1 and (not model.experts or model.experts % layout.expert):
         return f"expert={layout.expert} does not divide the model's {model.experts} experts"
     return None
@@ -150,17 +165,19 @@ class Activations:
     """The activations of the device :func:`memory_per_device` counts, part by part."""
 
     layers: int  # the layers its stage holds
-    in_flight: int  # the microbatches whose activations it holds at once
+    in_flight: float  # the microbatches whose activations it holds at once (a fraction: interleaved chunks)
     micro: int  # sequences a microbatch
     per_layer: float  # one layer of one microbatch (memory.layer_activation_bytes)
     rebuilt: float  # full recomputation: the one layer rebuilt in the backward pass (0 otherwise)
     logits: float  # the last stage's float32 logits of one microbatch (0 on another stage)
     last_stage: bool  # whether the device counted is the last stage (with the logits) rather than the first
+    pending: int = 0  # ZB-H1's weight passes deferred at once (memory.weight_passes_pending)
+    per_pending: float = 0.0  # what one layer's deferred weight pass keeps besides (memory.weight_pass_bytes)
 
     @property
     def total(self) -> float:
-        """The layers' activations, without the logits."""
-        return self.layers * self.in_flight * self.per_layer + self.rebuilt
+        """The layers' activations (and deferred weight passes' gradients), without the logits."""
+        return self.layers * (self.in_flight * self.per_layer + self.pending * self.per_pending) + self.rebuilt
 
 
 def activations(model: Transformer, layout: Layout, batch: int, *, precision: str = "bf16") -> Activations:
@@ -170,8 +187,10 @@ def activations(model: Transformer, layout: Layout, batch: int, *, precision: st
     x microbatches)`` sequences, times the layers of a stage, times the microbatches in flight on
     that stage (:func:`.memory.in_flight`), and under full recomputation one layer more, rebuilt in
     the backward pass with its attention computed block by block (FlashAttention: no ``s x s``
-    scores). The last stage also holds one microbatch's float32 logits (``4 s b V / tensor``). The
-    first stages hold ``ceil(layers / stages)`` layers each, the last what is left.
+    scores). Under ZB-H1 each weight pass a stage defers keeps its outputs' gradients too
+    (:func:`.memory.weight_pass_bytes`, :func:`.memory.weight_passes_pending`). The last stage also
+    holds one microbatch's float32 logits (``4 s b V / tensor``). The first stages hold
+    ``ceil(layers / stages)`` layers each, the last what is left.
     """
     micro = batch // (layout.replicas * layout.microbatches)
     split = {"tensor": layout.tensor, "sequence_parallel": layout.sequence_parallel, "context": layout.context,
@@ -184,11 +203,15 @@ def activations(model: Transformer, layout: Layout, batch: int, *, precision: st
     stage_layers = math.ceil(model.layers / layout.stages)
     if layout.stages == 1:  # one stage: the first is the last
         return Activations(model.layers, 1, micro, per_layer, rebuilt, logits, True)
-    first = Activations(stage_layers, in_flight(layout.schedule, layout.stages, layout.microbatches), micro,
-                        per_layer, rebuilt, 0.0, False)  # fmt: skip
+    pending = weight_pass_bytes(model, micro, tensor=layout.tensor, sequence_parallel=layout.sequence_parallel,
+                                context=layout.context, element_bytes=ELEMENT_BYTES[precision])  # fmt: skip
+    pipeline = (layout.schedule, layout.stages, layout.microbatches)
+    first = Activations(stage_layers, in_flight(*pipeline, virtual=layout.virtual), micro, per_layer, rebuilt, 0.0,
+                        False, weight_passes_pending(*pipeline), pending)  # fmt: skip
     last_layers = max(model.layers - (layout.stages - 1) * stage_layers, 0)
-    held = in_flight(layout.schedule, layout.stages, layout.microbatches, stage=layout.stages - 1)
-    last = Activations(last_layers, held, micro, per_layer, rebuilt, logits, True)
+    held = in_flight(*pipeline, stage=layout.stages - 1, virtual=layout.virtual)
+    deferred = weight_passes_pending(*pipeline, stage=layout.stages - 1)
+    last = Activations(last_layers, held, micro, per_layer, rebuilt, logits, True, deferred, pending)
     return first if first.total >= last.total + last.logits else last
 
 

@@ -23,7 +23,12 @@ loss, as Megatron's); the embedding's own activations are left out.
 
 A pipeline stage holds ``layers / stages`` layers' activations for every microbatch in flight:
 all ``m`` under GPipe, at most ``stages`` on the first stage under 1F1B, at most ``stages`` on
-every stage under ZB-H1 (each microbatch held until its weight pass).
+every stage under ZB-H1 (each microbatch held until its weight pass), and under interleaved
+1F1B Megatron-LM's warm-up count of ``layers / (stages x virtual)``-layer chunks, ``stages +
+(stages - 1) / virtual`` microbatches' worth on the first stage (Korthikanti et al.'s factor ``1 +
+(p - 1) / (p m)``, their ``m`` the virtual stages). ZB-H1's deferred weight passes each keep,
+besides their activations, the gradients of the layer's matrix products' outputs
+(:func:`weight_pass_bytes`), which a whole backward pass frees at once: the price of splitting it.
 """
 
 from __future__ import annotations
@@ -42,7 +47,7 @@ STATE_BYTES = {
     ("fp32", "sgd"): (4, 4, 0),
 }
 ELEMENT_BYTES = {"bf16": 2, "fp32": 4}  # a stored activation, by the training precision
-SCHEDULES = ("gpipe", "1f1b", "zb-h1")
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
 CONTEXT_METHODS = ("allgather", "ring", "ulysses")
 
 
@@ -151,22 +156,69 @@ def layer_activation_bytes(
     return outer / outer_split + (attention + mlp + scores + received) / tensor
 
 
-def in_flight(schedule: str, stages: int, microbatches: int, stage: int = 0) -> int:
+def in_flight(schedule: str, stages: int, microbatches: int, stage: int = 0, virtual: int = 1) -> float:
     """Microbatches whose activations pipeline stage ``stage`` holds at once under ``schedule``.
 
     GPipe: all of them; 1F1B: ``stages - stage``; ZB-H1: ``stages`` on every stage (a
-    microbatch is held until its weight pass); never more than the microbatches. Without a
-    pipeline (one stage) the microbatches are accumulation steps, run one after another: one
-    is in flight.
+    microbatch is held until its weight pass); never more than the microbatches. Interleaved
+    1F1B with ``virtual`` chunks a stage: Megatron-LM's warm-up, ``2 (stages - stage - 1) +
+    (virtual - 1) stages`` chunk forward passes and one more before the first backward pass
+    (at most all ``virtual x microbatches``), each chunk ``1 / virtual`` of the stage's layers,
+    so a fraction of a microbatch's worth may be in flight. Without a pipeline (one stage) the
+    microbatches are accumulation steps, run one after another: one is in flight.
 
     >>> in_flight("gpipe", 4, 8), in_flight("1f1b", 4, 8), in_flight("1f1b", 4, 2), in_flight("gpipe", 1, 8)
     (8, 4, 2, 1)
     >>> in_flight("1f1b", 4, 8, stage=3), in_flight("zb-h1", 4, 8, stage=3)
     (1, 4)
+    >>> in_flight("interleaved", 4, 8, virtual=2), 4 * (1 + 3 / (4 * 2))  # Korthikanti et al.'s 1 + (p-1)/(p m)
+    (5.5, 5.5)
     """
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule={schedule!r}: one of {SCHEDULES}.")
     if stages == 1:
         return 1
+    if schedule == "interleaved":
+        chunks = 2 * (stages - stage - 1) + (virtual - 1) * stages + 1
+        return min(chunks, virtual * microbatches) / virtual
     held = {"gpipe": microbatches, "1f1b": stages - stage, "zb-h1": stages}[schedule]
     return min(held, microbatches)
+
+
+def weight_passes_pending(schedule: str, stages: int, microbatches: int, stage: int = 0) -> int:
+    """ZB-H1's weight passes that stage ``stage`` has deferred at once: the kit's schedule runs the weight pass of
+    microbatch ``j - stage`` after the backward pass of ``j`` (:func:`parallelkit.strategies.pipeline.schedules.
+    zero_bubble_schedule`), so ``stage`` of them (none on the first stage); 0 under the other schedules.
+
+    >>> weight_passes_pending("zb-h1", 4, 8, stage=3), weight_passes_pending("1f1b", 4, 8, stage=3)
+    (3, 0)
+    """
+    return min(stage, microbatches) if schedule == "zb-h1" else 0
+
+
+def weight_pass_bytes(
+    model: Transformer,
+    micro_batch: int,
+    *,
+    tensor: int = 1,
+    sequence_parallel: bool = False,
+    context: int = 1,
+    element_bytes: int = 2,
+) -> float:
+    """What one layer's deferred weight pass keeps beyond its activations: the gradients of its matrix products'
+    outputs (``dW = x^T dy`` needs ``dy``), in bytes on one device.
+
+    The queries, keys and values, the MLP's up (and gate) projections per routed expert, split over ``tensor``
+    (column-parallel); the attention's and the MLP's output projections, ``s b h`` each, split over ``tensor``
+    only with sequence parallelism (row-parallel: reduced, or reduce-scattered with it). ``context`` splits the
+    tokens.
+
+    >>> m = Transformer(layers=1, d_model=8, heads=2, ffn=32, vocab=1, seq=4, gated=False)
+    >>> weight_pass_bytes(m, 1) == 2 * 4 * (8 + 2 * 8 + 32 + 2 * 8)  # q, k, v; up; two outputs of h
+    True
+    """
+    s, b, h, e = model.seq / context, micro_batch, model.d_model, element_bytes
+    kv = model.kv_heads_ * model.head_dim
+    columns = h + 2 * kv + (2 if model.gated else 1) * model.ffn * (model.top_k if model.experts else 1)
+    rows = h + h * (model.top_k if model.experts else 1)  # the attention's output, then the MLP's per routed expert
+    return e * s * b * (columns / tensor + rows / (tensor if sequence_parallel else 1))

@@ -3,11 +3,11 @@
 >>> from parallelkit.planner import MODELS, Cluster
 >>> answer = plan(MODELS["llama3-8b"], Cluster.published("H100 SXM", per_node=8), global_batch_tokens=1_048_576)
 >>> answer.best.name, answer.batch  # 128 sequences of 8192 tokens
-('context 8, ZeRO-1, allgather, accumulate 128', 128)
+('context 2 x tensor 2 x stages 2 (SP), ZeRO-1, allgather, zb-h1 m=128', 128)
 >>> print(answer.table(1))  # doctest: +NORMALIZE_WHITESPACE
-  #  layout                                        GB/dev   step s    MFU  binds
-  1  context 8, ZeRO-1, allgather, accumulate 128    68.3   16.970  47.7%  compute
-(483 layouts fit, 619 do not: plan.rejected)
+  #  layout                                                                GB/dev   step s    MFU  binds
+  1  context 2 x tensor 2 x stages 2 (SP), ZeRO-1, allgather, zb-h1 m=128    69.6   13.754  58.8%  compute
+(533 layouts fit, 28 do not: plan.rejected; 116 could not reach the first 10, not weighed)
 """
 
 from __future__ import annotations
@@ -15,12 +15,12 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from fractions import Fraction
 
-from ..core.mesh import is_count
+from ..core.mesh import is_count, is_number
 from .cluster import Cluster
 from .layout import Layout, activations
 from .memory import STATE_BYTES
 from .model import MODELS, Transformer
-from .search import RESERVE, Candidate, assess, layouts, simpler_first, weigh
+from .search import RESERVE, TOP, Candidate, assess, layouts, search, simpler_first, weigh
 from .steptime import OVERLAP
 
 
@@ -33,11 +33,12 @@ class Plan:
     batch: int  # sequences asked for
     precision: str
     optimizer: str
-    efficiency: float
+    efficiency: float | None
     overlap: str
     reserve: float
     ranked: tuple[Candidate, ...]
     rejected: tuple[Candidate, ...]
+    unweighed: int = 0  # layouts left unweighed: none could reach the first TOP (search.search)
 
     @property
     def best(self) -> Layout:
@@ -87,7 +88,8 @@ class Plan:
         for rank, c in enumerate(shown, 1):
             lines.append(f"{rank:>3}  {c.layout.name:<{width}} {c.memory.total / 1e9:>7.1f} {c.time.total:>8.3f} "
                          f"{c.mfu:>6.1%}  {c.time.binding}")  # fmt: skip
-        lines.append(f"({len(self.ranked)} layouts fit, {len(self.rejected)} do not: plan.rejected)")
+        left = f"; {self.unweighed} could not reach the first {TOP}, not weighed" if self.unweighed else ""
+        lines.append(f"({len(self.ranked)} layouts fit, {len(self.rejected)} do not: plan.rejected{left})")
         return "\n".join(lines)
 
     def explain(self, layout: Layout) -> str:
@@ -117,13 +119,17 @@ class Plan:
             f"= {split}" + (f", then ZeRO-{c.layout.zero} over {shared}" if c.layout.zero else ""),
             f"    activations {m.activations / gb:.2f} GB"
             + (f" on {stage}" if c.layout.stages > 1 else "")
-            + f": {act.layers} layers x {act.in_flight} microbatch(es) of {act.micro} sequence(s) in flight x "
+            + f": {act.layers} layers x {act.in_flight:g} microbatch(es) of {act.micro} sequence(s) in flight x "
             f"{act.per_layer / gb:.3f} GB a layer (Korthikanti et al.'s accounting, recompute {c.layout.recompute}: "
             "memory.layer_activation_bytes)"
+            + (f", and {act.pending} deferred weight pass(es) x {act.per_pending / gb:.3f} GB a layer (ZB-H1: "
+               "memory.weight_pass_bytes)" if act.pending else "")
             + (f" + {act.rebuilt / gb:.3f} GB for the layer being rebuilt" if act.rebuilt else ""),
             f"    logits {m.logits / gb:.2f} GB: 4 bytes x {act.micro} x {self.model.seq // c.layout.context} tokens x "
             f"{self.model.vocab} vocabulary / tensor {c.layout.tensor}",
-            f"  time: compute {c.time.compute:.3f} s at {self.efficiency:.0%} of the peak, "
+            f"  time: compute {c.time.compute:.3f} s at {c.time.efficiency:.0%} of the peak"
+            + (" (its matrix products' roofline)" if self.efficiency is None else "")
+            + ", "
             f"bubble {c.time.bubble:.3f} s",
         ]  # fmt: skip
         for family, seconds in c.time.communication.items():
@@ -149,18 +155,22 @@ def plan(
     global_batch_tokens: int,
     precision: str = "bf16",
     optimizer: str = "adam",
-    efficiency: float = 0.5,
+    efficiency: float | None = None,
     overlap: str = "none",
     reserve: float = RESERVE,
+    exhaustive: bool = False,
 ) -> Plan:
     """Rank every layout of ``cluster``'s devices that trains ``model`` on ``global_batch_tokens`` tokens a step.
 
     ``model``: a :class:`Transformer`, or the name of a published one (a key of :data:`.model.MODELS`).
     The batch is ``global_batch_tokens / model.seq`` sequences (rounded); a layout whose replicas
     do not split it evenly takes the largest batch below it that they do (MFU compares them
-    fairly). ``efficiency``: the share of the peak FLOP/s compute reaches; ``overlap``:
+    fairly). ``efficiency``: None for each matrix product's share of the peak (a roofline:
+    :func:`.steptime.matmul_efficiency`), or the share every FLOP reaches; ``overlap``:
     ``"none"`` or ``"full"`` hiding of the gradients' communication behind compute
     (:mod:`.steptime`); ``reserve``: the share of each device's memory kept back (:mod:`.search`).
+    The first :data:`.search.TOP` (10) of the ranking are exact; a layout that could not reach them
+    is not weighed (:func:`.search.search`; ``Plan.unweighed`` counts them) unless ``exhaustive``.
 
     Raises:
       TypeError: a ``model`` or ``cluster`` of another type.
@@ -176,21 +186,29 @@ def plan(
                          f"for example {64 * model.seq} (64 sequences of {model.seq}).")  # fmt: skip
     if not 0 <= reserve < 1:
         raise ValueError(f"plan(reserve={reserve!r}): the share of memory kept back, from 0 up to (not) 1, e.g. 0.1.")
-    if overlap not in OVERLAP or not 0 < efficiency <= 1 or (precision, optimizer) not in STATE_BYTES:
+    if overlap not in OVERLAP or not _is_share(efficiency) or (precision, optimizer) not in STATE_BYTES:
         raise ValueError(f"plan(precision={precision!r}, optimizer={optimizer!r}, efficiency={efficiency!r}, "
                          f"overlap={overlap!r}): precision and optimizer one of {list(STATE_BYTES)}, efficiency in "
-                         f"(0, 1], overlap one of {OVERLAP}.")  # fmt: skip
+                         f"(0, 1] or None (each matrix product's roofline), overlap one of {OVERLAP}.")  # fmt: skip
     batch = max(1, round(Fraction(int(global_batch_tokens), model.seq)))  # exact: a float loses huge counts
     options = {"precision": precision, "optimizer": optimizer, "efficiency": efficiency, "overlap": overlap,
                "reserve": reserve}  # fmt: skip
-    verdicts = [weigh(model, layout, cluster, batch, **options) for layout in layouts(model, cluster.devices, batch)]
+    if not isinstance(exhaustive, bool):
+        raise ValueError(f"plan(exhaustive={exhaustive!r}) is not a bool: give True to weigh every layout, or False "
+                         f"(the default) to leave those that could not reach the first {TOP}.")  # fmt: skip
+    verdicts, unweighed = search(model, cluster, batch, top=None if exhaustive else TOP, **options)
     ranked = tuple(
         sorted((c for c in verdicts if c.fits), key=lambda c: (-c.mfu, *simpler_first(c.layout, c.memory.total)))
     )
     rejected = tuple(sorted((c for c in verdicts if not c.fits), key=lambda c: c.memory.total or float("inf")))
     if not ranked:
         raise ValueError(_nothing_fits(model, cluster, batch, rejected, **options))
-    return Plan(model, cluster, batch, precision, optimizer, efficiency, overlap, reserve, ranked, rejected)
+    return Plan(model, cluster, batch, precision, optimizer, efficiency, overlap, reserve, ranked, rejected, unweighed)
+
+
+def _is_share(efficiency: object) -> bool:
+    """Whether ``efficiency`` is None (the roofline's) or a share of the peak in (0, 1]."""
+    return efficiency is None or (is_number(efficiency) and 0 < efficiency <= 1)
 
 
 def _model(model: object) -> Transformer:

@@ -2,29 +2,36 @@
 
 :func:`plan` enumerates the layouts (:func:`layouts`): every way to split the devices over
 ``tensor``, ``expert``, ``context``, ``stages`` and ``data``, with each ZeRO stage, with and
-without sequence parallelism, each context method, each pipeline schedule at a few
-microbatch counts (1, 2, 4, 8 per stage). For each it weighs recomputation off, selective and
-full, and gradient accumulation over more microbatches when the batch does not fit (the fewest
-that fit, of the counts that split a replica's sequences evenly: :func:`weigh`), and keeps the
+without sequence parallelism, each context method, each pipeline schedule (interleaved 1F1B
+with each number of chunks that splits a stage's layers). For each it weighs recomputation off,
+selective and full, and gradient accumulation over more microbatches when the batch does not
+fit (the fewest that fit, of the counts that split a replica's sequences evenly), a pipeline
+at every such count from its stages up (:func:`pipeline_counts`: :func:`weigh`), and keeps the
 fastest variant that fits in ``(1 - reserve)`` of a device's memory; a layout with none that fits is
 kept as rejected, with by how much it misses. The rest are ranked by model FLOPs utilisation
 (MFU: the model's FLOPs a second, over the devices' peak): the same order as tokens a second;
-ties go to the simpler layout (:func:`simpler_first`).
+ties go to the simpler layout (:func:`simpler_first`). Layouts are weighed from the highest bound on
+their MFU down (:func:`ceilings`), and those whose bound falls below the :data:`TOP`-th best MFU found
+are left (:func:`search`): the first :data:`TOP` are exactly the whole search's.
 """
 
 from __future__ import annotations
 
 import functools
+import heapq
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 
 from ..measure.roofline import flops_utilisation
 from .cluster import Cluster
 from .layout import Layout, check, memory_per_device
-from .memory import CONTEXT_METHODS, SCHEDULES, Memory
+from .memory import CONTEXT_METHODS, ELEMENT_BYTES, SCHEDULES, Memory
 from .model import Transformer
-from .steptime import StepTime, step_time
+from .steptime import StepTime, bubble_share, gradient_seconds, step_time
 
+TOP = (
+    10  # the first rows of the ranking plan() finds exactly (Plan.table's): layouts that could not reach them are left
+)
 RESERVE = 0.1  # the share of a device's memory left to the framework, its allocator and what the model leaves out
 
 
@@ -98,19 +105,126 @@ def meshes(model: Transformer, devices: int) -> Iterator[dict[str, int]]:
 def layouts(model: Transformer, devices: int, batch: int) -> Iterator[Layout]:
     """Every layout :func:`plan` weighs, before recomputation and accumulation are chosen."""
     for mesh in meshes(model, devices):
-        replicas = mesh["data"] * mesh["expert"]
-        if replicas > batch:
-            continue
+        yield from mesh_layouts(model, mesh, batch)
+
+
+def mesh_layouts(model: Transformer, mesh: dict[str, int], batch: int) -> Iterator[Layout]:
+    """The layouts of one mesh (axis sizes) that :func:`plan` weighs: each ZeRO stage, sequence parallelism,
+    context method and pipeline schedule; none when the mesh has more replicas than ``batch`` sequences."""
+    replicas, layers = mesh["data"] * mesh["expert"], model.layers
+    if replicas <= batch:
         sharded = mesh["data"] * mesh["context"] * mesh["expert"] > 1
         stages = mesh["stages"]
         per_replica = batch // replicas
-        pipelines = [(s, stages * k) for s in SCHEDULES for k in (1, 2, 4, 8) if per_replica % (stages * k) == 0]
+        pipelines = [("1f1b", 1, 1)] if stages == 1 else list(schedules(layers, stages, per_replica))
         for zero in range(4) if sharded else [0]:
             for sp in (False, True) if mesh["tensor"] > 1 else [False]:
                 for method in CONTEXT_METHODS if mesh["context"] > 1 else ["ring"]:
-                    for schedule, m in pipelines if stages > 1 else [("1f1b", 1)]:
+                    for schedule, virtual, m in pipelines:
                         yield Layout(**mesh, zero=zero, sequence_parallel=sp, context_method=method,
-                                     schedule=schedule, microbatches=m)  # fmt: skip
+                                     schedule=schedule, microbatches=m, virtual=virtual)  # fmt: skip
+
+
+def schedules(layers: int, stages: int, per_replica: int) -> Iterator[tuple[str, int, int]]:
+    """(schedule, virtual, fewest microbatches) of each pipeline schedule :func:`plan` weighs for ``stages`` stages
+    of ``layers`` layers: interleaved 1F1B with every number of chunks (2 or more) that splits a stage's layers
+    evenly; none without microbatch counts (:func:`pipeline_counts`)."""
+    for schedule in SCHEDULES:
+        chunks = [v for v in divisors(layers // stages) if v > 1 and layers % stages == 0]
+        for virtual in chunks if schedule == "interleaved" else [1]:
+            if counts := pipeline_counts(stages, virtual, per_replica):
+                yield schedule, virtual, counts[0]
+
+
+def pipeline_counts(stages: int, virtual: int, per_replica: int) -> tuple[int, ...]:
+    """The microbatch counts a pipeline of ``stages`` is weighed at: every divisor of a replica's sequences from
+    ``stages`` up (fewer leave a stage idle for most of the step), multiples of ``stages`` under interleaved
+    1F1B (``virtual > 1``, as Megatron-LM's schedule requires).
+
+    >>> pipeline_counts(12, 1, 256), pipeline_counts(4, 2, 48)  # BLOOM's 12 stages, 256 sequences a replica
+    ((16, 32, 64, 128, 256), (4, 8, 12, 16, 24, 48))
+    """
+    return tuple(m for m in divisors(per_replica) if m >= stages and (virtual == 1 or m % stages == 0))
+
+
+def ceilings(model: Transformer, group: Sequence[Layout], cluster: Cluster, batch: int, **options) -> list[float]:
+    """The highest MFU each layout of ``group`` (the layouts of one mesh: :func:`mesh_layouts`) could reach.
+
+    Its step time is at least the one this adds up, so its MFU is at most this, whatever :func:`weigh` then
+    chooses (recomputation, accumulation). Each part is one that no such variant goes below:
+
+    - compute without recomputation, at the layout's microbatches (recomputation only adds FLOPs; more
+      microbatches make each matrix product smaller, which never raises its efficiency);
+    - the layout's pipeline bubble share of that compute (:func:`.steptime.bubble_share`) at its most
+      microbatches (:func:`pipeline_counts`);
+    - the tensor, context (the layout's method) and expert collectives at the layout's microbatches (its
+      fewest: one without a pipeline): ``m`` collectives of ``1/m`` the bytes each take longer as ``m`` grows
+      (each round is a latency plus bytes over a bandwidth, :meth:`~parallelkit.measure.costmodel.Link.seconds`);
+      the pipeline's sends at least 0;
+    - without overlap, the gradients' collectives of the layout's ZeRO stage at its fewest microbatches; with
+      ``overlap="full"`` at least 0.
+    """
+    precision, overlap = options["precision"], options["overlap"]
+    first = replace(group[0], zero=0, sequence_parallel=False, schedule="1f1b", virtual=1, recompute="none")
+    timed, gradients = {}, {}
+    for method, m in {(layout.context_method, layout.microbatches) for layout in group}:
+        like = replace(first, context_method=method, microbatches=m)
+        timed[method, m] = step_time(model, like, cluster, batch, precision=precision,
+                                     efficiency=options["efficiency"], overlap="none")  # fmt: skip
+    used = batch // first.replicas * first.replicas
+    per_device = model.flops_per_token() * used * model.seq / cluster.devices
+    found = []
+    for layout in group:
+        t = timed[layout.context_method, layout.microbatches]
+        parts = t.communication
+        most = pipeline_counts(layout.stages, layout.virtual, batch // layout.replicas)[-1] if layout.stages > 1 else 1
+        seconds = t.compute * (1 + bubble_share(layout) * layout.microbatches / most)
+        seconds += sum(parts.get(k, 0.0) for k in ("tensor", "context", "experts"))
+        if overlap == "none" and "gradients" in parts:
+            key = (layout.zero, layout.microbatches)
+            if key not in gradients:
+                like = replace(first, zero=layout.zero, microbatches=layout.microbatches)
+                gradients[key] = gradient_seconds(model, like, cluster, ELEMENT_BYTES[precision])
+            seconds += gradients[key]
+        found.append(flops_utilisation(per_device, seconds, cluster.peak_flops(precision)))
+    return found
+
+
+def search(
+    model: Transformer, cluster: Cluster, batch: int, *, top: int | None = TOP, **options
+) -> tuple[list[Candidate], int]:
+    """Every layout's verdict that could rank among the ``top`` best MFUs (all of them when ``top`` is None),
+    in :func:`layouts`'s order, and how many layouts were not weighed.
+
+    The layouts are weighed from the highest :func:`ceilings` down; once ``top`` layouts fit and the next
+    layout's ceiling is below the ``top``-th best MFU found, it and every one after it is left: none could
+    reach the first ``top`` (a tie could: ties are weighed). The first ``top`` of the ranking are then exactly
+    those of the search that weighs everything.
+    """
+    found = [layout for mesh in meshes(model, cluster.devices) for layout in mesh_layouts(model, mesh, batch)]
+    order = range(len(found))
+    if top is not None:
+        bounds, start = [], 0
+        while start < len(found):  # one mesh at a time: its layouts are consecutive
+            end = start + 1
+            while end < len(found) and _mesh(found[end]) == _mesh(found[start]):
+                end += 1
+            bounds += ceilings(model, found[start:end], cluster, batch, **options)
+            start = end
+        order = sorted(order, key=lambda i: -bounds[i])
+    weighed: dict[int, Candidate] = {}
+    best: list[float] = []  # a heap of the top MFUs found so far, the lowest first
+    for i in order:
+        if top is not None and len(best) == top and bounds[i] < best[0] * (1 - 1e-9):  # rounding aside
+            break
+        weighed[i] = verdict = weigh(model, found[i], cluster, batch, **options)
+        if verdict.fits and top is not None:
+            (heapq.heappush if len(best) < top else heapq.heappushpop)(best, verdict.mfu)
+    return [weighed[i] for i in sorted(weighed)], len(found) - len(weighed)
+
+
+def _mesh(layout: Layout) -> tuple[int, ...]:
+    return layout.tensor, layout.expert, layout.context, layout.stages, layout.data
 
 
 def assess(
@@ -146,11 +260,18 @@ def weigh(model: Transformer, layout: Layout, cluster: Cluster, batch: int, **op
     fewest steps that fit (:func:`fewest_that_fit`) and the fastest of these wins (ties to less recomputation);
     once one fits with the fewest steps of all, more recomputation is not weighed. Selective recomputation is
     weighed before none: without recomputation a layer keeps the same arrays and the attention scores too, so it
-    needs at least as many steps, and is not weighed where selective never fits. When nothing fits, the variant
-    that needs the least memory says by how much it misses.
+    needs at least as many steps, and is not weighed where selective never fits. The variant that needs the least
+    memory (full recomputation, the most steps) is weighed first: when it does not fit, nothing does, and it says
+    by how much it misses. A pipeline's microbatches are weighed from the fewest that fit up, each.
     """
-    # accumulation steps: each count that splits a replica's sequences (a pipeline's microbatches are its own)
-    counts = divisors(batch // layout.replicas) if layout.stages == 1 else (layout.microbatches,)
+    # accumulation steps: each count that splits a replica's sequences; a pipeline's microbatches, from the layout's
+    per_replica = batch // layout.replicas
+    if layout.stages == 1:
+        counts = divisors(per_replica)
+    else:
+        counts = tuple(
+            m for m in pipeline_counts(layout.stages, layout.virtual, per_replica) if m >= layout.microbatches
+        )
 
     def trial(microbatches: int, variant: Layout) -> Candidate:
         if microbatches != variant.microbatches:
@@ -161,16 +282,32 @@ def weigh(model: Transformer, layout: Layout, cluster: Cluster, batch: int, **op
         variant = layout if recompute == layout.recompute else replace(layout, recompute=recompute)
         return fewest_that_fit(counts[counts.index(least) :], functools.partial(trial, variant=variant))
 
+    timing = {name: options[name] for name in ("precision", "efficiency", "overlap")}
+
+    def fastest(found: Candidate) -> Candidate:
+        """A pipeline's fastest count from the fewest that fits up: its bubble shrinks as its sends grow."""
+        if layout.stages == 1 or not found.fits:
+            return found
+        best, best_s = found.layout, found.time.total  # more microbatches need less memory: each fits
+        for m in counts[counts.index(best.microbatches) + 1 :]:
+            variant = replace(found.layout, microbatches=m)
+            if (seconds := step_time(model, variant, cluster, found.batch, **timing).total) < best_s:
+                best, best_s = variant, seconds
+        return found if best is found.layout else assess(model, best, cluster, batch, **options)
+
+    if not (smallest := trial(counts[-1], replace(layout, recompute="full"))).fits:  # the least memory of all
+        return rejection(smallest, layout, batch, (1 - options["reserve"]) * cluster.memory_bytes)
     selective = fewest("selective")
     tried = [fewest("none", selective.layout.microbatches), selective] if selective.fits else [selective]
     if not any(v.fits and v.layout.microbatches == counts[0] for v in tried):
         tried.append(fewest("full"))
-    if fitting := [v for v in tried if v.fits]:
-        return max(fitting, key=lambda v: v.mfu)
-    smallest = min((v for v in tried if v.memory.total), key=lambda v: v.memory.total, default=None)
-    if smallest is None:
-        return Candidate(layout, batch, Memory(0, 0, 0, 0), rejected=check(model, layout, batch) or "cannot split")
-    budget = (1 - options["reserve"]) * cluster.memory_bytes
+    return max((fastest(v) for v in tried if v.fits), key=lambda v: v.mfu)  # full recomputation fits, at least
+
+
+def rejection(smallest: Candidate, layout: Layout, batch: int, budget: float) -> Candidate:
+    """``layout`` rejected, by ``smallest``: its variant that needs the least memory, which does not fit either."""
+    if not smallest.memory.total:  # it cannot split the batch or the model at all
+        return Candidate(layout, batch, Memory(0, 0, 0, 0), rejected=smallest.rejected or "cannot split")
     return replace(smallest, rejected=too_large(smallest.memory, budget, smallest.layout.name))
 
 

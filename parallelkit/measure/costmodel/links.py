@@ -316,9 +316,22 @@ def shifted_round(cluster: Cluster, size: int, stride: int, shift: int) -> tuple
     ``inside.seconds(b)`` and ``network.seconds(count x b)``, as :meth:`Cluster.round_seconds`
     times it; :func:`axis_seconds` uses this so that timing an axis of a thousand devices
     costs one pass over them per cluster and axis, not one per message size.
+
+    The pass covers one period of the numbering, the first ``lcm(size x stride, devices per
+    machine)`` devices: the axis's groups and the machines both tile that period, so every later
+    period repeats its messages on other machines, with the same counts.
     """
+    per_machine, block = cluster.devices_per_machine, size * stride
+    if stride % per_machine == 0:  # each group's devices on distinct machines: every message leaves
+        return False, per_machine
+    if per_machine % stride == 0 and block % per_machine == 0:
+        # every machine holds the same share of each of its groups, and a turn of the groups carries one machine's
+        # messages onto the next's: one machine's count is every machine's (entering too, by that symmetry)
+        leaving = sum((d // stride + shift) % size * stride + d % stride >= per_machine for d in range(per_machine))
+        return leaving < per_machine, leaving
+    period = math.lcm(block, per_machine)
     inside, leaving, entering = False, {}, {}
-    for group in axis_groups(cluster.devices, size, stride):
+    for group in axis_groups(min(period, cluster.devices), size, stride):
         for j, source in enumerate(group):
             target = group[(j + shift) % size]
             a, b = cluster.machine(source), cluster.machine(target)
