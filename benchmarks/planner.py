@@ -1,9 +1,9 @@
 """The planner checked against the compiler and the clock, beside published configurations, and timed itself.
 
 1. **Memory.** A small GPT (``pk.models.GPT``: width 64, 8 heads, 4 layers, MLP 256, 64 tokens,
-   vocabulary 256; a batch of 16 sequences, float32, Adam) on 8 simulated CPU devices: every
-   layout of 8 devices that the kit can run (``pk.planner.unsupported`` is None), each with 1 or
-   2 accumulation steps where it has no pipeline, is built (``layout.strategy()``), and its
+   vocabulary 256; a batch of 16 sequences, float32, Adam) on 8 simulated CPU devices: the
+   planner's first 24 layouts of 8 devices on this machine (:func:`runnable`; every product of
+   the axes is one ``pk.Parallel`` step, or a pipeline of them) are built (``layout.strategy()``), and its
    compiled step's memory per device (``pk.inspect.memory_per_device``: arguments, outputs and
    temporaries) is set beside the planner's (``pk.planner.memory_per_device``,
    ``precision="fp32"``). A pipeline runs several programs per stage, not one to read, so
@@ -58,8 +58,8 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from parallelkit.planner import MODELS, Cluster, Layout, Transformer, check, plan, step_time, unsupported  # noqa: E402
-from parallelkit.planner.search import layouts, simpler_first  # noqa: E402
+from parallelkit.planner import MODELS, Cluster, Layout, Transformer, plan, step_time, unsupported  # noqa: E402
+from parallelkit.planner.search import simpler_first  # noqa: E402
 
 GPT = {"max_length": 64, "dim": 64, "heads": 8, "depth": 4, "mlp_dim": 256}
 BATCH = 16
@@ -240,17 +240,19 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+TOP = 24  # how many of the planner's first choices are built and timed
+
+
 def runnable(shape: Transformer) -> list[Layout]:
-    """Every layout of 8 devices the kit runs for ``shape`` and a batch of :data:`BATCH`, with 1 or 2 accumulations."""
-    found = []
-    for layout in layouts(shape, 8, BATCH):
-        for accumulate in (1, 2) if layout.stages == 1 else (layout.microbatches,):
-            variant = dataclasses.replace(layout, microbatches=accumulate)
-            # the kit builds a pipeline's schedule by name; interleaving's chunks are not passed to it yet
-            buildable = unsupported(variant) is None and variant.virtual == 1
-            if buildable and check(shape, variant, BATCH) is None and variant not in found:
-                found.append(variant)
-    return found
+    """The planner's first :data:`TOP` layouts of 8 devices for ``shape`` and a batch of :data:`BATCH` on this machine
+    (``plan(..., exhaustive=True)``, float32, Adam), each built as ``layout.strategy()`` builds it: every product
+    of the axes composes, so each ranked layout is one the kit runs (``unsupported`` is None, checked)."""
+    answer = plan(shape, Cluster.measured(), global_batch_tokens=BATCH * shape.seq, precision="fp32",
+                  optimizer="adam", exhaustive=True)  # fmt: skip
+    top = [candidate.layout for candidate in answer.ranked[:TOP]]
+    refused = {layout.name: unsupported(layout) for layout in top if unsupported(layout) is not None}
+    assert not refused, f"the planner ranks layouts the kit cannot build: {refused}"
+    return top
 
 
 def build(layout: Layout, gpt: pk.models.GPT, batch: dict) -> dict:

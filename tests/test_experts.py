@@ -7,6 +7,7 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from helpers import tree_allclose
 from jax.sharding import NamedSharding
@@ -339,10 +340,18 @@ def test_expert_parallel_strategy_repr_and_mesh():
     assert strategy.num_replicas == 8  # the batch is split over every device
 
 
-def test_expert_parallel_strategy_refuses_accumulation():
-    loss_fn = moe_regression(groups=4, steps=1)[0]
-    with pytest.raises(ValueError, match="does not accumulate gradients"):
-        pk.ExpertParallel(expert=4, devices=jax.devices()[:4]).step(loss_fn, accumulate=2)
+def test_expert_parallel_strategy_accumulates_as_one_device_does():
+    """Accumulated microbatches beside an expert axis: each microbatch routed in the same groups as one device's
+    accumulated run, the gradients summed as they are (the layer's shard_map splits the replicas' own axes, so they
+    are not mapped), equal parameters."""
+    loss_fn, params, batches = moe_regression(groups=4, steps=2)
+    runs = []
+    for strategy in (pk.SingleDevice(), pk.ExpertParallel(expert=4, devices=jax.devices()[:4])):
+        state, step = strategy.init(params, optax.sgd(0.1)), strategy.step(loss_fn, accumulate=2)
+        for batch in batches:
+            state, _ = step(state, batch)
+        runs.append(strategy.unreplicate(state.params))
+    tree_allclose(runs[1], runs[0])
 
 
 def test_expert_parallel_strategy_takes_a_precision_policy():

@@ -218,7 +218,7 @@ def test_layouts_the_kit_cannot_run_say_why():
     assert unsupported(Layout(data=8, recompute="full")) is None  # pk.Parallel(recompute="full")
     assert unsupported(Layout(stages=2, tensor=2, data=2)) is None  # each stage a Parallel over its devices
     assert "not a list of layers" in unsupported(Layout(stages=2, expert=2, data=2))
-    assert "does not accumulate" in unsupported(Layout(expert=2, data=2, microbatches=2))
+    assert unsupported(Layout(expert=2, data=2, microbatches=2)) is None  # accumulation beside an expert axis
     with pytest.raises(ValueError, match="pass layers="):
         Layout(data=4, stages=2, microbatches=2).strategy()
     with pytest.raises(ValueError, match="needs 16 devices; JAX has 8"):
@@ -237,3 +237,19 @@ def test_explain_weighs_a_layout_the_plan_did_not_choose():
     assert "would rank" in said and "for the layer being rebuilt" in said
     with pytest.raises(ValueError, match="uses 16 devices; this plan is for 8"):
         p.explain(Layout(data=16))
+
+
+def test_the_plan_ranks_only_what_the_kit_builds_and_the_rest_apart():
+    """Every layout plan() ranks for the kit's GPT on 1 to 16 devices is one the kit builds; a MoE model's pipelines,
+    which the kit cannot build, fit but are ranked apart (plan.unbuilt), each with the reason, never first."""
+    for devices in (1, 2, 4, 8, 16):
+        shape = Transformer.from_gpt(pk.models.GPT(256, **SMALL, rngs=nnx.Rngs(0)))
+        cluster = Cluster.published("H100 SXM", per_node=devices)
+        answer = plan(shape, cluster, global_batch_tokens=BATCH * LENGTH, precision="fp32", exhaustive=True)
+        assert all(unsupported(c.layout) is None for c in answer.ranked)
+        assert not answer.unbuilt
+    moe = dataclasses.replace(MODELS["llama3-8b"], experts=8, top_k=2, name="MoE")
+    answer = plan(moe, Cluster.published("H100 SXM", per_node=8, nodes=8), global_batch_tokens=4 * 2**20)
+    assert answer.unbuilt and all(c.layout.stages > 1 and c.layout.expert > 1 for c in answer.unbuilt)
+    assert all(unsupported(c.layout) is None for c in answer.ranked)
+    assert "the kit cannot build" in answer.table() and "not a list of layers" in answer.table()

@@ -25,9 +25,6 @@ def unsupported(layout: Any) -> str | None:
     """Why the kit has no strategy for ``layout``; None when it has one."""
     if layout.stages > 1 and layout.expert > 1:
         return "the kit's MoE GPT is not a list of layers (its blocks return the router's aux), so it has no pipeline"
-    if layout.stages == 1 and layout.expert > 1 and layout.microbatches > 1:
-        return ("expert parallelism does not accumulate gradients: its layers split the batch's own devices in "
-                "shard_map, so the step cannot map the microbatches over them")  # fmt: skip
     return None
 
 
@@ -74,8 +71,8 @@ def kit_strategy(
     if layout.stages > 1:
         if layers is None:
             raise ValueError(f"{layout.name} is a pipeline: pass layers=pk.models.as_layers(model).apply.")
-        return Pipeline(layers, layout.stages, layout.microbatches, layout.schedule, data=layout.data,
-                        stage_axes=stage_axes(layout), devices=devices)  # fmt: skip
+        return Pipeline(layers, layout.stages, layout.microbatches, layout.schedule, virtual=layout.virtual,
+                        data=layout.data, stage_axes=stage_axes(layout), devices=devices)  # fmt: skip
     if layout.devices == layout.data and not layout.zero and layout.recompute == "none":
         return Mirrored(devices)
     return Parallel(

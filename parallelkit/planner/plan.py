@@ -16,6 +16,7 @@ from dataclasses import dataclass, replace
 from fractions import Fraction
 
 from ..core.mesh import is_count, is_number
+from .build import unsupported
 from .cluster import Cluster
 from .layout import Layout, activations
 from .memory import STATE_BYTES
@@ -26,7 +27,9 @@ from .steptime import OVERLAP
 
 @dataclass(frozen=True)
 class Plan:
-    """Every layout weighed for one model, cluster and batch: ``ranked`` (fastest first) and ``rejected``."""
+    """Every layout weighed for one model, cluster and batch: ``ranked`` (fastest first), ``rejected`` (they do not
+    fit), and ``unbuilt``: layouts that fit but the kit cannot build (:func:`.build.unsupported` says why), ranked
+    apart, fastest first, never among ``ranked``."""
 
     model: Transformer
     cluster: Cluster
@@ -39,10 +42,19 @@ class Plan:
     ranked: tuple[Candidate, ...]
     rejected: tuple[Candidate, ...]
     unweighed: int = 0  # layouts left unweighed: none could reach the first TOP (search.search)
+    unbuilt: tuple[Candidate, ...] = ()
 
     @property
     def best(self) -> Layout:
-        """The layout with the highest predicted MFU."""
+        """The layout the kit can build with the highest predicted MFU.
+
+        Raises:
+          ValueError: every layout that fits is one the kit cannot build (``unbuilt``), naming the fastest and why.
+        """
+        if not self.ranked:
+            first = self.unbuilt[0].layout
+            raise ValueError(f"No layout the kit can build fits; the fastest that fits is {first.name}, which the kit "
+                             f"cannot build: {unsupported(first)} (plan.unbuilt ranks them).")  # fmt: skip
         return self.ranked[0].layout
 
     def find(self, layout: Layout) -> Candidate:
@@ -54,7 +66,7 @@ class Plan:
           ValueError: a layout for another number of devices than the cluster's.
         """
         self._check(layout)
-        for candidate in (*self.ranked, *self.rejected):
+        for candidate in (*self.ranked, *self.unbuilt, *self.rejected):
             if candidate.layout == layout or _base(candidate.layout) == _base(layout) and layout.recompute == "none":
                 return candidate
         return self.assess(layout)
@@ -90,6 +102,10 @@ class Plan:
                          f"{c.mfu:>6.1%}  {c.time.binding}")  # fmt: skip
         left = f"; {self.unweighed} could not reach the first {TOP}, not weighed" if self.unweighed else ""
         lines.append(f"({len(self.ranked)} layouts fit, {len(self.rejected)} do not: plan.rejected{left})")
+        if self.unbuilt:
+            first, why = self.unbuilt[0], unsupported(self.unbuilt[0].layout)
+            lines.append(f"({len(self.unbuilt)} more fit that the kit cannot build, ranked apart in plan.unbuilt; "
+                         f"the fastest, {first.layout.name} at {first.mfu:.1%} MFU: {why})")  # fmt: skip
         return "\n".join(lines)
 
     def explain(self, layout: Layout) -> str:
@@ -197,13 +213,14 @@ def plan(
         raise ValueError(f"plan(exhaustive={exhaustive!r}) is not a bool: give True to weigh every layout, or False "
                          f"(the default) to leave those that could not reach the first {TOP}.")  # fmt: skip
     verdicts, unweighed = search(model, cluster, batch, top=None if exhaustive else TOP, **options)
-    ranked = tuple(
-        sorted((c for c in verdicts if c.fits), key=lambda c: (-c.mfu, *simpler_first(c.layout, c.memory.total)))
-    )
+    fitting = sorted((c for c in verdicts if c.fits), key=lambda c: (-c.mfu, *simpler_first(c.layout, c.memory.total)))
     rejected = tuple(sorted((c for c in verdicts if not c.fits), key=lambda c: c.memory.total or float("inf")))
-    if not ranked:
+    if not fitting:
         raise ValueError(_nothing_fits(model, cluster, batch, rejected, **options))
-    return Plan(model, cluster, batch, precision, optimizer, efficiency, overlap, reserve, ranked, rejected, unweighed)
+    ranked = tuple(c for c in fitting if unsupported(c.layout) is None)
+    unbuilt = tuple(c for c in fitting if unsupported(c.layout) is not None)
+    return Plan(model, cluster, batch, precision, optimizer, efficiency, overlap, reserve, ranked, rejected, unweighed,
+                unbuilt)  # fmt: skip
 
 
 def _is_share(efficiency: object) -> bool:

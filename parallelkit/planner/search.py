@@ -23,6 +23,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 
 from ..measure.roofline import flops_utilisation
+from .build import unsupported
 from .cluster import Cluster
 from .layout import Layout, check, memory_per_device
 from .memory import CONTEXT_METHODS, ELEMENT_BYTES, SCHEDULES, Memory
@@ -196,10 +197,10 @@ def search(
     """Every layout's verdict that could rank among the ``top`` best MFUs (all of them when ``top`` is None),
     in :func:`layouts`'s order, and how many layouts were not weighed.
 
-    The layouts are weighed from the highest :func:`ceilings` down; once ``top`` layouts fit and the next
-    layout's ceiling is below the ``top``-th best MFU found, it and every one after it is left: none could
-    reach the first ``top`` (a tie could: ties are weighed). The first ``top`` of the ranking are then exactly
-    those of the search that weighs everything.
+    The layouts are weighed from the highest :func:`ceilings` down; once ``top`` layouts the kit can build
+    (:func:`.build.unsupported`) fit and the next layout's ceiling is below the ``top``-th best MFU found
+    among them, it and every one after it is left: none could reach the first ``top`` (a tie could: ties are
+    weighed). The first ``top`` of the ranking are then exactly those of the search that weighs everything.
     """
     found = [layout for mesh in meshes(model, cluster.devices) for layout in mesh_layouts(model, mesh, batch)]
     order = range(len(found))
@@ -218,7 +219,7 @@ def search(
         if top is not None and len(best) == top and bounds[i] < best[0] * (1 - 1e-9):  # rounding aside
             break
         weighed[i] = verdict = weigh(model, found[i], cluster, batch, **options)
-        if verdict.fits and top is not None:
+        if verdict.fits and top is not None and unsupported(verdict.layout) is None:  # the kit's ranking's top
             (heapq.heappush if len(best) < top else heapq.heappushpop)(best, verdict.mfu)
     return [weighed[i] for i in sorted(weighed)], len(found) - len(weighed)
 

@@ -91,7 +91,7 @@ class ExpertParallel(Parallel):
     shown_axes = (EXPERT,)  # the mesh keeps its `expert` axis at expert=1
 
     # The layer's shard_map splits the batch's own axes: the step cannot map the replicas (SPMD.maps_replicas), so
-    # SPMD.step refuses accumulate > 1, and 16-bit precision's gradient reduction stays where XLA puts it.
+    # accumulated microbatches' gradients and 16-bit precision's gradient reduction stay where XLA puts them.
     maps_replicas = False
 
     # Its step's own collectives are all-to-alls of the dispatched tokens (TopologyModel times them as pairwise

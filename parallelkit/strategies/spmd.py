@@ -236,16 +236,8 @@ class SPMD(Strategy):
         return jax.jit(build, out_shardings=target)(params, **state)
 
     def step(self, loss_fn: LossFn, accumulate: int = 1, precision: Precision | None = None) -> Step:
-        """The compiled step, ``accumulate`` and ``precision`` as :meth:`Strategy.step` says.
-
-        Raises:
-          ValueError: ``accumulate > 1`` on a strategy that cannot map its replicas (:attr:`maps_replicas`).
-        """
-        if check_accumulate(accumulate) > 1 and not self.maps_replicas:
-            raise ValueError(
-                f"{self!r} does not accumulate gradients (accumulate={accumulate}): use accumulate=1, with a "
-                "smaller global batch if one step's activations do not fit."
-            )
+        """The compiled step, ``accumulate`` and ``precision`` as :meth:`Strategy.step` says."""
+        check_accumulate(accumulate)
         check_precision(precision)
         if self.explicit:
             self._check_explicit(accumulate, precision)
@@ -427,10 +419,12 @@ class _CompiledOnFirstCall:
         Under ``jit`` with shardings the compiler would all-reduce the gradients of every
         microbatch inside the loop; mapped over the replicas (``vmap`` on the batch's mesh
         axes), each device sums its own row of gradients in the carry, and the mean over
-        the rows after the loop is the step's one all-reduce (or reduce-scatter).
+        the rows after the loop is the step's one all-reduce (or reduce-scatter). A strategy that cannot
+        map its replicas (:attr:`SPMD.maps_replicas`: expert parallelism, whose layers split the batch's own
+        axes in ``jax.shard_map``) sums its microbatches' gradients as they are, reduced where XLA puts them.
         """
         strategy, replicas = self.strategy, self.strategy.num_replicas
-        if replicas == 1:
+        if replicas == 1 or not strategy.maps_replicas:
             return Accumulation(self.accumulate)
         axes, rows, _ = self._replica_layout(params)
         micro = NamedSharding(strategy.mesh, P(None, axes))
