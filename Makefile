@@ -44,6 +44,7 @@ bench: setup
 	$(BIN)/python benchmarks/planner.py
 	$(BIN)/python benchmarks/buckets.py
 	$(BIN)/python benchmarks/pipeline.py
+	$(BIN)/python benchmarks/recompute.py
 
 course: setup
 	$(BIN)/python -m parallelkit course --out build/course

@@ -88,6 +88,23 @@ def test_the_composed_step_on_one_axis_costs_nothing_over_its_preset():
     assert all(r["max_param_diff"]["composed"] == 0.0 for r in record["results"])
 
 
+def _recompute() -> list[str]:
+    return [f"| {r['recompute']} | {r['peak_bytes'] / 1e6:.2f} | {r['beyond_arguments_bytes'] / 1e6:.2f} | "
+            f"{r['planned_bytes'] / 1e6:.2f} | {r['planned_activation_bytes'] / 1e6:.2f} | {r['flops'] / 1e9:.3f} |"
+            for r in load("recompute.json")["rows"]]  # fmt: skip
+
+
+def test_what_the_recompute_prose_says_holds():
+    """ "The compiled peak falls from none to selective to full, and the FLOPs rise"; the planner "counts more than
+    the compiled step holds without recomputation, about what it holds under selective, and less under full"."""
+    rows = {r["recompute"]: r for r in load("recompute.json")["rows"]}
+    none, selective, full = (rows[name] for name in ("none", "selective", "full"))
+    assert none["peak_bytes"] > selective["peak_bytes"] > full["peak_bytes"]
+    assert none["flops"] < selective["flops"] < full["flops"]
+    assert none["planned_bytes"] > none["peak_bytes"] and full["planned_bytes"] < full["peak_bytes"]
+    assert abs(selective["planned_bytes"] / selective["peak_bytes"] - 1) < 0.1
+
+
 def _cpu_pool() -> list[str]:
     results = load("cpu_pool.json")["results"]
     labels = {"digits-mlp": "digits MLP, Adam, batch 64", "wide-mlp": "MLP 784-1024-1024-10, SGD, batch 256"}
@@ -580,7 +597,7 @@ QUOTES = [
     *((doc, q) for doc in (README, BENCH_README) for q in _notebooks(doc) + _central(doc) + _roofline(doc)),
     *((BENCH_README, q) for q in _context()),
     *((BENCH_README, q) for q in _overhead() + _overhead_composed() + _cpu_pool() + _strategies()),
-    *((BENCH_README, q) for q in _dashboard() + _precision()),
+    *((BENCH_README, q) for q in _dashboard() + _precision() + _recompute()),
     *((BENCH_README, q) for q in _experts()),
     *((BENCH_README, q) for q in _bench(BENCH_README) + _prefetch(BENCH_README) + _layouts(BENCH_README)),
     *((README, q) for q in _bench(README) + _prefetch(README) + _layouts(README)),
