@@ -36,7 +36,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..core.mesh import is_count
+from ..models.layers.attention import METHODS
 from ..models.recompute import RECOMPUTE
+from ..strategies.pipeline.strategy import SCHEDULES as PIPELINE_SCHEDULES
 from .model import Transformer
 
 # Bytes per parameter of (parameters, gradients, optimizer state), by precision and optimizer.
@@ -47,8 +49,10 @@ STATE_BYTES = {
     ("fp32", "sgd"): (4, 4, 0),
 }
 ELEMENT_BYTES = {"bf16": 2, "fp32": 4}  # a stored activation, by the training precision
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
-CONTEXT_METHODS = ("allgather", "ring", "ulysses")
+SCHEDULES = tuple(PIPELINE_SCHEDULES)  # the kit's named pipeline schedules, each one the planner times
+# The kit's context methods but the zig-zag ring, which sends the ring's bytes in a balanced order: the planner
+# times it as the ring.
+CONTEXT_METHODS = tuple(method for method in METHODS if method != "ring_zigzag")
 
 
 def is_zero_stage(zero: object) -> bool:

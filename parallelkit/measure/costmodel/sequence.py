@@ -45,11 +45,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ...models.layers.attention import METHODS
 from ..inspect import sent_bytes
 from .links import Cluster, allreduce_seconds, alltoall_rounds, gradient_groups_seconds, groups, ring_pairs
 from .workload import Options, Pattern, Workload
 
-CONTEXT_METHODS = ("allgather", "ring", "ring_zigzag", "ulysses")
+CONTEXT_METHODS = METHODS  # the kit's context methods (pk.models.layers.attention), each one the cost model times
 
 
 @dataclass(frozen=True)
