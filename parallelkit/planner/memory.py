@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from ..core.mesh import is_count
 from ..models.layers.attention import METHODS
 from ..models.recompute import RECOMPUTE
+from ..strategies.fully_sharded import zero_state_bytes
 from ..strategies.pipeline.strategy import SCHEDULES as PIPELINE_SCHEDULES
 from .model import Transformer
 
@@ -104,8 +105,9 @@ def state_bytes(
         raise ValueError(f"precision={precision!r}, optimizer={optimizer!r}: choose from {list(STATE_BYTES)}.")
     if not is_zero_stage(zero) or not is_count(data):
         raise ValueError(f"zero={zero!r} must be 0, 1, 2 or 3 and data={data!r} a whole number >= 1.")
-    p, g, o = (params * b for b in STATE_BYTES[precision, optimizer])
-    return p / (data if zero >= 3 else 1), g / (data if zero >= 2 else 1), o / (data if zero >= 1 else 1)
+    per_param, _, per_moment = STATE_BYTES[precision, optimizer]  # a gradient takes its parameter's bytes
+    split = zero_state_bytes(zero, params * per_param, params * per_moment, data)  # FullySharded's accounting
+    return split["parameters"], split["gradients"], split["optimizer"]
 
 
 def layer_activation_bytes(
