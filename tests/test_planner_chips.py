@@ -104,7 +104,10 @@ def test_fp8_on_a_chip_without_it_is_refused_by_name(chip):
 def test_precisions_are_one_list():
     assert PRECISIONS == ("bf16", "fp32", "fp8")
     assert {p for p, _ in STATE_BYTES} == set(PRECISIONS) == set(ELEMENT_BYTES)
+    h100 = Cluster.published("H100 SXM", per_node=1)
     with pytest.raises(ValueError, match=r"precision='int8': one of \('bf16', 'fp32', 'fp8'\)"):
-        Cluster.published("H100 SXM", per_node=1).peak_flops("int8")
+        h100.peak_flops("int8")
+    with pytest.raises(ValueError, match=r"precision='int8': one of"):  # not a KeyError from a table
+        step_time(MODELS["gpt2-xl"], Layout(), h100, 1, precision="int8")
     with pytest.raises(ValueError, match=r"Cluster\(fp8_flops=0\)"):
         Cluster(1, 1, Cluster.published("H100 SXM", per_node=1).inside, None, 1.0, 1.0, 1.0, fp8_flops=0)

@@ -80,8 +80,8 @@ from .model import Transformer
 OVERLAP = ("none", "full")
 # The share of the peak a large matrix product reaches: the best of a brute-force search over shapes of BF16 matmuls
 # (S. Bekman, "Machine Learning Engineering", compute/accelerator/README.md, "Maximum Achievable Matmul FLOPS
-# comparison table": H100 SXM 794.5 of 989 TFLOP/s, A100 SXM 271.2 of 312). A chip it does not list takes the
-# H100's share (an assumption: no measurement of the TPUs' is there).
+# comparison table": H100 SXM 794.5 of 989 TFLOP/s, A100 SXM 271.2 of 312). A chip this dict does not hold (the TPUs,
+# the B200) takes the H100's share, and FP8 products the bf16 share of the FP8 peak: assumptions.
 ACHIEVABLE = {"H100 SXM": 794.5 / 989, "A100 SXM 80GB": 271.2 / 312}
 ACHIEVABLE_ELSE = ACHIEVABLE["H100 SXM"]
 # FP8's scaling cost, bytes per element of a product's input: Transformer Engine's default delayed scaling reads the
@@ -175,6 +175,7 @@ def step_time(
                          "each matrix product's own (steptime.matmul_efficiency).")  # fmt: skip
     if layout.devices != cluster.devices:
         raise ValueError(f"{layout.name} uses {layout.devices} devices; the cluster has {cluster.devices}.")
+    cluster.peak_flops(precision)  # a precision the planner knows, and a chip that has its peak, or a clear error
     e = ELEMENT_BYTES[precision]
     m, stages = layout.microbatches, layout.stages
     per_token = model.flops_per_token()
