@@ -153,9 +153,9 @@ PUBLISHED: dict[str, Chip] = {
         link_axes=2,  # 2D torus, 4 ICI ports: 2 per axis
         network_bytes_per_s=12.5e9,  # 4 x 200 Gb/s per host, 8 chips per host
         link_name="ICI",
-        sources=("https://cloud.google.com/tpu/docs/v6e",),
-        note="Trillium. ICI printed as 800 GB/s bidirectional per chip (2D torus; the page's older table: 3,200 "
-        "Gbps); HBM bandwidth printed as 1,638 GBps (earlier versions of the page: 1,600 and 1,640); DCN: 4 x 200 "
+        sources=("https://docs.cloud.google.com/tpu/docs/v6e.md.txt", "https://cloud.google.com/tpu/docs/v6e"),
+        note="Trillium. ICI printed as 800 GB/s bidirectional per chip on a 2D torus (versions of the page print "
+        "3,200 and 3,584 Gbps); HBM bandwidth printed as 1,638 GBps (versions print 1,600 and 1,640); DCN: 4 x 200 "
         "Gbps NICs per 8-chip host.",
     ),
     "B200": Chip(
