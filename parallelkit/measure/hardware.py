@@ -18,7 +18,7 @@ How to read them:
   mantissa bits). JAX computes float32 matrix products that way on these GPUs by
   default (``jax.default_matmul_precision``, unset; its "Matmul precision" page:
   https://docs.jax.dev/en/latest/201/precision.html), so a JAX user's float32 matmuls
-  there meet this rate, not fp32's: bfloat16's is 2 times TF32's, 15 to 16 times fp32's.
+  there meet this rate, not fp32's: bfloat16's is 2 times TF32's, 15 to 28 times fp32's.
   Set ``jax.default_matmul_precision("float32")`` (or ``precision="highest"`` on a
   product) for true float32 products. The TPU pages publish no TF32 rate (``None``).
 - **Links per direction.** Vendors print NVLink and ICI bandwidth summed over both
