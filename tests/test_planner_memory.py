@@ -107,7 +107,7 @@ def test_microbatches_in_flight_by_schedule():
         (lambda: Transformer(2, 8, 4, 8, 8, 8, kv_heads=3), "do not group into kv_heads=3"),
         (lambda: Transformer(0, 8, 2, 8, 8, 8), r"layers=0"),
         (lambda: state_bytes(1, zero=4), "zero=4"),
-        (lambda: state_bytes(1, precision="fp8"), "precision='fp8'"),
+        (lambda: state_bytes(1, precision="int8"), "precision='int8'"),
         (lambda: layer_activation_bytes(GPT3, 1, recompute="some"), "recompute='some'"),
         (lambda: in_flight("zb", 2, 2), "schedule='zb'"),
     ],

@@ -9,13 +9,16 @@ How to read them:
 - **Dense, not sparse.** NVIDIA prints tensor-core FLOP/s "with sparsity" (2:4
   structured sparsity, half the weights zero) beside the dense figure, twice as large.
   Training dense models gets the dense figure, the one in this table.
+- **fp8** is the dense FP8 tensor rate (E4M3/E5M2 inputs), the peak of the matrix products an
+  FP8 recipe runs (``planner``'s ``precision="fp8"``); ``None`` where the chip has none or its
+  page prints none (A100: no FP8; TPU v5e and v6e print only an Int8 rate, which is not FP8).
 - **fp32** is the plain float32 (non-tensor-core) rate; the TPU pages publish none
   (``None``): the matrix units take bfloat16 inputs.
 - **tf32** is the tensor-core rate for float32 inputs rounded to TensorFloat-32 (10
   mantissa bits). JAX computes float32 matrix products that way on these GPUs by
   default (``jax.default_matmul_precision``, unset; its "Matmul precision" page:
   https://docs.jax.dev/en/latest/201/precision.html), so a JAX user's float32 matmuls
-  there meet this rate, not fp32's: bfloat16's is 2 times TF32's, 15 to 16 times fp32's.
+  there meet this rate, not fp32's: bfloat16's is 2 times TF32's, 15 to 28 times fp32's.
   Set ``jax.default_matmul_precision("float32")`` (or ``precision="highest"`` on a
   product) for true float32 products. The TPU pages publish no TF32 rate (``None``).
 - **Links per direction.** Vendors print NVLink and ICI bandwidth summed over both
@@ -27,7 +30,14 @@ How to read them:
   :attr:`Chip.axis_link_bytes_per_s`.
 - **Network per chip.** The inter-node figure is the network bandwidth one chip gets
   when every chip talks at once: a DGX H100 has one 400 Gb/s adapter per GPU, a TPU
-  v5e host two 100 Gb/s NICs for its 8 chips.
+  v5e host two 100 Gb/s NICs for its 8 chips, a v6e host four 200 Gb/s NICs for its 8, a
+  B200 machine one 400 Gb/s adapter per GPU.
+- **Where each row's figures were read** is its ``sources``: the vendor's page for every chip but
+  the B200, whose figures are NVIDIA's as G. Klockwood's page reprints them (dense beside sparse)
+  and as a published 8 x B200 system description lists them (memory, links, network).
+
+The chips: NVIDIA H100 SXM (80 GB), A100 SXM (80 GB) and B200; Google Cloud TPU v5e, v5p and v6e
+(Trillium).
 """
 
 from __future__ import annotations
@@ -43,6 +53,7 @@ class Chip:
     bf16_flops: float  # dense bfloat16 FLOP/s
     fp32_flops: float | None  # float32 FLOP/s without tensor cores, None where unpublished
     tf32_flops: float | None  # dense TensorFloat-32 tensor-core FLOP/s, None where unpublished
+    fp8_flops: float | None  # dense FP8 tensor FLOP/s, None where the chip has none or its page prints none
     hbm_bytes_per_s: float  # memory bandwidth
     memory_bytes: float  # memory capacity (HBM) as printed, 1 GB = 1e9 bytes; a framework can use a little less
     link_bytes_per_s: float  # inside a node / slice (NVLink, ICI), per direction, all links together
@@ -68,6 +79,7 @@ PUBLISHED: dict[str, Chip] = {
         bf16_flops=989.5e12,  # half the printed 1,979 TFLOPS "with sparsity"
         fp32_flops=67e12,
         tf32_flops=494.5e12,  # half the printed 989 TFLOPS "with sparsity"
+        fp8_flops=1979e12,  # half the printed 3,958 TFLOPS "with sparsity"
         hbm_bytes_per_s=3.35e12,
         memory_bytes=80e9,
         link_bytes_per_s=450e9,
@@ -85,6 +97,7 @@ PUBLISHED: dict[str, Chip] = {
         bf16_flops=312e12,  # half the printed 624 TFLOPS "with sparsity"
         fp32_flops=19.5e12,
         tf32_flops=156e12,  # half the printed 312 TFLOPS "with sparsity"
+        fp8_flops=None,  # Ampere's tensor cores have no FP8; the datasheet prints none
         hbm_bytes_per_s=2.039e12,
         memory_bytes=80e9,
         link_bytes_per_s=300e9,
@@ -102,6 +115,7 @@ PUBLISHED: dict[str, Chip] = {
         bf16_flops=197e12,
         fp32_flops=None,
         tf32_flops=None,
+        fp8_flops=None,  # the page prints bf16 and Int8 (393 TOPs) peaks, no FP8
         hbm_bytes_per_s=819e9,
         memory_bytes=16e9,
         link_bytes_per_s=200e9,
@@ -116,14 +130,55 @@ PUBLISHED: dict[str, Chip] = {
         bf16_flops=459e12,
         fp32_flops=None,
         tf32_flops=None,
+        fp8_flops=459e12,  # printed as 459 TFLOPs "(FP8)", the bf16 figure: no faster than bf16
         hbm_bytes_per_s=2765e9,
         memory_bytes=95e9,
         link_bytes_per_s=600e9,
         link_axes=3,  # 3D torus: 6 neighbours, 2 per axis
         network_bytes_per_s=6.25e9,  # 50 Gb/s data-center network per chip
         link_name="ICI",
-        sources=("https://cloud.google.com/tpu/docs/v5p",),
-        note="ICI printed as 1,200 GB/s bidirectional per chip (3D torus); DCN printed as 50 Gb/s per chip.",
+        sources=("https://cloud.google.com/tpu/docs/v5p", "https://cloud.google.com/tpu/docs/v5p-training"),
+        note="ICI printed as 1,200 GB/s bidirectional per chip (3D torus); DCN printed as 50 Gb/s per chip; the FP8 "
+        "peak from the v5p-training page's table.",
+    ),
+    "TPU v6e": Chip(
+        name="Google Cloud TPU v6e",
+        bf16_flops=918e12,
+        fp32_flops=None,
+        tf32_flops=None,
+        fp8_flops=None,  # the page prints bf16 and Int8 (1,836 TOPs) peaks, no FP8
+        hbm_bytes_per_s=1638e9,
+        memory_bytes=32e9,
+        link_bytes_per_s=400e9,
+        link_axes=2,  # 2D torus, 4 ICI ports: 2 per axis
+        network_bytes_per_s=12.5e9,  # 4 x 200 Gb/s per host, 8 chips per host
+        link_name="ICI",
+        sources=("https://docs.cloud.google.com/tpu/docs/v6e.md.txt", "https://cloud.google.com/tpu/docs/v6e"),
+        note="Trillium. ICI printed as 800 GB/s bidirectional per chip on a 2D torus (versions of the page print "
+        "3,200 and 3,584 Gbps); HBM bandwidth printed as 1,638 GBps (versions print 1,600 and 1,640); DCN: 4 x 200 "
+        "Gbps NICs per 8-chip host.",
+    ),
+    "B200": Chip(
+        name="NVIDIA B200 (180 GB)",
+        bf16_flops=2250e12,  # half the 4,500 TFLOPS "sparse" of the HGX B200 (1,000 W)
+        fp32_flops=80e12,
+        tf32_flops=1100e12,  # half the 2,200 TFLOPS "sparse"
+        fp8_flops=4500e12,  # half the 9,000 TFLOPS "sparse"
+        hbm_bytes_per_s=8e12,
+        memory_bytes=180e9,
+        link_bytes_per_s=900e9,
+        link_axes=1,  # every NVLink goes to the NVSwitches: any collective can use all of them
+        network_bytes_per_s=50e9,  # one 400 Gb/s ConnectX-7 per GPU in an 8 x B200 machine
+        link_name="NVLink 5",
+        sources=(
+            "https://glennklockwood.com/garden/processors/B200",
+            "https://github.com/mlcommons/inference_results_v6.0/blob/main/closed/Nebius/systems/nebius_b200_n1.json",
+        ),
+        note="HGX B200 at 1,000 W: NVIDIA's dense and sparse figures as G. Klockwood reprints them (the GB200's "
+        "B200 at 1,200 W is faster: 2,500 TFLOPS bf16 dense). Memory 180 GB (B200-SXM-180GB; 192 GB is the "
+        "package's HBM) at 8 TB/s; NVLink 5 printed as 14.4 TB/s for 8 GPUs (1.8 TB/s a GPU, both directions); "
+        "network: 8 x 400 Gb/s ConnectX-7 NDR InfiniBand per 8-GPU machine (MLPerf Inference v6.0 system "
+        "description).",
     ),
 }
 
@@ -132,16 +187,18 @@ def table() -> str:
     """The published figures as aligned text, one chip a line (TFLOP/s and GB/s).
 
     >>> print(table().splitlines()[0])  # doctest: +NORMALIZE_WHITESPACE
-    chip bf16 TFLOP/s  tf32 TFLOP/s  fp32 TFLOP/s  HBM GB/s  link GB/s (each way)
+    chip fp8 TFLOP/s  bf16 TFLOP/s  tf32 TFLOP/s  fp32 TFLOP/s  HBM GB/s  link GB/s (each way)
     network GB/s (per chip)
     """
-    flops = "  ".join(f"{name + ' TFLOP/s':>12}" for name in ("bf16", "tf32", "fp32"))
+    flops = "  ".join(f"{name + ' TFLOP/s':>12}" for name in ("fp8", "bf16", "tf32", "fp32"))
     head = f"{'chip':<24} {flops}  {'HBM GB/s':>8}  {'link GB/s (each way)':>20}"
     lines = [head + f"  {'network GB/s (per chip)':>23}"]
     for chip in PUBLISHED.values():
-        tf32, fp32 = ("-" if x is None else f"{x / 1e12:g}" for x in (chip.tf32_flops, chip.fp32_flops))
+        fp8, tf32, fp32 = ("-" if x is None else f"{x / 1e12:g}" for x in (chip.fp8_flops, chip.tf32_flops,
+                                                                           chip.fp32_flops))  # fmt: skip
         lines.append(
-            f"{chip.name:<24} {chip.bf16_flops / 1e12:>12g}  {tf32:>12}  {fp32:>12}  {chip.hbm_bytes_per_s / 1e9:>8g}  "
+            f"{chip.name:<24} {fp8:>12}  {chip.bf16_flops / 1e12:>12g}  {tf32:>12}  {fp32:>12}  "
+            f"{chip.hbm_bytes_per_s / 1e9:>8g}  "
             f"{chip.link_bytes_per_s / 1e9:>20g}  {chip.network_bytes_per_s / 1e9:>23g}"
         )
     return "\n".join(lines)

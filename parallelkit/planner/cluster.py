@@ -24,6 +24,9 @@ from ..measure.hardware import PUBLISHED
 # NCCL's per-hop latencies for its "Simple" protocol (NVIDIA/nccl src/graph/tuning.cc): NVLink
 # 3.4 us, network about 10 us; the same figures as the cost model's link presets.
 INSIDE_LATENCY_US, NETWORK_LATENCY_US = 3.4, 10.0
+# The training precisions the planner times: bf16 and fp32 mixed precision, and FP8 as Transformer Engine runs it
+# (its matrix products in FP8, the rest in bf16: :mod:`.steptime`, :data:`.memory.STATE_BYTES`).
+PRECISIONS = ("bf16", "fp32", "fp8")
 
 
 @dataclass(frozen=True)
@@ -36,6 +39,8 @@ class Cluster(costmodel.Cluster):
       chip: what the devices are, for tables (a key of ``hardware.PUBLISHED`` picks its achievable matmul share,
         :data:`.steptime.ACHIEVABLE`).
       hbm_bytes_per_s: one device's memory bandwidth, for the matrix products' roofline; None: FLOPs alone.
+      fp8_flops: one device's dense FP8 matrix-product FLOP/s; None for a chip without FP8, which refuses
+        ``precision="fp8"``.
 
     Raises:
       ValueError: ``machines`` or ``devices_per_machine`` that is not a whole number >= 1 (NumPy
@@ -47,6 +52,7 @@ class Cluster(costmodel.Cluster):
     memory_bytes: float = 0.0
     chip: str = ""
     hbm_bytes_per_s: float | None = None
+    fp8_flops: float | None = None
 
     def __post_init__(self) -> None:
         for field in ("machines", "devices_per_machine"):  # a NumPy integer is a whole number too: kept as an int
@@ -62,12 +68,27 @@ class Cluster(costmodel.Cluster):
             raise ValueError(f"Cluster(hbm_bytes_per_s={bandwidth!r}) is not a finite number > 0: give each "
                              "device's memory bandwidth in bytes a second, or None to time matrix products by FLOPs "
                              "alone.")  # fmt: skip
+        fp8 = self.fp8_flops
+        if fp8 is not None and not (is_number(fp8) and math.isfinite(fp8) and fp8 > 0):
+            raise ValueError(f"Cluster(fp8_flops={fp8!r}) is not a finite number > 0: give each device's dense FP8 "
+                             "FLOP/s, or None for a chip without FP8.")  # fmt: skip
 
     def peak_flops(self, precision: str) -> float:
-        """One device's FLOP/s for ``"bf16"`` or ``"fp32"`` training."""
-        if precision not in ("bf16", "fp32"):
-            raise ValueError(f"precision={precision!r}: 'bf16' or 'fp32'.")
-        return self.bf16_flops if precision == "bf16" else self.fp32_flops
+        """One device's matrix-product FLOP/s for ``"bf16"``, ``"fp32"`` or ``"fp8"`` training (:data:`PRECISIONS`).
+
+        >>> Cluster.published("A100 SXM 80GB", per_node=1).peak_flops("fp8")  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        ValueError: precision='fp8' on 1 A100 SXM 80GB: this chip has no FP8 peak (hardware.PUBLISHED says None). ...
+        """
+        if precision not in PRECISIONS:
+            raise ValueError(f"precision={precision!r}: one of {PRECISIONS}.")
+        if precision == "fp8" and self.fp8_flops is None:
+            with_fp8 = ", ".join(name for name, chip in PUBLISHED.items() if chip.fp8_flops)
+            raise ValueError(f"precision='fp8' on {self.name}: this chip has no FP8 peak (hardware.PUBLISHED says "
+                             f"None). Train it in 'bf16' or 'fp32', or plan for a chip with FP8 "
+                             f"({with_fp8}).")  # fmt: skip
+        return {"bf16": self.bf16_flops, "fp32": self.fp32_flops, "fp8": self.fp8_flops}[precision]
 
     @property
     def name(self) -> str:
@@ -83,7 +104,8 @@ class Cluster(costmodel.Cluster):
         the machine's network is its chips' per-chip network bandwidth added up (kept with one
         machine too, for the plans that ask what more machines would do). The float32
         rate is TensorFloat-32's where the chip has it (JAX's default for float32 products on
-        those GPUs), else plain float32's. Latencies: :data:`INSIDE_LATENCY_US`,
+        those GPUs), else plain float32's; the FP8 rate is the chip's dense FP8 peak, None where it
+        has none. Latencies: :data:`INSIDE_LATENCY_US`,
         :data:`NETWORK_LATENCY_US` (an assumption for every chip).
 
         >>> two = Cluster.published("H100 SXM", per_node=8, nodes=2)
@@ -98,7 +120,8 @@ class Cluster(costmodel.Cluster):
         inside = Link(c.link_name, c.axis_link_bytes_per_s / 1e9, INSIDE_LATENCY_US, source)
         network = Link(f"{per_node} x network", per_node * c.network_bytes_per_s / 1e9, NETWORK_LATENCY_US, source)
         fp32 = c.tf32_flops or c.fp32_flops or c.bf16_flops
-        return cls(nodes, per_node, inside, network, c.bf16_flops, fp32, c.memory_bytes, chip, c.hbm_bytes_per_s)
+        return cls(nodes, per_node, inside, network, c.bf16_flops, fp32, c.memory_bytes, chip, c.hbm_bytes_per_s,
+                   c.fp8_flops)  # fmt: skip
 
     @classmethod
     def measured(cls, devices: Sequence[jax.Device] | None = None, *, quick: bool = True) -> Cluster:

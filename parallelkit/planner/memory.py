@@ -43,13 +43,26 @@ from ..strategies.pipeline.strategy import SCHEDULES as PIPELINE_SCHEDULES
 from .model import Transformer
 
 # Bytes per parameter of (parameters, gradients, optimizer state), by precision and optimizer.
+# FP8 training as Transformer Engine runs it by default keeps bf16 mixed precision's state: the weights stay in 16
+# bits (float32 masters beside them) and each matrix product quantizes its inputs to FP8 with a per-tensor scale as
+# it runs (Transformer Engine's FP8 recipes:
+# https://nvidia.github.io/TransformerEngine/features/low_precision_training/fp8_delayed_scaling/fp8_delayed_scaling.html;
+# FP8 weights in place of the 16-bit ones are an option, "fp8_primary_weights":
+# https://github.com/NVIDIA/TransformerEngine/pull/1544). The FP8 copies of a step's weights are transient, like any
+# product's cast input, and not counted.
 STATE_BYTES = {
     ("bf16", "adam"): (2, 2, 12),  # ZeRO's mixed-precision Adam: 16-bit copies; float32 master, m, v
     ("bf16", "sgd"): (2, 2, 4),  # 16-bit copies; the float32 master
     ("fp32", "adam"): (4, 4, 8),
     ("fp32", "sgd"): (4, 4, 0),
+    ("fp8", "adam"): (2, 2, 12),  # bf16's: FP8 only inside the matrix products
+    ("fp8", "sgd"): (2, 2, 4),
 }
-ELEMENT_BYTES = {"bf16": 2, "fp32": 4}  # a stored activation, by the training precision
+# A stored activation, by the training precision. Under "fp8" the arrays a layer keeps are bf16's: the norms',
+# activation functions', attention's and residuals' tensors stay in bf16 in Transformer Engine's recipes; only a
+# linear layer's saved input may be its FP8 copy (1 byte), a saving this count leaves out (an upper bound, the safe
+# side for "does it fit").
+ELEMENT_BYTES = {"bf16": 2, "fp32": 4, "fp8": 2}
 SCHEDULES = tuple(PIPELINE_SCHEDULES)  # the kit's named pipeline schedules, each one the planner times
 # The kit's context methods but the zig-zag ring, which sends the ring's bytes in a balanced order: the planner
 # times it as the ring.

@@ -21,6 +21,16 @@ The assumptions, all of them (each a parameter or a line here):
   Their backward passes (``dX = dY W^T``, ``dW = X^T dY``) are the same three sizes in another
   order, so they take as long. The model's other FLOPs (the embedding, norms, the softmax) run at
   the products' efficiency.
+- **FP8** (``precision="fp8"``), as Transformer Engine runs it: each linear layer's matrix product
+  at the chip's dense FP8 peak (:attr:`.cluster.Cluster.fp8_flops`; a chip without one refuses
+  it), at the same achievable share as bf16's (an assumption: the measured shares are bf16's),
+  reading 1-byte inputs and writing a bf16 output; the attention's products stay in bf16 at the
+  bf16 peak (FP8 attention is an option of the recipes, off by default); and the scaling's cost:
+  before each FP8 product its two inputs are quantized in a pass of their own over the memory,
+  :data:`FP8_CAST_BYTES` bytes an element (delayed scaling reads the bf16 tensor once and writes
+  its FP8 copy; current scaling reads it twice, one more for its amax: Transformer Engine's
+  "FP8 Delayed Scaling" page). Everything else (norms, activations, communication, the stored
+  activations) is bf16's. MFU under ``"fp8"`` is against the FP8 peak.
 - **The other operations** (norms, activations, dropout, residual additions) move, at the
   memory's bandwidth, the arrays Korthikanti et al. count a layer keeps (without the attention's
   scores: a fused attention never writes them): written forward, read and their gradients
@@ -70,10 +80,14 @@ from .model import Transformer
 OVERLAP = ("none", "full")
 # The share of the peak a large matrix product reaches: the best of a brute-force search over shapes of BF16 matmuls
 # (S. Bekman, "Machine Learning Engineering", compute/accelerator/README.md, "Maximum Achievable Matmul FLOPS
-# comparison table": H100 SXM 794.5 of 989 TFLOP/s, A100 SXM 271.2 of 312). A chip it does not list takes the
-# H100's share (an assumption: no measurement of the TPUs' is there).
+# comparison table": H100 SXM 794.5 of 989 TFLOP/s, A100 SXM 271.2 of 312). A chip this dict does not hold (the TPUs,
+# the B200) takes the H100's share, and FP8 products the bf16 share of the FP8 peak: assumptions.
 ACHIEVABLE = {"H100 SXM": 794.5 / 989, "A100 SXM 80GB": 271.2 / 312}
 ACHIEVABLE_ELSE = ACHIEVABLE["H100 SXM"]
+# FP8's scaling cost, bytes per element of a product's input: Transformer Engine's default delayed scaling reads the
+# bf16 tensor once (2 bytes) and writes its FP8 copy (1 byte); its current scaling reads it once more for the amax
+# (https://nvidia.github.io/TransformerEngine/features/low_precision_training/fp8_delayed_scaling/fp8_delayed_scaling.html).
+FP8_CAST_BYTES = 2 + 1
 MESH_ORDER = ("tensor", "expert", "context", "data", "stages")  # innermost first
 
 
@@ -161,6 +175,7 @@ def step_time(
                          "each matrix product's own (steptime.matmul_efficiency).")  # fmt: skip
     if layout.devices != cluster.devices:
         raise ValueError(f"{layout.name} uses {layout.devices} devices; the cluster has {cluster.devices}.")
+    cluster.peak_flops(precision)  # a precision the planner knows, and a chip that has its peak, or a clear error
     e = ELEMENT_BYTES[precision]
     m, stages = layout.microbatches, layout.stages
     per_token = model.flops_per_token()
@@ -212,17 +227,26 @@ def step_time(
 
 def matmul_seconds(m: float, k: float, n: float, cluster: Cluster, precision: str) -> float:
     """One ``m x k`` by ``k x n`` product on one device: the longer of its FLOPs at :data:`ACHIEVABLE` of the peak
-    and its bytes at the memory's bandwidth (FLOPs alone where ``cluster.hbm_bytes_per_s`` is None).
+    and its bytes at the memory's bandwidth (FLOPs alone where ``cluster.hbm_bytes_per_s`` is None). Under ``"fp8"``
+    its inputs are 1 byte an element and its output bf16, and quantizing the inputs first adds
+    :data:`FP8_CAST_BYTES` an input element at the memory's bandwidth.
 
     >>> h100 = Cluster.published("H100 SXM", per_node=1)
     >>> big, thin = matmul_seconds(8192, 8192, 8192, h100, "bf16"), matmul_seconds(8192, 8192, 16, h100, "bf16")
     >>> round(2 * 8192**3 / big / 989.5e12, 3), round(2 * 8192**2 * 16 / thin / 989.5e12, 3)  # share of the peak
     (0.803, 0.054)
+    >>> fp8 = matmul_seconds(8192, 8192, 8192, h100, "fp8")  # FP8's peak, less the quantization of the inputs
+    >>> round(2 * 8192**3 / fp8 / 1979e12, 3)
+    0.684
     """
     flops = 2 * m * k * n / (ACHIEVABLE.get(cluster.chip, ACHIEVABLE_ELSE) * cluster.peak_flops(precision))
     if cluster.hbm_bytes_per_s is None:
         return flops
-    return max(flops, ELEMENT_BYTES[precision] * (m * k + k * n + m * n) / cluster.hbm_bytes_per_s)
+    if precision != "fp8":
+        return max(flops, ELEMENT_BYTES[precision] * (m * k + k * n + m * n) / cluster.hbm_bytes_per_s)
+    inputs = m * k + k * n  # quantized to 1 byte each by a pass of their own, then read by the product
+    cast = FP8_CAST_BYTES * inputs / cluster.hbm_bytes_per_s
+    return cast + max(flops, (inputs + ELEMENT_BYTES["bf16"] * m * n) / cluster.hbm_bytes_per_s)
 
 
 def elementwise_seconds(model: Transformer, layout: Layout, cluster: Cluster, micro: int, precision: str) -> float:
@@ -277,7 +301,9 @@ def _matmul_efficiency(
     keys = micro * model.seq
     per_sequence = [(queries / micro, model.head_dim, keys / micro, 2 * heads * micro)]  # scores, then values
     flops = sum(2 * m * k * n * count for m, k, n, count in products + per_sequence)
-    seconds = sum(matmul_seconds(m, k, n, cluster, precision) * count for m, k, n, count in products + per_sequence)
+    attention = "bf16" if precision == "fp8" else precision  # FP8 recipes keep the attention's products in bf16
+    seconds = sum(matmul_seconds(m, k, n, cluster, precision) * count for m, k, n, count in products)
+    seconds += sum(matmul_seconds(m, k, n, cluster, attention) * count for m, k, n, count in per_sequence)
     return flops / (seconds * cluster.peak_flops(precision))
 
 
