@@ -29,12 +29,11 @@ def unsupported(layout: Any) -> str | None:
 
 
 def stage_axes(layout: Any) -> dict[str, Any]:
-    """The :class:`~parallelkit.Parallel` keywords of each of ``layout``'s pipeline stages (empty: data alone)."""
-    axes = dict(tensor=layout.tensor, sequence_parallel=layout.sequence_parallel, context=layout.context,
+    """The :class:`~parallelkit.Parallel` keywords of each of ``layout``'s pipeline stages (the pipeline runs a
+    stage that splits over nothing but data, and recomputes nothing, as its plain one)."""
+    return dict(tensor=layout.tensor, sequence_parallel=layout.sequence_parallel, context=layout.context,
                 context_method=layout.context_method, expert=layout.expert, zero=layout.zero,
                 recompute=layout.recompute)  # fmt: skip
-    inside = layout.devices > layout.stages * layout.data or layout.zero or layout.recompute != "none"
-    return axes if inside else {}
 
 
 def kit_strategy(

@@ -217,8 +217,9 @@ def plan(
     rejected = tuple(sorted((c for c in verdicts if not c.fits), key=lambda c: c.memory.total or float("inf")))
     if not fitting:
         raise ValueError(_nothing_fits(model, cluster, batch, rejected, **options))
-    ranked = tuple(c for c in fitting if unsupported(c.layout) is None)
-    unbuilt = tuple(c for c in fitting if unsupported(c.layout) is not None)
+    built = [unsupported(c.layout) is None for c in fitting]
+    ranked = tuple(c for c, ok in zip(fitting, built, strict=True) if ok)
+    unbuilt = tuple(c for c, ok in zip(fitting, built, strict=True) if not ok)
     return Plan(model, cluster, batch, precision, optimizer, efficiency, overlap, reserve, ranked, rejected, unweighed,
                 unbuilt)  # fmt: skip
 

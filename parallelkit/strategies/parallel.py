@@ -34,7 +34,7 @@ from ..core.state import TrainState
 from ..models import declared_axes
 from ..models.layers import attention
 from ..models.recompute import check_recomputation, recomputation
-from .spmd import BATCH, SPMD, without_axes
+from .spmd import BATCH, SPMD
 
 LENGTH = "length"  # the logical name of the tokens' axis, a batch array's second
 NORM_LENGTH = "norm_length"  # the residual stream's length (pk.models.GPT): split as the tokens are
@@ -55,6 +55,9 @@ SEQUENCE_PARALLEL = AxisRules((("norm_length", MODEL), ("length", None), ("heads
 # The expert weights (experts on their leading axis) split over `expert`, by path, for parameters that declare
 # no `expert` axis; the rest replicated.
 EXPERT_RULES = ((r"(^|/)(w_in|w_out|b_in|b_out)$", (EXPERT,)), (".*", ()))
+
+# The model axes by Parallel's keyword, and the mesh axis each splits (the order a repr names them in).
+MESH_AXES = {"tensor": MODEL, "context": SEQ, "expert": EXPERT}
 
 ZERO_STAGES = (0, 1, 2, 3)
 # The mesh axes ZeRO may shard a leaf over: every axis whose devices hold the same copy of it (the batch's and
@@ -213,16 +216,10 @@ class Parallel(SPMD):
         return self.zero_specs(params) if self.zero >= 2 else self.partition_specs(params)
 
     def compute_specs(self, params: PyTree) -> PyTree:
-        """Where each parameter is while the loss uses it: its spec without ZeRO's axes (the experts are used
-        where they live: the all-to-all brings the tokens to them)."""
-        if self.zero < 3:
-            return self.model_specs(params)
-        zero = set(ZERO_AXES)
-        specs, base = self.zero_specs(params), self.model_specs(params)
-        return jax.tree.map(
-            lambda spec, kept: P(*without_axes(spec, zero - {a for e in kept for a in axis_names(e)})),
-            specs, base, is_leaf=lambda x: isinstance(x, P),
-        )  # fmt: skip
+        """Where each parameter is while the loss uses it: its spec before ZeRO (ZeRO shards only dimensions the
+        model's spec leaves whole, so gathering them gives that spec back; the experts are used where they live:
+        the all-to-all brings the tokens to them)."""
+        return self.model_specs(params)
 
     def init(
         self,
@@ -319,7 +316,7 @@ class Parallel(SPMD):
         shown = [f"data={self.size(DATA)}"]
         if self.zero:
             shown.append(f"zero={self.zero}")
-        for name, axis in (("tensor", MODEL), ("context", SEQ), ("expert", EXPERT)):
+        for name, axis in MESH_AXES.items():
             if axis in self.mesh.shape:
                 shown.append(f"{name}={self.size(axis)}")
         if self.sequence_parallel:

@@ -18,7 +18,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from ...core.accumulate import refuse_accumulation
-from ...core.axes import DATA, EXPERT, MODEL, SEQ
+from ...core.axes import DATA
 from ...core.contract import Batch, PyTree, batch_size, guard_inputs
 from ...core.devices import DeviceCountError, first_devices
 from ...core.mesh import is_count, make_mesh, outside_callers_mesh
@@ -27,7 +27,7 @@ from ...core.reports import StepTraffic
 from ...core.state import TrainState, check_same_tree
 from ..base import Strategy, refuse_explicit
 from ..offdevice.split_update import check_update_splits
-from ..parallel import Parallel
+from ..parallel import MESH_AXES, Parallel
 from . import schedules
 from .stages import HeadLoss, Layer, split_layers
 from .step import PipelineStep
@@ -169,7 +169,7 @@ class Pipeline(Strategy):
                 stages * inner, data, lambda d: f"data={d}", sizes, f"Pipeline(stages={stages}, data={data})"
             )
         super().__init__(devices)
-        inside = {_MESH_AXES[axis]: self.stage_axes[axis] for axis in _MESH_AXES if self.stage_axes.get(axis, 1) > 1}
+        inside = {MESH_AXES[axis]: self.stage_axes[axis] for axis in MESH_AXES if self.stage_axes.get(axis, 1) > 1}
         self.mesh = make_mesh(self.devices, data=data, stage=stages, **inside)
         # Each stage SPMD over its own devices (stage s: the mesh's `stage = s` slice, in order), where it has axes
         self.stage_strategies = (
@@ -388,8 +388,6 @@ class Pipeline(Strategy):
         return f"Pipeline(stages={self.stages}, microbatches={self.microbatches}, {schedule}{data})"
 
 
-# A stage axis, by Parallel's keyword, and its mesh axis in the pipeline's mesh.
-_MESH_AXES = {"context": SEQ, "expert": EXPERT, "tensor": MODEL}
 _STAGE_KEYWORDS = ("tensor", "sequence_parallel", "context", "context_method", "expert", "zero", "recompute")
 
 
@@ -401,7 +399,7 @@ def _checked_stage_axes(stage_axes: Mapping[str, Any] | None) -> dict[str, Any]:
         raise ValueError(
             f"Pipeline(stage_axes={given}): a stage takes pk.Parallel's keywords {_STAGE_KEYWORDS}; {what}."
         )
-    splits = any(given.get(key, 1) > 1 for key in _MESH_AXES) or given.get("zero", 0) or given.get("sequence_parallel")
+    splits = any(given.get(key, 1) > 1 for key in MESH_AXES) or given.get("zero", 0) or given.get("sequence_parallel")
     recomputes = given.get("recompute", "none") != "none"
     return given if splits or recomputes else {}  # a stage over nothing but data, recomputing nothing: plain
 
