@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import jax
+import numpy as np
 
 from ..core.step import check_step_call
 
@@ -42,11 +43,63 @@ _CALLS = re.compile(r"calls=%([^\s,}]+)")
 # Instructions that only name, move or wait for data: not work a collective in flight can overlap.
 _BOOKKEEPING = {"get-tuple-element", "bitcast", "tuple", "parameter", "constant", "copy-start", "copy-done", "copy"}
 _ARRAY = re.compile(r"([a-z][a-z0-9]*)\[([0-9,]*)\]")
-_GROUPS_LIST = re.compile(r"replica_groups=\{\{([0-9,]*)\}")
-_GROUPS_IOTA = re.compile(r"replica_groups=\[(\d+),(\d+)\]")
-_GROUPS_MESH = re.compile(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}")  # mesh['a'=4,'b'=1] {'a'}
 _COMMENT = re.compile(r"/\*.*?\*/")
 _PAIRS = re.compile(r"source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}")
+
+
+Groups = tuple[tuple[int, ...], ...]
+
+_LIST = re.compile(r"replica_groups=\{((?:\{[0-9,]*\},?)*)\}")
+_IOTA = re.compile(r"replica_groups=\[(\d+),(\d+)\]<=\[([0-9,]+)\](?:T\(([0-9,]+)\))?")
+_MESH = re.compile(
+    r"replica_groups=mesh\[(?P<dims>[^\]]*)\]"
+    r"(?:,\s*device_ids=\(\[(?P<ids>[0-9,]+)\](?:T\((?P<perm>[0-9,]+)\))?\))?"
+    r"\s*(?:\{(?P<axes>[^}]*)\})?"
+)
+
+
+def _iota(dims: str, perm: str | None) -> np.ndarray:
+    """``arange`` reshaped to ``dims`` and transposed by ``perm``: XLA's iota tile assignment."""
+    shape = [int(d) for d in dims.split(",")]
+    ids = np.arange(int(np.prod(shape))).reshape(shape)
+    return ids.transpose([int(p) for p in perm.split(",")]) if perm else ids
+
+
+def replica_groups(rest: str) -> Groups | None:
+    """The device groups of one collective instruction's text (its operands and attributes), or None if it names none.
+
+    XLA prints them as a list (``{{0,1},{2,3}}``), as an iota (``[2,2]<=[2,2]T(1,0)``: ``arange(4)``
+    reshaped, transposed and cut into 2 groups of 2), or over a mesh of its own (``mesh['axis_0'=2,
+    'axis_1'=2] {'axis_1'}``: the devices, or ``device_ids``, laid out on that mesh, each group varying
+    over the axes in braces). An empty list means one group of every device: None, as the program alone
+    does not say how many that is.
+
+    >>> replica_groups("replica_groups={{0,2},{1,3}}, to_apply=%add")
+    ((0, 2), (1, 3))
+    >>> replica_groups("replica_groups=[2,2]<=[2,2]T(1,0), dimensions={0}")
+    ((0, 2), (1, 3))
+    >>> replica_groups("replica_groups=mesh['axis_0'=2,'axis_1'=2] {'axis_0'}, use_global_device_ids=true")
+    ((0, 2), (1, 3))
+    >>> replica_groups("replica_groups=mesh['a'=2,'b'=2], device_ids=([2,2]T(1,0)) {'b'}, dimensions={0}")
+    ((0, 2), (1, 3))
+    """
+    if m := _LIST.search(rest):
+        found = tuple(tuple(int(i) for i in g.split(",")) for g in re.findall(r"\{([0-9,]+)\}", m.group(1)))
+        return found or None
+    if m := _IOTA.search(rest):
+        ids = _iota(m.group(3), m.group(4)).reshape(int(m.group(1)), int(m.group(2)))
+        return tuple(tuple(int(i) for i in row) for row in ids)
+    if m := _MESH.search(rest):
+        names = re.findall(r"'([^']+)'=(\d+)", m.group("dims"))
+        shape = [int(size) for _, size in names]
+        ids = _iota(m.group("ids"), m.group("perm")) if m.group("ids") else np.arange(int(np.prod(shape)))
+        ids = ids.reshape(shape)
+        varying = re.findall(r"'([^']+)'", m.group("axes") or "")
+        inside = [i for i, (name, _) in enumerate(names) if name in varying]
+        outside = [i for i in range(len(names)) if i not in inside]
+        rows = ids.transpose(outside + inside).reshape(-1, int(np.prod([shape[i] for i in inside])))
+        return tuple(tuple(int(i) for i in row) for row in rows)
+    return None
 
 
 @dataclass(frozen=True)
@@ -61,6 +114,7 @@ class Collective:
     pairs: tuple[tuple[int, int], ...] | None = None  # a permute's (source, target) mesh positions
     asynchronous: bool = field(default=False, repr=False)  # started, left running, and waited for later
     overlaps: tuple[str, ...] = field(default=(), repr=False)  # the instructions scheduled while it runs
+    groups: Groups | None = field(default=None, repr=False)  # its device groups, as places in the program's devices
 
     def sent_bytes(self, n: int | None = None) -> float:
         """The bytes one device sends for this collective, one way, in a group of ``n`` (by default its group's size).
@@ -111,17 +165,6 @@ def _arrays(shape: str) -> list[tuple[str, int, int]]:
     return out
 
 
-def _group_size(rest: str) -> int | None:
-    if m := _GROUPS_LIST.search(rest):
-        return len(m.group(1).split(","))
-    if m := _GROUPS_IOTA.search(rest):
-        return int(m.group(2))
-    if m := _GROUPS_MESH.search(rest):
-        sizes = dict(re.findall(r"'([^']+)'=(\d+)", m.group(1)))
-        return math.prod(int(sizes[axis]) for axis in re.findall(r"'([^']+)'", m.group(2)))
-    return None
-
-
 def _pairs(rest: str) -> tuple[tuple[int, int], ...] | None:
     if m := _PAIRS.search(rest):
         return tuple((int(a), int(b)) for a, b in re.findall(r"\{(\d+),(\d+)\}", m.group(1)))
@@ -152,14 +195,14 @@ def parse_collectives(hlo_text: str) -> list[Collective]:
     [('all-gather', True, ('m',))]
     """
     program = _Program(hlo_text)
-    found, started, chains = [], {}, set()  # started: async `-start` name -> (group size, pairs, its line)
+    found, started, chains = [], {}, set()  # started: async `-start` name -> (groups, pairs, its line)
     for comp, index, line in program.lines():
         m = _INSTRUCTION.search(line)
         if not m:
             continue
-        group_size, pairs = _group_size(m.group("rest")), _pairs(m.group("rest"))
+        groups, pairs = replica_groups(m.group("rest")), _pairs(m.group("rest"))
         if m.group("suffix") == "-start":
-            started[m.group("name")] = group_size, pairs, index
+            started[m.group("name")] = groups, pairs, index
             continue
         chain = _chain(m.group("rest"))
         if chain in chains:
@@ -168,7 +211,7 @@ def parse_collectives(hlo_text: str) -> list[Collective]:
         op, shape, overlaps = m.group("op"), m.group("shape"), None
         if m.group("suffix") == "-done":
             operand = re.search(r"%([^\s,)]+)", m.group("rest"))
-            group_size, pairs, start = started.get(operand.group(1), (None, None, index)) if operand else (None,) * 3
+            groups, pairs, start = started.get(operand.group(1), (None, None, index)) if operand else (None,) * 3
             overlaps = program.between(comp, start, index) if start is not None else ()
         else:
             overlaps = program.overlapped(comp)
@@ -181,10 +224,11 @@ def parse_collectives(hlo_text: str) -> list[Collective]:
                 shapes=tuple(a[0] for a in arrays),
                 elements=sum(a[1] for a in arrays),
                 bytes=sum(a[2] for a in arrays),
-                group_size=group_size,
+                group_size=len(groups[0]) if groups else None,
                 pairs=pairs,
                 asynchronous=overlaps is not None,
                 overlaps=overlaps or (),
+                groups=groups,
             )
         )
     return found

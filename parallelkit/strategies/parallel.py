@@ -31,6 +31,7 @@ from ..core.contract import Batch, PyTree
 from ..core.devices import resolve_devices
 from ..core.mesh import is_count, make_mesh
 from ..core.state import TrainState
+from ..measure.groups import axis_traffic
 from ..models import declared_axes
 from ..models.layers import attention
 from ..models.recompute import check_recomputation, recomputation
@@ -58,6 +59,13 @@ EXPERT_RULES = ((r"(^|/)(w_in|w_out|b_in|b_out)$", (EXPERT,)), (".*", ()))
 
 # The model axes by Parallel's keyword, and the mesh axis each splits (the order a repr names them in).
 MESH_AXES = {"tensor": MODEL, "context": SEQ, "expert": EXPERT}
+
+# The context axis's collectives by attention's method (a zig-zag ring sends as the ring does).
+CONTEXT_COLLECTIVES = {
+    "ring": {"collective-permute": "context: keys round the ring"},
+    "allgather": {"all-gather": "context: keys gathered", "reduce-scatter": "context: keys' gradients"},
+    "ulysses": {"all-to-all": "context: heads for tokens"},
+}
 
 ZERO_STAGES = (0, 1, 2, 3)
 # The mesh axes ZeRO may shard a leaf over: every axis whose devices hold the same copy of it (the batch's and
@@ -310,7 +318,42 @@ class Parallel(SPMD):
         with rules, method, recomputation(self.recompute):
             yield
 
-    pattern = "spmd"  # several axes' collectives in one program: the measured payloads are reported as they are
+    pattern = "spmd"  # several axes' collectives in one program: reported per mesh axis (axis_collectives)
+
+    def axis_collectives(self) -> dict[tuple[str, ...], dict[str, str]]:
+        """What each set of mesh axes carries by the book, by collective kind: the role it plays.
+
+        The collectives the layout needs by the book, on the axes whose bytes the planner's step-time model
+        (:func:`parallelkit.planner.step_time`) charges them to: the tensor axis's activations (gathered and
+        scattered under sequence parallelism), the context axis's keys by method, the experts' tokens, and the
+        gradients over the axes where the same parameters repeat (dense: ``data x seq x expert``; experts:
+        ``data x seq``): all-reduced, or with ZeRO reduce-scattered and the parameters all-gathered (Rajbhandari
+        et al. 2020: the same bytes as the all-reduce). :meth:`traffic` sets the compiled program's
+        collectives beside it.
+        """
+        roles: dict[tuple[str, ...], dict[str, str]] = {}
+        if self.size(MODEL) > 1:
+            split = {"all-gather": "sequence parallel: gather", "reduce-scatter": "sequence parallel: scatter"}
+            roles[(MODEL,)] = split if self.sequence_parallel else {"all-reduce": "tensor: activations"}
+        if self.size(SEQ) > 1:
+            roles[(SEQ,)] = CONTEXT_COLLECTIVES[self.context_method.removesuffix("_zigzag")]
+        if self.size(EXPERT) > 1:
+            roles[(EXPERT,)] = {"all-to-all": "experts: tokens"}
+        reduce = (
+            {"reduce-scatter": "gradients", "all-gather": "parameters"} if self.zero else {"all-reduce": "gradients"}
+        )
+        for axes in ((DATA, SEQ, EXPERT), (DATA, SEQ)):
+            repeat = tuple(a for a in axes if self.size(a) > 1)
+            if repeat:
+                roles.setdefault(repeat, {}).update(reduce)
+        return roles
+
+    def traffic(self, loss_fn, state, batch):
+        """The batch slice and the compiled program's collectives per set of mesh axes, each beside the role
+        :meth:`axis_collectives` gives it (a preset reports its own formulas instead)."""
+        if self.pattern != Parallel.pattern:
+            return super().traffic(loss_fn, state, batch)
+        return axis_traffic(self, loss_fn, state, batch, self.axis_collectives())
 
     def __repr__(self) -> str:
         shown = [f"data={self.size(DATA)}"]
