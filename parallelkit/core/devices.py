@@ -150,7 +150,7 @@ def simulate_devices(n: int, *, cores_as_devices: bool = False, force_cpu: bool 
     ``n`` cores (the first device of this process, which XLA's ``n`` threads serve
     alone), they show whether splitting the batch over devices beats letting XLA split
     each matrix product over the threads; on a CPU it may not (``python -m parallelkit
-    bench --cores-as-devices`` reports both; the README quotes what it measured). It
+    bench --cores-as-devices`` reports both; docs/honest_numbers.md quotes what it measured). It
     needs ``n`` no larger than the cores this process may use. The smaller pool leaves
     the protection against the CPU deadlock described above to ``pk.Step``'s bound on
     steps in flight: a hand-written loop should block on its results every few steps.
