@@ -1,14 +1,5 @@
-"""The course, read without running: executed notebooks rendered to static HTML pages.
-
-``python -m parallelkit course`` (``make course``) runs every notebook top to bottom
-in a scratch directory, as a learner's fresh kernel would, and writes one page per
-notebook plus an index that draws the course's arc (:mod:`parallelkit.course.arc`).
-Figures are embedded in the pages. A widget has no kernel to
-talk to in a static page, so each is replaced by its final snapshot: the state the
-kernel last sent it (the HTML of a dashboard, a progress bar's value, a slider's or a
-menu's label and value, an output area's contents), rendered as plain HTML. The pages load
-no script from the network.
-"""
+"""The course, read without running: executed notebooks and the reference pages as static HTML, and the API
+reference."""
 
 from __future__ import annotations
 

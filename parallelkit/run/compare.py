@@ -1,16 +1,5 @@
-"""Train strategies side by side from one start, time them, and compare each with a reference.
-
-The one runner behind every table that sets strategies beside one device: the tour
-(``pk.tour``), the bench (``python -m parallelkit bench``), the live race
-(``pk.widgets.StrategyRace``) and ``benchmarks/strategies.py`` are views of its :class:`Run`\\ s.
-
-Each strategy starts from the same parameters and sees the same batches. Runs go one after
-another through :func:`~parallelkit.run.fit` (its callbacks, its interrupt handling), or,
-with ``interleave=True``, one step of every strategy per batch in a fresh seeded order,
-with the garbage collector off, so that the machine's drift hits all of them alike. Either
-way the first step (trace, compile, one step) is kept apart and ``warmup`` steps after it
-are left out of the times. At the end every run's parameters are compared with the
-reference's by the kit's one rule of equality (:func:`assert_close`: rtol 1e-5, atol 1e-6).
+"""Train strategies side by side from one start, time them, and compare each with a reference
+(:func:`run_side_by_side`).
 
 >>> import optax, parallelkit as pk
 >>> apply, params = pk.models.build("mlp", (64,), 10)

@@ -1,13 +1,5 @@
-"""The catalog of strategies: what the tools know about each, in one place.
-
-Each :class:`Entry` names a strategy for the tables (the tour, the bench), says how to
-build it for a device count, gives its Rosetta names (``docs/rosetta.md``), the pattern
-its communication follows (the class's ``pattern``, read here, never written again), and the
-flags the tools read. The tour and the bench build their rows from it, and
-:func:`parallelkit.measure.costmodel.predict` takes its names (:func:`register` names each for the
-cost model); the traffic report asks the strategy itself (``strategy.traffic``), and
-:class:`~parallelkit.measure.costmodel.TopologyModel` times it by the same pattern. No tool asks
-which class a strategy is. A new strategy joins them all through :func:`register`:
+"""The catalog of strategies: what the tools know about each (:class:`Entry`), in one place; :func:`register` adds
+one.
 
 >>> entry = get("Mirrored(jit)")
 >>> entry.pattern, entry.tensorflow

@@ -1,7 +1,5 @@
-"""Gradient synchronisation as figures: per-replica gradients, their spread, a ring all-reduce.
-
-Each function takes data from :mod:`parallelkit.measure.gradsync` and returns a
-:class:`matplotlib.figure.Figure` (no pyplot).
+"""Gradient synchronisation as figures (per-replica gradients, their spread, a ring all-reduce) and the live
+:class:`GradSyncExplorer`.
 
 >>> import numpy as np
 >>> from parallelkit.measure.gradsync import GradSync
@@ -10,9 +8,6 @@ Each function takes data from :mod:`parallelkit.measure.gradsync` and returns a
 >>> fig = gradient_sync_figure(sync, "w")
 >>> fig.axes[0].images[0].get_array().tolist(), fig.axes[1].images[0].get_array().tolist()
 ([[1.0, 2.0], [3.0, 4.0]], [[2.0, 3.0], [2.0, 3.0]])
-
-The live view is here too: :class:`GradSyncExplorer`, a step slider and a layer slider over captured
-gradients, each change redrawing :func:`gradient_sync_figure` (``pk.widgets.GradSyncExplorer``).
 """
 
 from __future__ import annotations

@@ -1,10 +1,4 @@
-"""Where state lives and what crosses between devices, as matplotlib figures.
-
-The functions take plain data (what :meth:`~parallelkit.Strategy.describe`,
-:meth:`~parallelkit.ParameterServer.partition` and :func:`parallelkit.measure.inspect.collectives`
-return) and give back a
-:class:`matplotlib.figure.Figure` built without pyplot, so they work headless and
-in notebooks alike (a notebook displays a returned ``Figure`` as an image).
+"""Where state lives and what crosses between devices, as matplotlib figures built without pyplot.
 
 >>> from parallelkit import LeafPlacement
 >>> rows = [LeafPlacement(".w", (4, 2), "float32", (0, 1), "device", "P()", 2, 32)]

@@ -1,8 +1,4 @@
-"""A strategy race as a figure: step times, throughput against ideal scaling, scaling efficiency.
-
-Takes the plain data of :class:`StrategyRace` (a
-:class:`~parallelkit.widgets.live.RaceStandings`) and returns a
-:class:`matplotlib.figure.Figure` (no pyplot).
+"""A strategy race as a figure (:func:`race_figure`), and the live :class:`StrategyRace`.
 
 >>> from parallelkit.widgets.live import RaceRow, RaceStandings
 >>> rows = (RaceRow("one", 1, 9, 9, 0.5, 0.004, 16000.0, 1.0, 1.0, 0.3, True),
@@ -10,9 +6,6 @@ Takes the plain data of :class:`StrategyRace` (a
 >>> fig = race_figure(RaceStandings(rows, "one", simulated=False))
 >>> [float(p.get_height()) for p in fig.axes[0].patches], [float(p.get_height()) for p in fig.axes[2].patches]
 ([4.0, 2.0], [1.0, 0.5])
-
-The live view over the same data is here too: :class:`StrategyRace` trains the strategies in turn and
-redraws the figure as they go (``pk.widgets.StrategyRace`` is the same class).
 """
 
 from __future__ import annotations

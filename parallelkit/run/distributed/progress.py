@@ -1,12 +1,5 @@
-"""Live progress across the process border: ``fit`` callbacks of a cluster, shown by the caller.
-
-Training in a local cluster runs in subprocesses, but a notebook's dashboard lives
-in the kernel. In each process, :class:`ReportProgress` is a ``fit`` callback that
-prints one line per event; the launcher streams every line to the caller as it
-comes; there, :class:`ForwardProgress` (the ``print_fn`` of
-:func:`~parallelkit.run.distributed.run_local` or :func:`~parallelkit.run.distributed.launch`)
-turns one process's lines back into the same callback calls, for example on a
-:class:`parallelkit.widgets.TimingDashboard`, and prints every other line as usual.
+"""Live progress across the process border: :class:`ReportProgress` in each process, :class:`ForwardProgress` in the
+caller.
 
 >>> import io
 >>> from parallelkit.run.training import Callback, RunInfo, StepRecord

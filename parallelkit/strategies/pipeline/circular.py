@@ -1,27 +1,5 @@
-"""A pipeline in one program: the circular (looping) pipeline, in ``jax.shard_map`` with ``lax.ppermute``.
-
-:class:`~parallelkit.Pipeline` drives its stages from the host, one thread per stage. This module
-writes a pipeline the other way, as MaxText does: the whole forward pass is **one** compiled
-program over a ``stage`` mesh axis, its backward pass is JAX's own derivative of it, and the
-hand-overs are ``lax.ppermute`` instructions that the compiled HLO shows.
-
-The model is ``L = stages x virtual`` repeats of one block, ``block(params_k, x) -> x`` (the
-same shapes in and out, as a transformer's layers are), with the repeats' parameters stacked
-on a leading axis. Repeat ``k`` lives on stage ``k % stages``: each stage holds ``virtual``
-chunks, the circular layout of interleaved 1F1B. Each of the ``virtual x microbatches +
-stages - 1`` iterations of a ``lax.scan``, every stage runs its block on what it holds, then
-passes the result one stage on around the ring (the last stage's output goes back to stage 0
-for its next chunk; stage 0 keeps it until that chunk's turn). Stage ``s`` is busy in
-``virtual x microbatches`` of the iterations, so the bubble is ``(stages - 1) / (virtual x
-microbatches + stages - 1)``, as the interleaved schedule's; in its idle iterations a stage
-computes on zeros that nothing reads (an SPMD program runs the same code everywhere).
-
-What each design can do: the host-driven executor runs any order (1F1B's early backward
-passes, zero bubble's split ones) and any layers, and pays a host round trip per pass; this
-one compiles to one program, the compiler sees every collective, and nothing runs on the host
-between passes, but its backward pass is the forward loop reversed (GPipe's order: every
-microbatch's activations are kept until the loop runs backward) and every repeat must have
-the same shapes.
+"""A pipeline in one program: the circular (looping) pipeline, in ``jax.shard_map`` with ``lax.ppermute``
+(:func:`circular_pipeline`).
 
 >>> import jax, jax.numpy as jnp
 >>> mesh = jax.sharding.Mesh(jax.devices()[:2], ("stage",))
