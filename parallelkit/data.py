@@ -1,5 +1,4 @@
-"""Small in-memory datasets (images and byte-level text, nothing downloaded) and a deterministic batch iterator
-(:func:`batches`)."""
+"""Small in-memory datasets, nothing downloaded, and a deterministic batch iterator (:func:`batches`)."""
 
 from __future__ import annotations
 

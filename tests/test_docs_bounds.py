@@ -39,9 +39,12 @@ def docstring_share(package: Path) -> tuple[float, list[str]]:
     return sum(docstrings.values()) / total, [f"{p.relative_to(package.parent)} ({docstrings[p]})" for p in longest]
 
 
+CODE = re.compile(r"```.*?```|`[^`\n]*`|^(?: {4}|\t).*$", re.S | re.M)  # fenced, inline and indented code
+
+
 def broken_links(page: Path) -> list[str]:
-    """The relative link targets of the Markdown ``page`` whose file does not exist (anchors left out)."""
-    targets = (target.split("#")[0] for target in LINK.findall(page.read_text()))
+    """The relative link targets of the Markdown ``page`` whose file does not exist (anchors and code left out)."""
+    targets = (target.split("#")[0] for target in LINK.findall(CODE.sub("", page.read_text())))
     relative = (t for t in targets if t and not re.match(r"[a-z]+:", t))
     return [f"{page.name}: {t}" for t in relative if not (page.parent / t).exists()]
 
@@ -78,7 +81,10 @@ def test_every_relative_link_of_the_readme_and_the_docs_resolves():
 def test_the_link_check_sees_a_broken_link(tmp_path):
     (tmp_path / "here.md").write_text("x")
     page = tmp_path / "page.md"
-    page.write_text("[ok](here.md#a) [gone](gone.md) [web](https://example.org) [anchor](#top)")
+    page.write_text(
+        "[ok](here.md#a) [gone](gone.md) [web](https://example.org) [anchor](#top)\n"
+        "`[code](x.md)`\n\n    [indented code](y.md)\n\n```\n[fenced](z.md)\n```\n"
+    )
     assert broken_links(page) == ["page.md: gone.md"]
 
 

@@ -1,5 +1,4 @@
-"""The course's arc, read from the notebooks: each one's goal, what it needs and what comes next (:func:`lessons`),
-drawn by :func:`arc_svg`."""
+"""The course's arc, read from the notebooks (:func:`lessons`) and drawn (:func:`arc_svg`)."""
 
 from __future__ import annotations
 

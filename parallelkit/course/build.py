@@ -1,5 +1,4 @@
-"""The course, read without running: executed notebooks and the reference pages as static HTML, and the API
-reference."""
+"""The static course: executed notebooks and the reference pages as HTML, and the API reference."""
 
 from __future__ import annotations
 

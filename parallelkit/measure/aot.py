@@ -1,5 +1,4 @@
-"""Compile a strategy's step for a TPU topology this machine does not have, ahead of time (:func:`devices`,
-:func:`compile`)."""
+"""Compile a strategy's step for a TPU topology this machine lacks: :func:`devices`, :func:`compile`."""
 
 from __future__ import annotations
 

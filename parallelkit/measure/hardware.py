@@ -1,5 +1,4 @@
-"""Published figures of common accelerators (:data:`PUBLISHED`, one :class:`Chip` each), every figure with its
-source."""
+"""Published figures of common accelerators (:data:`PUBLISHED`), every figure with its source."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""The roofline: whether a computation is limited by arithmetic, memory or the network; pure arithmetic on figures
-you pass."""
+"""The roofline: is a computation bound by arithmetic, memory or the network? Pure arithmetic."""
 
 from __future__ import annotations
 

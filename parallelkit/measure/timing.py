@@ -1,5 +1,4 @@
-"""Honest step timing: compile apart from steady state, medians and spreads, each read after
-``jax.block_until_ready``."""
+"""Honest step timing: compile apart from steady state, medians and spreads, read after ``block_until_ready``."""
 
 from __future__ import annotations
 

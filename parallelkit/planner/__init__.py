@@ -1,5 +1,4 @@
-"""Which strategy? The planner: every layout the kit can run for a model and a cluster, ranked with why
-(:func:`plan`)."""
+"""Which strategy? The planner ranks every layout the kit can run for a model and cluster (:func:`plan`)."""
 
 from .build import unsupported as unsupported
 from .cluster import Cluster as Cluster

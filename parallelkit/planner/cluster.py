@@ -1,5 +1,4 @@
-"""A cluster as the planner sees it (:class:`Cluster`): the cost model's machines and links, and what one device
-computes and holds."""
+"""A cluster as the planner sees it (:class:`Cluster`): the cost model's links, each device's FLOP/s and memory."""
 
 from __future__ import annotations
 

@@ -1,14 +1,5 @@
 """Train strategies side by side from one start, time them, and compare each with a reference
-(:func:`run_side_by_side`).
-
->>> import optax, parallelkit as pk
->>> apply, params = pk.models.build("mlp", (64,), 10)
->>> batches = list(pk.data.batches(pk.data.digits(), 32, steps=4))
->>> runs = run_side_by_side({"one": pk.SingleDevice(), "two": pk.Mirrored(2)},
-...                         pk.models.classifier_loss(apply), params, optax.sgd(0.1), batches)
->>> [(name, run.equals_reference, len(run.times.step_seconds)) for name, run in runs.items()]
-[('one', True, 3), ('two', True, 3)]
-"""
+(:func:`run_side_by_side`)."""
 
 from __future__ import annotations
 
@@ -133,6 +124,15 @@ def run_side_by_side(
     Raises:
       ValueError: no strategies, an unknown ``reference``, ``steps`` or ``warmup`` that is not a whole
         number (>= 1, >= 0), a one-shot iterator of batches, or callbacks with ``interleave``.
+
+    Example:
+      >>> import optax, parallelkit as pk
+      >>> apply, params = pk.models.build("mlp", (64,), 10)
+      >>> batches = list(pk.data.batches(pk.data.digits(), 32, steps=4))
+      >>> runs = run_side_by_side({"one": pk.SingleDevice(), "two": pk.Mirrored(2)},
+      ...                         pk.models.classifier_loss(apply), params, optax.sgd(0.1), batches)
+      >>> [(name, run.equals_reference, len(run.times.step_seconds)) for name, run in runs.items()]
+      [('one', True, 3), ('two', True, 3)]
     """
     if not strategies:
         raise ValueError("run_side_by_side needs at least one strategy, e.g. {'SingleDevice': pk.SingleDevice()}.")

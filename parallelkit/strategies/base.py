@@ -1,5 +1,4 @@
-"""The base class of strategies (:class:`Strategy`): the protocol's defaults, so a strategy writes only what is its
-own."""
+"""The base class of strategies (:class:`Strategy`): the protocol's defaults."""
 
 from __future__ import annotations
 

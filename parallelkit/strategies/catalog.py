@@ -1,12 +1,4 @@
-"""The catalog of strategies: what the tools know about each (:class:`Entry`), in one place; :func:`register` adds
-one.
-
->>> entry = get("Mirrored(jit)")
->>> entry.pattern, entry.tensorflow
-('mirrored', 'tf.distribute.MirroredStrategy')
->>> [e.name for e in entries(tour=True)][:3]
-['SingleDevice', 'Mirrored(jit)', 'Mirrored(pmap)']
-"""
+"""The catalog of strategies: what the tools know of each (:class:`Entry`); :func:`register` adds one."""
 
 from __future__ import annotations
 
@@ -75,7 +67,15 @@ def unregister(name: str) -> Entry:
 
 
 def get(name: str) -> Entry:
-    """The entry named ``name``; a clear error names the catalog's entries when there is none."""
+    """The entry named ``name``; a clear error names the catalog's entries when there is none.
+
+    Example:
+      >>> entry = get("Mirrored(jit)")
+      >>> entry.pattern, entry.tensorflow
+      ('mirrored', 'tf.distribute.MirroredStrategy')
+      >>> [e.name for e in entries(tour=True)][:3]
+      ['SingleDevice', 'Mirrored(jit)', 'Mirrored(pmap)']
+    """
     if name not in _ENTRIES:
         raise KeyError(f"No strategy named {name!r} in the catalog; it holds {list(_ENTRIES)}.")
     return _ENTRIES[name]

@@ -1,5 +1,4 @@
-"""Hybrid parallelism (:class:`Hybrid`): a ``data`` x ``model`` mesh, data parallel on one axis and tensor parallel
-on the other."""
+"""Hybrid parallelism (:class:`Hybrid`): data parallel on one mesh axis, tensor parallel on the other."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""Mirrored data parallelism (TensorFlow's MirroredStrategy, PyTorch's DDP): ``pk.Mirrored`` and its ``jit`` backend,
-:class:`MirroredJit`."""
+"""Mirrored data parallelism (TensorFlow's MirroredStrategy, PyTorch's DDP): ``pk.Mirrored``, :class:`MirroredJit`."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""Multi-worker mirrored data parallelism (TensorFlow's MultiWorkerMirroredStrategy, multi-node DDP): one global mesh
-over every process."""
+"""Multi-worker mirrored data parallelism (MultiWorkerMirroredStrategy, multi-node DDP) on one global mesh."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""Tensor (intra-model) parallelism, Megatron style (:class:`TensorParallel`): the weights themselves are split over
-devices."""
+"""Tensor parallelism, Megatron style (:class:`TensorParallel`): the weights themselves split over devices."""
 
 from __future__ import annotations
 

@@ -1,15 +1,4 @@
-"""Gradient buckets in the alpha-beta model: :func:`bucket_timeline` plays buckets over a link while the backward
-pass runs.
-
->>> from parallelkit.measure.costmodel import Cluster, Link
->>> four = Cluster(1, 4, Link("test", GBps=10, latency_us=5, source="by hand"))
->>> one = bucket_timeline(four, [4e6], backward_s=1e-3)           # one bucket, ready at the end
->>> many = bucket_timeline(four, [1e6] * 4, backward_s=1e-3)      # four, the first ready at 1/4
->>> round(one.exposed_s * 1e6), round(many.exposed_s * 1e6)       # us the step waits after the backward pass
-(630, 180)
->>> round(bucket_timeline(four, [4e3] * 1000, backward_s=1e-3).exposed_s * 1e3, 1)  # latency-bound
-29.6
-"""
+"""Gradient buckets in the alpha-beta model: :func:`bucket_timeline` beside the backward pass."""
 
 from __future__ import annotations
 
@@ -55,6 +44,16 @@ def bucket_timeline(
     Raises:
       ValueError: a bucket that is not a finite number of bytes > 0, or a backward time that is not
         a finite number of seconds >= 0.
+
+    Example:
+      >>> from parallelkit.measure.costmodel import Cluster, Link
+      >>> four = Cluster(1, 4, Link("test", GBps=10, latency_us=5, source="by hand"))
+      >>> one = bucket_timeline(four, [4e6], backward_s=1e-3)           # one bucket, ready at the end
+      >>> many = bucket_timeline(four, [1e6] * 4, backward_s=1e-3)      # four, the first ready at 1/4
+      >>> round(one.exposed_s * 1e6), round(many.exposed_s * 1e6)       # us the step waits after the backward pass
+      (630, 180)
+      >>> round(bucket_timeline(four, [4e3] * 1000, backward_s=1e-3).exposed_s * 1e3, 1)  # latency-bound
+      29.6
     """
     sizes = list(bucket_bytes)  # once: a generator would be spent by the check below
     if not all(_finite(b) and b > 0 for b in sizes):

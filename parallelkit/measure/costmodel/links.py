@@ -1,5 +1,4 @@
-"""Links, clusters and the rounds of every collective: the alpha-beta model, and its one fit
-(:func:`fit_alpha_beta`)."""
+"""Links, clusters and the rounds of every collective, and the one alpha-beta fit (:func:`fit_alpha_beta`)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""How each family of strategies communicates in one step: the registry of patterns (:data:`PATTERNS`,
-:func:`register_pattern`)."""
+"""How each family of strategies communicates: :data:`PATTERNS`, :func:`register_pattern`."""
 
 from __future__ import annotations
 

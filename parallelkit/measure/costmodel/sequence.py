@@ -1,12 +1,4 @@
-"""The cost model's patterns for splitting the sequence: context parallelism by each method, Megatron's SP
-(:func:`plan`).
-
->>> work = Workload(0, 1e-3, batch_per_device=2, sequence_bytes=1024, layers=3)
->>> [(c.op, c.count, c.payload) for c in plan(work, "context_ring", 4)]
-[('collective-permute', 36, 2048)]
->>> [(c.op, c.payload, c.sent_bytes) for c in plan(work, "context_allgather", 4)]
-[('all-gather', 8192, 36864.0), ('reduce-scatter', 2048, 36864.0)]
-"""
+"""The cost model's patterns that split the sequence (context parallelism, Megatron's SP): :func:`plan`."""
 
 from __future__ import annotations
 
@@ -50,6 +42,13 @@ def plan(workload: Workload, name: str, n: int) -> list[Planned]:
     Raises:
       ValueError: a strategy that does not split the sequence, or a workload without
         ``sequence_bytes`` and ``layers``.
+
+    Example:
+      >>> work = Workload(0, 1e-3, batch_per_device=2, sequence_bytes=1024, layers=3)
+      >>> [(c.op, c.count, c.payload) for c in plan(work, "context_ring", 4)]
+      [('collective-permute', 36, 2048)]
+      >>> [(c.op, c.payload, c.sent_bytes) for c in plan(work, "context_allgather", 4)]
+      [('all-gather', 8192, 36864.0), ('reduce-scatter', 2048, 36864.0)]
     """
     if name not in PLANS:
         raise ValueError(f"{name!r} does not split the sequence: choose one of {list(PLANS)}.")

@@ -1,5 +1,4 @@
-"""Where this process sits in a cluster: resolving it (:func:`resolve_cluster`, pure Python), checking it, joining
-it."""
+"""Where this process sits in a cluster: resolving it (:func:`resolve_cluster`), checking it, joining it."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""The off-device strategies' shared parts: host memory, each replica's gradient rows, and one step's stages
-(:class:`PushPullStep`)."""
+"""The off-device strategies' shared parts: host memory, gradient rows, the step's stages (:class:`PushPullStep`)."""
 
 from __future__ import annotations
 

@@ -1,17 +1,5 @@
 """A pipeline in one program: the circular (looping) pipeline, in ``jax.shard_map`` with ``lax.ppermute``
-(:func:`circular_pipeline`).
-
->>> import jax, jax.numpy as jnp
->>> mesh = jax.sharding.Mesh(jax.devices()[:2], ("stage",))
->>> block = lambda w, x: jnp.tanh(x @ w)
->>> stacked = jnp.stack([jnp.eye(3) * (k + 1) for k in range(4)])  # 4 repeats: 2 stages x 2 chunks
->>> x = jnp.ones((4, 3))
->>> y = circular_pipeline(block, stacked, x, mesh=mesh, microbatches=2)
->>> bool(jnp.allclose(y, sequential(block, stacked, x), atol=1e-6))
-True
->>> round(bubble_fraction(stages=2, microbatches=2, virtual=2), 3)  # 1 / (2 x 2 + 1)
-0.2
-"""
+(:func:`circular_pipeline`)."""
 
 from __future__ import annotations
 
@@ -74,6 +62,18 @@ def circular_pipeline(
         stages, a ``microbatches`` that is not a whole number of at least the stages, a batch
         whose rows do not split into the microbatches (and those over ``data_axis``), or a
         ``block`` whose output differs from its input in shape or dtype.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> mesh = jax.sharding.Mesh(jax.devices()[:2], ("stage",))
+      >>> block = lambda w, x: jnp.tanh(x @ w)
+      >>> stacked = jnp.stack([jnp.eye(3) * (k + 1) for k in range(4)])  # 4 repeats: 2 stages x 2 chunks
+      >>> x = jnp.ones((4, 3))
+      >>> y = circular_pipeline(block, stacked, x, mesh=mesh, microbatches=2)
+      >>> bool(jnp.allclose(y, sequential(block, stacked, x), atol=1e-6))
+      True
+      >>> round(bubble_fraction(stages=2, microbatches=2, virtual=2), 3)  # 1 / (2 x 2 + 1)
+      0.2
     """
     _check_mesh(mesh, axis, data_axis)
     stages = mesh.shape[axis]

@@ -1,5 +1,4 @@
-"""Run a schedule for real: one host thread per stage, each working through its own passes in order, timed into a
-:class:`Timeline`."""
+"""Run a schedule for real: one host thread per stage, its passes in order, timed into a :class:`Timeline`."""
 
 from __future__ import annotations
 
