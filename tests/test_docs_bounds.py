@@ -13,6 +13,9 @@ import ast
 import re
 from pathlib import Path
 
+import nbformat
+import pytest
+
 import parallelkit as pk
 from parallelkit.course import build as course
 
@@ -92,3 +95,25 @@ def test_every_docs_page_is_a_page_of_the_static_course():
     pages = {path.name for path in (ROOT / "docs").glob("*.md")}
     rendered = {path.name for path in course.REFERENCES if path.parent.name == "docs"}
     assert pages == rendered, f"docs/ pages the course does not render: {sorted(pages - rendered)}"
+
+
+@pytest.mark.slow
+def test_the_static_course_renders_the_docs_links_them_and_writes_the_api_reference(tmp_path):
+    """`make course` without running: the notebooks as committed, every reference page, links between the README
+    and the docs pointing at their pages, and pdoc's API reference linked from the index."""
+    notebooks = {path.name: nbformat.read(path, as_version=4) for path in sorted(course.NOTEBOOKS.glob("*.ipynb"))}
+    index, *pages = course.build(tmp_path, executed=notebooks)
+    assert [p.stem for p in pages[len(notebooks) :]] == [p.stem for p in course.REFERENCES]
+    written = {p.name for p in pages}
+    for page in pages[len(notebooks) :]:
+        text = page.read_text()
+        left = re.findall(r'href="(?:\.\./)?(?:docs/)?(\w+)\.md[#"]', text)
+        assert not [name for name in left if f"{name}.html" in written], f"{page.name}: links left to .md: {left}"
+        linked = set(re.findall(r'href="(\w+)\.html[#"]', text))
+        assert {f"{name}.html" for name in linked} <= written, f"{page.name}: links to pages not written: {linked}"
+    assert "training.html" in (tmp_path / "README.html").read_text()
+    api = tmp_path / course.API / "parallelkit.html"
+    assert api.exists() and "href='api/parallelkit.html'" in index.read_text()
+    assert (
+        'id="fit"' in (tmp_path / course.API / "parallelkit" / "run" / "training.html").read_text()
+    )  # from docstrings
