@@ -1,5 +1,9 @@
 """How much arithmetic a training step does: the compiler's count (:func:`flops`) beside the textbook's
-(:func:`dense_training_flops`, :func:`mlp_matmul_flops`)."""
+(:func:`dense_training_flops`, :func:`mlp_matmul_flops`).
+
+References:
+  Kaplan et al., "Scaling Laws for Neural Language Models", 2020: ``6 x parameters`` a token.
+"""
 
 from __future__ import annotations
 

@@ -1,4 +1,9 @@
-"""The roofline: is a computation bound by arithmetic, memory or the network? Pure arithmetic."""
+"""The roofline: is a computation bound by arithmetic, memory or the network? Pure arithmetic.
+
+References:
+  Williams, Waterman and Patterson, "Roofline: An Insightful Visual Performance Model for Multicore
+  Architectures", 2009.
+"""
 
 from __future__ import annotations
 

@@ -1,8 +1,10 @@
-"""One cost model for training steps: compute plus communication, every assumption stated (docs/cost_model.md lists
-them).
+"""One cost model for training steps: compute plus communication, every assumption stated (docs/cost_model.md).
 
 Everything is importable from here: :mod:`.links`, :mod:`.workload`, :mod:`.patterns`, :mod:`.sequence`,
 :mod:`.estimate`, :mod:`.buckets` and :mod:`.topology`.
+
+References:
+  Thakur, Rabenseifner and Gropp, "Optimization of Collective Communication Operations in MPICH", 2005.
 
 >>> work = Workload(param_bytes=100e6, seconds_per_sample=1e-3, batch_per_device=32)
 >>> one = Cluster(machines=1, devices_per_machine=8, inside=PRESETS["nvlink3"])

@@ -1,5 +1,8 @@
 """Megatron's sequence parallelism at a block's edges: :func:`gather_columns` and :func:`scatter_rows`.
 
+References:
+  Korthikanti et al., "Reducing Activation Recomputation in Large Transformer Models", 2022.
+
 >>> from flax import nnx
 >>> layer = nnx.Linear(4, 6, rngs=nnx.Rngs(0))
 >>> x = jnp.ones((2, 3, 4))

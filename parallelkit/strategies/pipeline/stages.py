@@ -1,4 +1,9 @@
-"""A model as a list of layers, cut into stages, and the compiled programs of one stage."""
+"""A model as a list of layers, cut into stages, and the compiled programs of one stage.
+
+References:
+  Huang et al., "GPipe: Efficient Training of Giant Neural Networks using Pipeline Parallelism", 2019:
+  re-materialisation, each stage keeping only its input between the passes.
+"""
 
 from __future__ import annotations
 
