@@ -4,7 +4,7 @@ Each notebook runs once, in order, in a fresh kernel in a scratch directory, exa
 as ``make course`` and the test suite run them (``pk.course.build.execute``: the kernel
 starts without this process's ``XLA_FLAGS`` and ``PJRT_NPROC``). The wall time of each
 run, kernel start included, is recorded with the machine's core count: the figure the
-README's notebook paragraph quotes.
+course page (docs/course.md) quotes.
 
 Run it when nothing else uses the cores (other work slows the notebooks with it):
 

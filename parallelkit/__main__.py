@@ -80,7 +80,10 @@ def main(argv: list[str] | None = None) -> int:
         from .course.build import build
 
         pages = build(Path(args.out))
-        print(f"wrote {len(pages) - 1} pages (the notebooks, then the references) and an index: open {pages[0]}")
+        print(
+            f"wrote {len(pages) - 1} pages (the notebooks, then the references), the API reference and an index: "
+            f"open {pages[0]}"
+        )
         return 0
     import parallelkit as pk
 

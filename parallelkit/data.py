@@ -1,12 +1,4 @@
-"""Small in-memory datasets and a deterministic batch iterator.
-
-Every image loader returns a :class:`Dataset` of NHWC ``float32`` images in ``[0, 1]``
-and ``int32`` labels. :func:`digits` and :func:`synthetic` need no files;
-:func:`load_mnist` and :func:`load_cifar10` read the usual files from a local
-directory and never download anything. :func:`text` returns byte-level ``int32``
-token sequences and their next tokens, from the corpus shipped with the kit (no
-download) or from a text file.
-"""
+"""Small in-memory datasets, nothing downloaded, and a deterministic batch iterator (:func:`batches`)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The figures `benchmarks/README.md` and the README's "Honest numbers" quote match the recorded JSON they cite.
+"""The figures `benchmarks/README.md` and the docs pages (honest numbers, course, planner) quote match their JSON.
 
 Each quote below is rendered from the JSON in `benchmarks/results/` with the rounding the
 prose uses, and must appear word for word in its document (whitespace and line breaks
@@ -16,7 +16,8 @@ import pytest
 from helpers import ROOT
 
 RESULTS = ROOT / "benchmarks" / "results"
-BENCH_README, README = ROOT / "benchmarks" / "README.md", ROOT / "README.md"
+BENCH_README = ROOT / "benchmarks" / "README.md"
+HONEST, COURSE, PLANNER = (ROOT / "docs" / name for name in ("honest_numbers.md", "course.md", "planner.md"))
 
 
 @cache
@@ -190,7 +191,7 @@ def _bench(doc) -> list[str]:
 def _prefetch(doc) -> list[str]:
     v = load("prefetch.json")["variants"]
     hand, host, ahead = v["hand, on device"], v["library, host batch"], v["library, prefetch"]
-    if doc is README:
+    if doc is not BENCH_README:
         return [f"{ahead['ratio_to_hand']:.3f} times the hand-written step with batches already on the device, "
                 f"against {host['ratio_to_hand']:.3f} when the step copies its own batch"]  # fmt: skip
     batch_mb = load("prefetch.json")["args"]["batch_size"] * 784 * 4 / 1e6  # float32 MNIST-sized rows
@@ -207,7 +208,7 @@ def _prefetch(doc) -> list[str]:
 def _layouts(doc) -> list[str]:
     d = load("layouts.json")
     errors = d["layouts"]["2x2"]
-    if doc is README:
+    if doc is not BENCH_README:
         return [f"({errors['error_hierarchical']:.0%} mean error against {errors['error_ring']:.0%} for the flat ring"
                 .replace("%", " %")]  # fmt: skip
     steps = ", ".join(
@@ -234,7 +235,7 @@ def _notebooks(doc) -> list[str]:
     d = load("notebooks.json")
     slowest = f"the slowest, `{d['slowest'].removesuffix('.ipynb')}`,"
     every = f"all {COUNT[len(d['seconds'])]} {round(d['total_s'])} s"
-    if doc is README:
+    if doc is not BENCH_README:
         return [f"{slowest} took {round(d['max_s'])} s, and {every}"]
     return [f"{slowest} {round(d['max_s'])} s; {every}"]
 
@@ -246,7 +247,7 @@ def test_every_notebook_has_a_recorded_time():
 
 def _roofline(doc) -> list[str]:
     d = load("roofline.json")
-    if doc is README:
+    if doc is not BENCH_README:
         return [f"measured / predicted {d['ratio']:.0f}"]
     return [
         f"{d['flops']:,.0f} FLOPs on {d['bytes_accessed']:,.0f} bytes ({d['intensity']:.2f} FLOPs per byte, "
@@ -264,7 +265,7 @@ def _central(doc) -> list[str]:
     d = load("central.json")
     r, stages = d["rows"], d["stages_ms"]
     lib, ps = r["pk.CentralStorage"], r["pk.ParameterServer(2)"]
-    if doc is README:
+    if doc is not BENCH_README:
         return [
             f"batch 256): {lib['ratio_to_hand_host_memory']:.3f} times the hand-written step that keeps the state "
             f"in host memory as the library does, {lib['ratio_to_hand']:.3f} times one that keeps it in device 0's "
@@ -473,7 +474,7 @@ def _planner() -> list[str]:
     quotes.append(f"it predicts {tpu['planner_for_their_layout']['mfu']:.1%} beside the {tpu['published']['mfu']:.1%} "
                   "MaxText's".replace("%", " %"))  # fmt: skip
     runs = record["published_runs"]
-    for r in runs["rows"]:  # the README's table of published runs, row by row
+    for r in runs["rows"]:  # docs/planner.md's table of published runs, row by row
         quotes.append(f"| {r['run']} | {r['layout']} | {r['published_mfu']:.1%} | {r['mfu']:.1%} | "
                       f"{r['mfu_error']:+.0%} | {r['memory_bytes'] / 1e9:.1f} |".replace("%", " %"))  # fmt: skip
     summary = runs["summary"]
@@ -587,20 +588,22 @@ def test_what_the_one_gpu_prose_says_holds():
 QUOTES = [
     *((BENCH_README, q) for q in _h100() + _buckets() + _pipeline()),
     (
-        README,
+        HONEST,
         "step cost {jit[median]:.3f} (jit) and {pmap[median]:.3f} (pmap) times".format(
             **load("h100/overhead.json")["summary"]["1"]
         ),
     ),
-    *((README, q) for q in _planner()),
+    *((PLANNER, q) for q in _planner()),
     (BENCH_README, _planner_summary()),
-    *((doc, q) for doc in (README, BENCH_README) for q in _notebooks(doc) + _central(doc) + _roofline(doc)),
+    *((COURSE, q) for q in _notebooks(COURSE)),
+    *((doc, q) for doc in (HONEST, BENCH_README) for q in _central(doc) + _roofline(doc)),
+    *((BENCH_README, q) for q in _notebooks(BENCH_README)),
     *((BENCH_README, q) for q in _context()),
     *((BENCH_README, q) for q in _overhead() + _overhead_composed() + _cpu_pool() + _strategies()),
     *((BENCH_README, q) for q in _dashboard() + _precision() + _recompute()),
     *((BENCH_README, q) for q in _experts()),
     *((BENCH_README, q) for q in _bench(BENCH_README) + _prefetch(BENCH_README) + _layouts(BENCH_README)),
-    *((README, q) for q in _bench(README) + _prefetch(README) + _layouts(README)),
+    *((HONEST, q) for q in _bench(HONEST) + _prefetch(HONEST) + _layouts(HONEST)),
 ]
 
 

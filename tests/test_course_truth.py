@@ -200,10 +200,10 @@ def test_stale_notebook_numbers_are_gone():
     assert "The course opened with a question" not in _source("14", "c2b1d7c5")
 
 
-def test_the_readme_places_each_code_exercise_in_the_notebook_that_holds_it():
-    readme = _doc("README.md")
+def test_the_course_page_places_each_code_exercise_in_the_notebook_that_holds_it():
+    readme = _doc("docs", "course.md")
     said = re.search(r"an all-reduce from `ppermute` in (\d\d), a 1F1B order in (\d\d)", readme)
-    assert said, "the README no longer names where the code exercises are"
+    assert said, "docs/course.md no longer names where the code exercises are"
     ring, orders = said.groups()
     assert "def ring_all_reduce" in " ".join(_code(_cells(ring)))
     assert "pk.lesson.check_orders" in " ".join(_code(_cells(orders)))
@@ -283,24 +283,24 @@ def test_the_cpu_collective_timeouts_the_course_quotes_are_xla_flags_here():
     assert done.returncode == 0 and done.stdout.strip() == "cpu", done.stderr[-2000:]
 
 
-# --- The README's planner section against the planner's record ----------------------------------------------------
+# --- docs/planner.md against the planner's record ------------------------------------------------------------------
 
 
-def test_the_layouts_the_planner_ties_at_the_top_are_the_ones_the_readme_names():
+def test_the_layouts_the_planner_ties_at_the_top_are_the_ones_its_page_names():
     validation = json.loads((ROOT / "benchmarks" / "results" / "planner.json").read_text())["validation"]
     predicted = {row["layout"]: row["predicted_s"] for row in validation["rows"]}
     tied = set(validation["tied_with_first"])
     assert tied == {"data 8", "data 8, ZeRO-1", "data 8, ZeRO-2"}
     assert predicted["data 8, ZeRO-3"] > predicted["data 8"]  # ZeRO-3's gathers are predicted slower
     assert all(predicted[layout] == predicted["data 8"] for layout in tied)
-    readme = _doc("README.md")
+    readme = _doc("docs", "planner.md")
     assert "predicts 3 layouts equal at the top (data parallelism with ZeRO 0, 1 or 2)" in readme
     assert "ZeRO 0-2, with or without accumulation" not in readme
 
 
-def test_the_readme_calls_torchtitans_mfu_against_the_sxm_peak_a_lower_bound():
+def test_the_planner_page_calls_torchtitans_mfu_against_the_sxm_peak_a_lower_bound():
     published = json.loads((ROOT / "benchmarks" / "results" / "planner.json").read_text())["published"]
     torchtitan = [item for item in published if "torchtitan" in item["published"]["source"]]
     assert torchtitan and all(item["chip"] == "H100 SXM" for item in torchtitan)  # MFU against the SXM peak
     quoted = f"{torchtitan[0]['published']['mfu']:.1%}".replace("%", " %")
-    assert f"That {quoted} is a lower bound" in _doc("README.md")
+    assert f"That {quoted} is a lower bound" in _doc("docs", "planner.md")

@@ -1,6 +1,4 @@
-"""The core: what every strategy stands on and knows nothing of strategies' names.
+"""The core: what every strategy stands on, knowing no strategy by name.
 
-The training state and the single-device step, the contracts of the loss and the batch,
-where leaves live, the protocol every strategy keeps, devices, the mesh factory, logical
-axes and partition rules.
-"""
+The training state and step, the loss and batch contracts, placement, the strategy protocol, devices, the mesh
+factory, logical axes and partition rules."""

@@ -1,23 +1,7 @@
 """Gradient accumulation: ``K`` microbatches inside one compiled step, the gradients synchronised once.
 
-``strategy.step(loss_fn, accumulate=K)`` cuts each replica's slice of the global batch into
-``K`` equal microbatches and runs them one after another in a ``lax.scan``, summing the
-gradients in the loop's carry; the step then averages them and synchronises once, as
-PyTorch's DDP does with ``no_sync()`` on the first ``K - 1`` microbatches. Conceptually,
-for one replica with its slice ``b`` of the global batch::
-
-    grads = mean(grad(loss_fn)(params, b_k) for b_k in split(b, K))  # no communication
-    grads = all_reduce_mean(grads)                                   # once a step
-
-which equals one step on the whole batch because the loss is a mean over equal-sized
-microbatches. Where the program is one per device (``pmap``, ``shard_map``) the scan runs
-there and the synchronisation is the explicit one after it (for central storage and
-parameter servers, the push of each worker's one gradient row). Where it is one ``jax.jit``
-with shardings the compiler would all-reduce inside the loop, once per microbatch; there
-the replicas are an explicit axis of the program (``jax.vmap`` with ``spmd_axis_name``),
-so each device's gradients stay its own row in the carry and the mean over the rows after
-the loop is the one all-reduce.
-"""
+Holds the checks of ``accumulate=``, the microbatch split, :class:`Accumulation` (a scan per replica) and
+:class:`ReplicaCopies` (each replica's own copy of the parameters)."""
 
 from __future__ import annotations
 

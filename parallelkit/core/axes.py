@@ -1,11 +1,5 @@
-"""Mesh axis names, and logical axis rules that map a model's axis names onto them.
-
-The mesh axes live in one place (as haliax's ``ResourceAxis``). A model names the
-axes of its arrays by what they mean (``batch``, ``length``, ``embed``, ``heads``,
-``mlp``, ``vocab``, ``expert``); :class:`AxisRules` says which mesh axis, if any,
-splits each of them, as MaxText's ``logical_axis_rules`` do. Model code calls
-:func:`constrain` on its activations: under a strategy whose rules are active it
-becomes ``jax.lax.with_sharding_constraint``, anywhere else it returns its input.
+"""Mesh axis names, and logical axis rules (:class:`AxisRules`) that map a model's axis names onto them;
+:func:`constrain` places an activation by its logical axes.
 
 >>> rules = AxisRules((("batch", "data"), ("length", "seq")))
 >>> rules.spec(("batch", "length", "embed"))

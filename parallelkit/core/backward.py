@@ -1,10 +1,5 @@
-"""The order in which the backward pass finishes each parameter's gradient, read from the loss's jaxpr.
-
-Reverse mode runs the forward pass's equations backwards, so a parameter's gradient is complete
-once the backward pass is back at the parameter's first use: the last layer's first, the first
-layer's (the embeddings') last. PyTorch's DDP learns this order from its first backward pass and
-rebuilds its buckets to follow it; here it is read from the loss before the step is compiled.
-"""
+"""The order in which the backward pass finishes each parameter's gradient, read from the loss's jaxpr
+(:func:`gradient_order`), for gradient buckets."""
 
 from __future__ import annotations
 

@@ -1,26 +1,5 @@
-"""Devices: simulating several on one CPU, summarising them, and choosing a set.
-
-On a laptop with no accelerator, XLA can split the host CPU into N "devices" so
-that every multi-device program runs unchanged. The count is fixed when JAX
-starts its backends (the first computation, or the first ``jax.devices()``), so
-:func:`simulate_devices` must run before that; afterwards it raises instead of
-being silently ignored, which is what happens to a late ``XLA_FLAGS``.
-
-Why simulated devices need more threads than cores. XLA's CPU client runs every
-device's work on one thread pool of ``max(cores, devices)`` threads. Each call of a
-multi-device program puts one task per device on that pool, and a task blocks its
-thread when its device already has 32 programs queued (XLA's
-``max_inflight_computations_per_device``). A plain loop that dispatches steps
-faster than 2 cores run them reaches that limit: the N tasks of step k+32 then hold
-the pool's threads while step k's N participants wait for threads to reach their
-all-reduce. XLA warns after 20 s and aborts the process 40 s later ("Termination
-timeout for all reduce ... of 40 seconds exceeded ... only 7 of them arrived"; its
-defaults, docs/simulated_devices.md says where). A pool of at least ``2 x devices``
-threads always leaves room for the running step, so :func:`simulate_devices` sizes it so
-(the ``PJRT_NPROC`` variable, read when the backend starts). ``pk.Step`` also keeps
-at most 8 steps in flight on CPU devices, which protects the library's own loop
-even where the pool could not be sized.
-"""
+"""Devices: simulating several on one CPU (:func:`simulate_devices`), summarising them (:func:`device_summary`), and
+choosing a set (:func:`resolve_devices`, :func:`first_devices`)."""
 
 from __future__ import annotations
 
@@ -150,7 +129,7 @@ def simulate_devices(n: int, *, cores_as_devices: bool = False, force_cpu: bool 
     ``n`` cores (the first device of this process, which XLA's ``n`` threads serve
     alone), they show whether splitting the batch over devices beats letting XLA split
     each matrix product over the threads; on a CPU it may not (``python -m parallelkit
-    bench --cores-as-devices`` reports both; the README quotes what it measured). It
+    bench --cores-as-devices`` reports both; docs/honest_numbers.md quotes what it measured). It
     needs ``n`` no larger than the cores this process may use. The smaller pool leaves
     the protection against the CPU deadlock described above to ``pk.Step``'s bound on
     steps in flight: a hand-written loop should block on its results every few steps.
@@ -267,8 +246,8 @@ def configure_cpu_devices(n: int) -> None:
 
     Sets the device count for this process (``jax_num_cpu_devices``) and for its
     subprocesses (``XLA_FLAGS``), and raises ``PJRT_NPROC`` to ``2 n`` where the core
-    count is smaller (never lowers it, and keeps a value the user set). See the module
-    docstring for why a loop on simulated devices needs the threads.
+    count is smaller (never lowers it, and keeps a value the user set). docs/training.md
+    ("A plain loop is safe") says why a loop on simulated devices needs the threads.
     """
     flags = re.sub(rf"{_FORCE_COUNT_FLAG}=\S*", "", os.environ.get("XLA_FLAGS", "")).strip()
     os.environ["XLA_FLAGS"] = f"{flags} {_FORCE_COUNT_FLAG}={n}".strip()

@@ -1,9 +1,5 @@
-"""The one mesh factory: devices laid out on named axes (``data``, ``fsdp``, ``stage``, ``seq``, ``expert``, ``model``).
-
-Every strategy builds its mesh here, so a mesh always has the same axis names and
-order and the same errors for shapes that do not fit. A mesh holds only the axes
-asked for: ``Mirrored`` has ``("data",)``, ``TensorParallel(model=2)`` has
-``("data", "model")``; a partition rule that names an axis the mesh lacks is an error.
+"""The one mesh factory, :func:`make_mesh`: devices laid out on named axes (``data``, ``fsdp``, ``stage``, ``seq``,
+``expert``, ``model``).
 
 >>> mesh = make_mesh(jax.devices()[:1], model=1)
 >>> dict(mesh.shape)

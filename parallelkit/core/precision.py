@@ -1,45 +1,7 @@
 """Mixed precision and loss scaling: ``strategy.step(loss_fn, precision=pk.Precision.bf16())``.
 
-A :class:`Precision` is a policy, as Keras's ``mixed_bfloat16`` or ``torch.autocast`` are:
-the parameters and the optimizer state stay in ``params`` dtype (the master copy); each
-step casts the parameters and the floating arrays of the batch to ``compute`` dtype for the
-forward and backward pass, and the loss to float32. The casts happen inside the
-differentiated function, so the gradients leave the backward pass already in ``params``
-dtype (the transpose of a cast is the cast back), before they are synchronised: under
-``pmap`` and ``shard_map`` by the ``pmean`` after the backward pass. Under ``jax.jit`` with
-shardings XLA's partitioner would all-reduce the partial sums of the batch's contraction where
-it happens, inside the backward pass and in the compute dtype; there the SPMD strategies
-compute each replica's gradients as a row of their own (as accumulation does,
-:mod:`parallelkit.core.accumulate`), cast back, and the mean over the rows is the one float32
-all-reduce (a test reads it from the compiled HLO for float16 and bfloat16). Where the gradients are
-sharded over the batch's own axes (``FullySharded`` stages 2 and 3) rows, tried on ZeRO-3, still
-left a float16 all-reduce to the partitioner; there each replica differentiates
-a copy of the parameters of its own, whose transpose casts the replica's gradient back before the
-sum over the replicas (:class:`~parallelkit.core.accumulate.ReplicaCopies`), so its reductions are
-float32 too, at the price of a whole float32 gradient on each device while it is reduced. A
-strategy that cannot map its replicas (``ExpertParallel``) leaves the reduction where XLA puts it,
-in the compute dtype where the backend multiplies in it (float16 on this CPU; bfloat16 products
-are computed in float32 here). Conceptually::
-
-    def scaled(params, batch):                     # differentiated
-        loss = loss_fn(cast(params, compute), cast(batch, compute))
-        return float32(loss) * scale
-    grads = grad(scaled)(params) / scale           # params dtype, before the all-reduce
-    grads = all_reduce_mean(grads)
-    finite = all(isfinite(grads))                  # the same on every replica: after the sync
-    state = update(state, grads) if finite else state   # the step counter counts either way
-
-With ``loss_scale`` (``"dynamic"``, or a fixed positive number) a step whose gradients are
-not all finite is skipped: parameters, optimizer state, model state and the key stay as
-they were. A dynamic scale halves then (never below 1) and doubles after ``period``
-finite steps in a row (``DEFAULT_PERIOD`` = 2000, factor 2, initial scale ``2 ** 15``:
-Keras's ``LossScaleOptimizer`` defaults; DeepMind's ``jmp`` uses the same period, factor and floor). Its state
-(:class:`LossScaleState`) rides in the :class:`~parallelkit.TrainState` as ``loss_scale``.
-
-This module is written here rather than taken from ``jmp`` 0.0.4 (2023), whose policy
-and loss scales do the same arithmetic, because the few pure functions below are less
-than a new, unmaintained dependency would cost.
-"""
+Holds the policy (:class:`Precision`), the loss scale's state (:class:`LossScaleState`) and the pure functions a
+step uses: casts, the scaled loss, unscaling, the finite check and the next scale."""
 
 from __future__ import annotations
 
@@ -300,8 +262,8 @@ def select(finite: jax.Array, new: PyTree, old: PyTree) -> PyTree:
 
 
 def guarded(precision: Precision | None, old: Any, new: Any, finite: jax.Array | None) -> tuple[Any, dict]:
-    """The state after an update (``new``; ``old``: the one before it), skipped unless ``finite`` as the module
-    docstring says, and the metrics the loss scale adds; without a loss scale, ``new`` as it is and no metrics."""
+    """The state after an update (``new``; ``old``: the one before it), skipped unless ``finite``
+    (docs/memory.md), and the metrics the loss scale adds; without a loss scale, ``new`` as it is and no metrics."""
     if precision is None or precision.loss_scale is None:
         return new, {}
     params, opt_state, model_state, rng = select(finite, (new.params, new.opt_state, new.model_state, new.rng),

@@ -1,11 +1,4 @@
-"""The narrow protocol every strategy keeps: every method and attribute the tools call.
-
-Tools (``pk.fit``, the traffic report, the bench, the race, checkpoints) call a strategy
-only through :class:`StrategyProtocol`; what they need to know beyond it (its name in the
-tour, its Rosetta names, which traffic and cost-model pattern it follows) they read from
-:mod:`parallelkit.strategies.catalog`. :class:`parallelkit.Strategy` is a base class that
-keeps the protocol with defaults; a strategy may also keep it without inheriting.
-"""
+"""The narrow protocol every strategy keeps (:class:`StrategyProtocol`): every method and attribute the tools call."""
 
 from __future__ import annotations
 

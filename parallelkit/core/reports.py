@@ -1,12 +1,5 @@
-"""What a strategy reports about one step's traffic: the types the protocol names.
-
-A strategy's ``traffic(loss_fn, state, batch)`` returns a :class:`StepTraffic`: flow by
-flow (:class:`Flow`), the bytes one step moves per replica on one of three kinds of link,
-measured beside the formula. Its ``expected_collectives(sizes)`` returns the collectives
-its formulas expect (:class:`ExpectedCollective`), written in :class:`Sizes`. They live in
-the core, beside :class:`~parallelkit.core.protocol.StrategyProtocol`, because the protocol
-names them; :mod:`parallelkit.measure.traffic` measures them.
-"""
+"""What a strategy reports about one step's traffic: :class:`StepTraffic` of :class:`Flow` rows, and the collectives
+its formulas expect (:class:`ExpectedCollective`, in :class:`Sizes`)."""
 
 from __future__ import annotations
 

@@ -1,21 +1,7 @@
 """Runs that skip every step: a loss scale that never finds finite gradients is told, not left to run.
 
-With a loss scale (:class:`~parallelkit.core.precision.Precision`) a step whose gradients are
-not all finite changes nothing. A few such steps are normal: a dynamic scale starts high and
-halves until the gradients fit. A run that skips step after step is not training, and says
-nothing: a NaN in the data, a fixed scale too large for float16, or gradients that overflow even
-unscaled. :class:`SkippedSteps` counts the skipped steps in a row and calls a run stuck:
-
-- with a fixed scale, after ``SKIPPED_STEPS_LIMIT`` (20) of them;
-- with a dynamic scale, when a step is skipped at its floor of 1, where halving can no longer
-  help. Each skipped step halves the scale, so that is at most ``log2(initial_scale) + 1``
-  skipped steps in a row: 16 from the default ``2 ** 15``.
-
-A hand-written loop hears of it by a :class:`SkippedStepsWarning`, once, from the step itself
-(:class:`~parallelkit.core.step.Step` reads each step's flag once the device has it, never
-waiting for it). ``pk.fit`` stops with :class:`NonFiniteGradientsError`, naming the parameters
-whose gradients are not finite (:class:`parallelkit.run.callbacks.SkippedStepsCheck`).
-"""
+Holds :class:`SkippedSteps` (the count of skipped steps in a row), :class:`StepWatch`,
+:class:`SkippedStepsWarning` and :class:`NonFiniteGradientsError`."""
 
 from __future__ import annotations
 
@@ -28,7 +14,7 @@ import numpy as np
 
 from .precision import MIN_SCALE, Precision
 
-# Skipped steps in a row after which a run with a fixed scale is stuck (a dynamic one: see the module docstring).
+# Skipped steps in a row after which a run with a fixed scale is stuck (a dynamic one: at its floor, SkippedSteps).
 SKIPPED_STEPS_LIMIT = 20
 
 ADVICE = (

@@ -1,14 +1,4 @@
-"""The course's arc, read from the notebooks themselves: each one's idea, what it needs, what comes next.
-
-Every notebook opens with a cell that says what it needs and what the learner will be able to do::
-
-    **You need:** [01 · Mirrored](01_mirrored.ipynb), [02 · Collectives](02_collectives_and_scaling.ipynb).
-    **You will be able to:** split the state over the devices and size what each one holds.
-
-and ends with a cell that links the next notebook (``**Next:** [03 · ...](03_....ipynb): ...``), or,
-in the last, says the course ends there. :func:`lessons` reads both; the static course's index
-draws them with :func:`arc_svg`, and the tests check that the arc only points backwards.
-"""
+"""The course's arc, read from the notebooks (:func:`lessons`) and drawn (:func:`arc_svg`)."""
 
 from __future__ import annotations
 

@@ -1,52 +1,6 @@
 """``python -m parallelkit bench``: every strategy over 1, 2, 4 and 8 devices, and over processes.
 
-For each device count a fresh child process (the simulated device count is fixed
-when JAX starts) trains the same model, from the same initial parameters, on the
-same global batches (``--batch-per-device`` x devices examples) with every strategy
-that fits that many devices, SingleDevice among them on the same global batch: its
-median is the yardstick of that child's ratios. Each strategy's first call (trace,
-compile, one step) is timed apart; after ``--warmup`` steps, ``--steps`` steps are
-timed one by one, each up to ``jax.block_until_ready``, with the next batch placed
-by :func:`parallelkit.run.prefetch` before the clock starts. The strategies run one
-after another, not interleaved: the ratios carry the machine's drift over a child's
-run (``benchmarks/strategies.py`` interleaves, for finer comparisons).
-
-Every row is checked against one device: after its run, its parameters are compared
-with those of :class:`~parallelkit.SingleDevice` trained from the same parameters on
-the same batches (every parameter within rtol 1e-5, atol 1e-6: ``equals_single``, and
-the largest difference, ``max_param_diff``). The pipeline's reference is SingleDevice
-on :func:`parallelkit.strategies.pipeline.sequential_loss` of the same layers; multi-process rows
-run :class:`~parallelkit.MultiWorkerMirrored` under :func:`parallelkit.run.distributed.launch`
-(gloo over loopback) and train their SingleDevice reference in the same processes. A
-row that differs is marked ``NO`` in the table, and the command exits with status 1
-after saving, naming it. Also per strategy, where it can say: the bytes one step moves
-per replica (``strategy.traffic``: batch, collectives, copies between memories) and the
-memory one device needs, as the compiler estimates it for a strategy whose step is one
-program (``pk.inspect.memory_per_device``).
-
-Three ratios, against two one-device runs (the JSON's ``yardsticks`` says which, for the
-mode it ran in):
-
-- ``speedup`` (``speed-up``): SingleDevice's median step over the strategy's on the same
-  global batch in the same child, so on the same cores (a multi-process row uses the
-  in-process child with as many devices). This says whether spreading the work over
-  devices beats one device given the same hardware.
-- ``throughput_ratio`` (``thru x``): samples/s over SingleDevice's in the one-device child.
-- ``scaling_efficiency`` (``scaling``): ``throughput_ratio`` over the device count, 1.0
-  being perfect weak scaling.
-
-By default every child's devices share all the cores, so one device already computes
-on all of them. With ``--cores-as-devices`` (:func:`parallelkit.simulate_devices`) an
-``n``-device child gets a pool of ``n`` threads, one core's worth per device, for device
-counts up to the core count: the one-device child then runs on one core, so
-``throughput_ratio`` sets ``n`` devices on ``n`` cores against one device on one core,
-while ``speedup`` still sets them against one device on the same ``n`` cores (XLA's
-threads split its matrix products over all of them). The two answer different
-questions and can point different ways.
-
-Results: a table on stdout, JSON (``--out``) and a PNG of samples/s beside it.
-``--quick`` runs 1 and 4 devices and 2 processes x 2 devices, a few steps each: for CI.
-"""
+Each row is checked against one device; results are a table, JSON (``--out``) and a PNG."""
 
 from __future__ import annotations
 

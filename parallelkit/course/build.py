@@ -1,14 +1,4 @@
-"""The course, read without running: executed notebooks rendered to static HTML pages.
-
-``python -m parallelkit course`` (``make course``) runs every notebook top to bottom
-in a scratch directory, as a learner's fresh kernel would, and writes one page per
-notebook plus an index that draws the course's arc (:mod:`parallelkit.course.arc`).
-Figures are embedded in the pages. A widget has no kernel to
-talk to in a static page, so each is replaced by its final snapshot: the state the
-kernel last sent it (the HTML of a dashboard, a progress bar's value, a slider's or a
-menu's label and value, an output area's contents), rendered as plain HTML. The pages load
-no script from the network.
-"""
+"""The static course: executed notebooks and the reference pages as HTML, and the API reference."""
 
 from __future__ import annotations
 
@@ -36,9 +26,26 @@ WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
 WIDGET_STATE = "application/vnd.jupyter.widget-state+json"
 ROOT = Path(__file__).resolve().parents[2]  # the checkout (pip install -e .)
 NOTEBOOKS = ROOT / "notebooks"
-REFERENCES = tuple(  # Markdown pages of the course, after the notebooks
-    ROOT / "docs" / name for name in ("rosetta.md", "glossary.md", "simulated_devices.md")
+DOCS = (  # the reference pages of docs/: the course's list, then the README's table of them, in its order
+    "course.md",
+    "training.md",
+    "strategies.md",
+    "cost_model.md",
+    "memory.md",
+    "pipelines.md",
+    "sequences_and_experts.md",
+    "planner.md",
+    "multi_host.md",
+    "views.md",
+    "honest_numbers.md",
+    "rosetta.md",
+    "glossary.md",
+    "simulated_devices.md",
+    "architecture.md",
+    "development.md",
 )
+REFERENCES = (ROOT / "README.md", *(ROOT / "docs" / name for name in DOCS))  # Markdown pages, after the notebooks'
+API = "api"  # the folder of the API reference pdoc writes beside the pages
 SOLUTION = "solution"  # the tag of an exercise's solution cell, hidden until the learner opens it
 
 
@@ -194,9 +201,10 @@ def _text_html(text: str) -> str:
 def render(nb: nbformat.NotebookNode, title: str = "parallelkit") -> str:
     """An executed notebook as one self-contained HTML page (figures embedded, widgets as snapshots).
 
-    Links from a notebook to a reference page (``../docs/glossary.md#spmd``) or to another
-    notebook (``01_mirrored.ipynb``) point to its page in the course. A solution cell (tagged
-    ``solution``) shows its code in a closed ``<details>``, its output as usual.
+    Links to a reference page (``../docs/glossary.md#spmd`` from a notebook, ``docs/training.md`` from
+    the README, ``planner.md`` between pages of ``docs/``) or to another notebook (``01_mirrored.ipynb``)
+    point to its page in the course. A solution cell (tagged ``solution``) shows its code in a closed
+    ``<details>``, its output as usual.
     """
     from nbconvert import HTMLExporter
 
@@ -204,7 +212,7 @@ def render(nb: nbformat.NotebookNode, title: str = "parallelkit") -> str:
     page = hide_solutions(snapshot_widgets(copy.deepcopy(nb)))  # the caller's notebook stays as it is
     body, _ = exporter.from_notebook_node(page, resources={"metadata": {"name": title}})
     for reference in REFERENCES:
-        linked = rf'href="\.\./docs/{re.escape(reference.name)}(#[^"]*)?"'
+        linked = rf'href="(?:\.\./)?(?:docs/)?{re.escape(reference.name)}(#[^"]*)?"'
         body = re.sub(linked, rf'href="{reference.stem}.html\1"', body)
     body = re.sub(r'href="(\d\d_\w+)\.ipynb(#[^"]*)?"', r'href="\1.html\2"', body)
     return re.sub(r"<script src=\"\">\s*</script>", "", body)  # the loaders of scripts no page here needs
@@ -243,7 +251,8 @@ def build(
       notebooks: the notebooks of the course, in order (``notebooks/*.ipynb`` of the checkout by default).
 
     Returns:
-      The pages written: the index, the notebooks' in order, the references'.
+      The pages written: the index, the notebooks' in order, the references' (the README, then
+      ``docs/``). The API reference goes to ``out_dir/api`` (:func:`api_reference`), linked from the index.
     """
     paths = sorted(NOTEBOOKS.glob("*.ipynb")) if notebooks is None else list(notebooks)
     if not paths:
@@ -264,9 +273,28 @@ def build(
         text = reference.read_text(encoding="utf-8")
         nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_markdown_cell(text)])
         pages.append(_write_page(out_dir / f"{reference.stem}.html", nb))
+    api_reference(out_dir / API)
     index = out_dir / "index.html"
     index.write_text(_index_html(pages, arc_svg(lessons(paths), seconds)), encoding="utf-8")
     return [index, *(page for page, _ in pages)]
+
+
+def api_reference(out_dir: Path) -> Path:
+    """Write the API reference of :mod:`parallelkit`, generated from its docstrings by pdoc, to ``out_dir``.
+
+    Returns:
+      The reference's first page (``out_dir/parallelkit.html``).
+    """
+    import warnings
+
+    import pdoc
+    import pdoc.render
+
+    pdoc.render.configure(docformat="google", footer_text="parallelkit")
+    with warnings.catch_warnings():  # annotations named only under TYPE_CHECKING are shown as written
+        warnings.filterwarnings("ignore", "Error parsing type annotation", UserWarning)
+        pdoc.pdoc("parallelkit", output_directory=out_dir)
+    return out_dir / "parallelkit.html"
 
 
 def recorded_seconds() -> dict[str, float]:
@@ -290,5 +318,7 @@ def _index_html(entries: Iterable[tuple[Path, str]], picture: str) -> str:
         "<p>Each page is a notebook as it ran top to bottom; widgets show their final state.</p>\n"
         "<p>The arc: each notebook, what you will be able to do after it, and how long it ran. An arrow\n"
         "leads from each notebook to the later ones that build on it.</p>\n"
-        f"{picture}\n<ol>\n{items}\n</ol>\n</body></html>\n"
+        f"{picture}\n<ol>\n{items}\n</ol>\n"
+        f"<p>The <a href='{API}/parallelkit.html'>API reference</a>, generated from the docstrings.</p>\n"
+        "</body></html>\n"
     )

@@ -1,16 +1,5 @@
-"""Helpers for the course notebooks: checked settings, and exercises that test a prediction.
-
-Every notebook starts with a cell of settings (tagged ``parameters``, so tools such as
-papermill can override them) and then calls :func:`setup`, which refuses values the
-lesson cannot run with, in words that say what to change: every value before JAX starts,
-except the batch, whose check needs the device count.
-Exercises ask the learner to predict a number, measure it, and :func:`check` says how
-close the prediction was; or to write something, which a checker runs:
-:func:`check_function` runs a function the learner wrote beside the kit's and compares
-what they return (and, where it matters, the collectives they compile to);
-:func:`check_orders` plays a pipeline order the learner wrote. Each exercise's solution is
-the next cell, tagged ``solution`` and hidden until the learner opens it.
-"""
+"""Helpers for the course notebooks: checked settings (:func:`setup`) and exercises that test a prediction or the
+learner's code (:func:`check`, :func:`check_function`, :func:`check_orders`)."""
 
 from __future__ import annotations
 

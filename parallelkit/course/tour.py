@@ -1,10 +1,4 @@
-"""The tour: one model, the same data and initial parameters, every strategy of one process.
-
-Prints a table of compile time, median step time, throughput, final loss and the
-largest difference from the single-device parameters, the number every synchronous
-strategy must keep near zero. The asynchronous parameter server is in the table
-too, marked: it applies each worker's gradient on its own, so it is meant to differ.
-"""
+"""The tour: one model, the same data and initial parameters, every strategy of one process, in one table."""
 
 from __future__ import annotations
 

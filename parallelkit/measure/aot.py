@@ -1,13 +1,4 @@
-"""Compile a strategy's step for an accelerator this machine does not have: a TPU topology, ahead of time.
-
-The TPU compiler (``libtpu``, the ``parallelkit[tpu]`` extra) runs on a laptop. Given a
-topology name such as ``"v5e:4x4"``, JAX describes the target's devices without the chips
-(:func:`devices`); a strategy built on them lowers its step from shapes alone and the TPU
-compiler returns the program it would run (:func:`compile`): its memory per device, its
-collectives as the TPU schedules them (reduce-scatters, async starts and what they overlap),
-its FLOPs and its text. Nothing runs, so nothing is timed: the report holds programs and
-bytes, never a clock. The simulated CPU devices of the same process stay as they were.
-"""
+"""Compile a strategy's step for a TPU topology this machine lacks: :func:`devices`, :func:`compile`."""
 
 from __future__ import annotations
 

@@ -1,31 +1,5 @@
-"""The ceilings of the machine you are on, measured by short microbenchmarks.
-
-A roofline needs two numbers per device (peak FLOP/s, memory bandwidth) and a
-communication model needs two more (an all-reduce's latency and bandwidth). Datasheets
-print peaks (``hardware``); this module measures what this machine delivers to JAX:
-
-- **matmul FLOP/s**: an ``n x n`` matrix product, ``2 n^3`` FLOPs, in float32 and in
-  bfloat16 (reported as measured, also where the device has no bfloat16 arithmetic
-  and converts, as many CPUs do). The float32 product runs at JAX's default precision,
-  which on recent NVIDIA GPUs is TensorFloat-32, not float32 arithmetic (see ``hardware``);
-- **memory bandwidth**: ``x + 1`` in place on an array (64 MiB quick, 256 MiB in
-  full) larger than most CPUs' last-level cache: it reads and writes each element once, so
-  ``2 x bytes`` move per call;
-- **all-reduce** (two or more devices): ``psum`` of growing buffers (4 KiB to 4 MiB per
-  device quick, to 64 MiB in full), fitted by least squares to the alpha-beta model
-  ``t = alpha + beta x bytes``: ``alpha`` the latency, ``1 / beta`` the bandwidth,
-  where ``bytes`` is the buffer each device contributes (the "algorithm bandwidth";
-  a ring sends ``2 (n - 1) / n`` times that per device). It is not a link bandwidth:
-  ``roofline.data_parallel_min_batch_from_allreduce`` takes it, with ``alpha``.
-
-Every time is the median of several calls, after a first call that compiles (and is not
-timed), each read after ``jax.block_until_ready``. Simulated CPU devices share the
-host's cores and memory: their all-reduce is a memory copy, not a network.
-
-Results are cached per machine in ``~/.cache/parallelkit/ceilings-<key>.json`` (the
-folder is ``$PARALLELKIT_CACHE_DIR`` when set), keyed by platform, device kind, device
-count, JAX version and mode, so a notebook measures once.
-"""
+"""The ceilings of this machine, measured by short microbenchmarks and cached (:func:`measure_ceilings`): matmul
+FLOP/s, memory bandwidth, the all-reduce's latency and bandwidth."""
 
 from __future__ import annotations
 

@@ -1,30 +1,8 @@
-"""How much arithmetic a training step does: the compiler's count beside the textbook's.
+"""How much arithmetic a training step does: the compiler's count (:func:`flops`) beside the textbook's
+(:func:`dense_training_flops`, :func:`mlp_matmul_flops`).
 
-Two ways to count a step's floating-point operations (FLOPs):
-
-- **Ask the compiler.** :func:`flops` compiles the step and reads XLA's cost analysis of
-  the program it will run: every operation, each counted by XLA's own rules.
-- **Count by hand.** Almost all of a dense network's arithmetic is matrix products. A
-  product of a ``(b, n)`` by an ``(n, m)`` matrix is ``b x m`` dot products of length
-  ``n``: ``2 b n m`` FLOPs (a multiply and an add each). Training does it three times
-  per layer: forward, the weight gradient, the input gradient. Per parameter and per
-  token that is the famous ``6`` of :func:`dense_training_flops`; :func:`mlp_matmul_flops`
-  counts an MLP's products exactly.
-
-Where the two disagree, and why:
-
-- element-wise work (activations, the softmax, the loss, bias adds) is counted by XLA
-  and left out of the matmul count: a few percent on a small MLP;
-- the optimizer's own update (``p - lr x g``: 2 FLOPs per parameter for SGD; 13 and a
-  square root for optax's Adam) is in the compiled step and in no textbook count;
-- XLA counts a fused operation as the sum of the operations inside it, so fusion does
-  not change the count; it changes the bytes (:attr:`StepCost.bytes_accessed`), because
-  the fused intermediates never reach memory;
-- an embedding lookup is a gather: XLA counts only its index arithmetic (a few FLOPs
-  per row looked up), while ``6 x parameters`` counts the embedding table as if it
-  were a matmul (Kaplan et al., 2020, count the parameters without the embeddings);
-- the first layer needs no input gradient (nothing upstream learns from it): the
-  hand count leaves it out, ``6 x parameters`` does not.
+References:
+  Kaplan et al., "Scaling Laws for Neural Language Models", 2020: ``6 x parameters`` a token.
 """
 
 from __future__ import annotations

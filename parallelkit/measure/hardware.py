@@ -1,44 +1,4 @@
-"""Published figures of common accelerators: what the vendors print, kept apart from what we measure.
-
-One table, :data:`PUBLISHED`, one row per chip, each figure with its source. These are
-datasheet peaks: real programs reach a fraction of them (``ceilings`` measures the
-machine you are on; ``roofline.flops_utilisation`` says what fraction a step reached).
-
-How to read them:
-
-- **Dense, not sparse.** NVIDIA prints tensor-core FLOP/s "with sparsity" (2:4
-  structured sparsity, half the weights zero) beside the dense figure, twice as large.
-  Training dense models gets the dense figure, the one in this table.
-- **fp8** is the dense FP8 tensor rate (E4M3/E5M2 inputs), the peak of the matrix products an
-  FP8 recipe runs (``planner``'s ``precision="fp8"``); ``None`` where the chip has none or its
-  page prints none (A100: no FP8; TPU v5e and v6e print only an Int8 rate, which is not FP8).
-- **fp32** is the plain float32 (non-tensor-core) rate; the TPU pages publish none
-  (``None``): the matrix units take bfloat16 inputs.
-- **tf32** is the tensor-core rate for float32 inputs rounded to TensorFloat-32 (10
-  mantissa bits). JAX computes float32 matrix products that way on these GPUs by
-  default (``jax.default_matmul_precision``, unset; its "Matmul precision" page:
-  https://docs.jax.dev/en/latest/201/precision.html), so a JAX user's float32 matmuls
-  there meet this rate, not fp32's: bfloat16's is 2 times TF32's, 15 to 28 times fp32's.
-  Set ``jax.default_matmul_precision("float32")`` (or ``precision="highest"`` on a
-  product) for true float32 products. The TPU pages publish no TF32 rate (``None``).
-- **Links per direction.** Vendors print NVLink and ICI bandwidth summed over both
-  directions; a collective's bytes flow both ways at once, each way at half that. The
-  table stores the per-direction figure, the printed one in the note. It is the chip's
-  total over all its links: through an NVLink switch one GPU can use all of it, while
-  on a TPU torus a collective along one mesh axis uses only that axis's links, the
-  total over ``link_axes`` (2 axes on v5e's 2D torus, 3 on v5p's 3D torus):
-  :attr:`Chip.axis_link_bytes_per_s`.
-- **Network per chip.** The inter-node figure is the network bandwidth one chip gets
-  when every chip talks at once: a DGX H100 has one 400 Gb/s adapter per GPU, a TPU
-  v5e host two 100 Gb/s NICs for its 8 chips, a v6e host four 200 Gb/s NICs for its 8, a
-  B200 machine one 400 Gb/s adapter per GPU.
-- **Where each row's figures were read** is its ``sources``: the vendor's page for every chip but
-  the B200, whose figures are NVIDIA's as G. Klockwood's page reprints them (dense beside sparse)
-  and as a published 8 x B200 system description lists them (memory, links, network).
-
-The chips: NVIDIA H100 SXM (80 GB), A100 SXM (80 GB) and B200; Google Cloud TPU v5e, v5p and v6e
-(Trillium).
-"""
+"""Published figures of common accelerators (:data:`PUBLISHED`), every figure with its source."""
 
 from __future__ import annotations
 

@@ -1,29 +1,4 @@
-"""Where a step's time goes, read from a profiler trace: computing, communicating, transferring.
-
-``jax.profiler.trace`` records every operation each device runs, with its start and
-duration. :func:`profile` runs a few steps under it and sorts each device's operations
-into three kinds:
-
-- **collective**: all-reduce, all-gather, reduce-scatter, collective-permute, all-to-all
-  (and point-to-point send/recv): devices exchanging data. Its time includes waiting
-  for the slowest peer to arrive, so a device that finishes its compute early shows a
-  long collective;
-- **transfer**: copies between memories: ``device_put`` of the batch, seen on the
-  host; a GPU's host-device memcpy; the asynchronous ``copy-start``/``copy-done`` of
-  host offloading (on TPUs the same operations also prefetch into on-chip memory, and
-  are counted here too);
-- **compute**: every other operation of the compiled program.
-
-Per device it adds up the time in each kind (overlapping operations counted once) and
-the **overlap** of compute with collectives: time when the device computed while a
-collective was in flight, which is how communication gets hidden. XLA's CPU backend
-runs collectives synchronously, so on simulated CPU devices expect an overlap of zero;
-on GPUs and TPUs asynchronous collectives can overlap compute.
-
-The summary is read from the trace's XSpace protobuf (``*.xplane.pb``) with
-``jax.profiler.ProfileData``, the reader that ships with JAX; the Perfetto file written
-beside it (``perfetto_trace.json.gz``) is the one to open in https://ui.perfetto.dev.
-"""
+"""Where a step's time goes, read from a profiler trace (:func:`profile`): computing, communicating, transferring."""
 
 from __future__ import annotations
 

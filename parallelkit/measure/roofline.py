@@ -1,20 +1,8 @@
-"""The roofline: is a computation limited by arithmetic or by memory (or by the network)?
+"""The roofline: is a computation bound by arithmetic, memory or the network? Pure arithmetic.
 
-A device does at most ``peak`` FLOPs per second and moves at most ``bandwidth`` bytes
-per second between its memory and its arithmetic units. A computation that does ``F``
-FLOPs on ``B`` bytes has an arithmetic intensity ``I = F / B`` (FLOPs per byte); it
-cannot go faster than ``min(peak, I x bandwidth)``. Below the ridge ``I = peak /
-bandwidth`` it is memory-bound (faster memory would help, more FLOP/s would not); above
-it, compute-bound. Williams, Waterman and Patterson, "Roofline: An Insightful Visual
-Performance Model for Multicore Architectures" (CACM, 2009).
-
-The same reasoning with the network in place of memory tells when data parallelism
-keeps its devices busy: :func:`data_parallel_min_batch` from a link's bandwidth (bytes/s
-each way, as ``hardware`` stores it), :func:`data_parallel_min_batch_from_allreduce` from
-an all-reduce's fitted latency and algorithm bandwidth (as ``ceilings`` measures them).
-
-Every function here is pure arithmetic on numbers you pass: measured ceilings
-(``ceilings``), published ones (``hardware``) or the compiler's counts (``flops``).
+References:
+  Williams, Waterman and Patterson, "Roofline: An Insightful Visual Performance Model for Multicore
+  Architectures", 2009.
 """
 
 from __future__ import annotations

@@ -1,9 +1,4 @@
-"""Honest step timing: compile apart from steady state, medians and spreads.
-
-Device work is asynchronous, so every time here is read after
-``jax.block_until_ready``. The first call of a step traces and compiles it; its
-time is reported on its own and never mixed into the steady-state figures.
-"""
+"""Honest step timing: compile apart from steady state, medians and spreads, read after ``block_until_ready``."""
 
 from __future__ import annotations
 

@@ -1,47 +1,6 @@
-"""Traffic accounting: the bytes one training step moves, measured, beside the textbook formulas.
+"""Traffic accounting: the bytes one training step moves, measured, beside the formulas (:func:`step_traffic`).
 
-Every figure is per replica (per device, where a strategy has one replica) and per
-step, in bytes, on one of three kinds of link:
-
-- ``host->device``: from host memory to a compute device (the batch slice; the pull of
-  parameters kept off the devices);
-- ``device->host``: from a compute device back to host memory;
-- ``device<->device``: between devices (collectives; the push of gradients to the device
-  that updates the state kept off the devices).
-
-Strategies that keep the state off the devices (CentralStorage, ParameterServer) also
-report the transfers at the state's owners, once per step rather than per replica: the
-update programs copy the state in from host memory and write it back (``owner_flows``).
-
-Each strategy reports its own traffic (``strategy.traffic(loss_fn, state, batch)``;
-:func:`step_traffic` is the same call). Where the numbers come from:
-
-- collectives: the compiled program's own collectives (:func:`parallelkit.measure.inspect.collectives`),
-  as the *payload* each device contributes (the size of the all-reduced array, of the
-  gathered result, of the scattered shard); the strategy's formulas say what the payload
-  should be (:meth:`Strategy.expected_collectives <parallelkit.Strategy.expected_collectives>`);
-- pulls and pushes (CentralStorage, ParameterServer): the arrays the strategy really
-  moves, pulled and computed once here, measured on each device; the state's round trip:
-  the host-memory arguments and results of the compiled update programs
-  (:func:`parallelkit.measure.inspect.host_memory_bytes`);
-- the batch: the placed batch, measured on each device.
-
-What a collective sends over the wire depends on its algorithm. ``bus_bytes`` is a
-*derived* figure, NCCL's algorithm-independent "bus bandwidth" convention applied to
-the measured payloads: an all-reduce of ``S`` bytes over ``n`` devices counts
-``2(n-1)/n x S``, what each device sends in a ring.
-
-The formulas, with ``P`` the parameter bytes (a gradient has the same size) and ``n``
-replicas: mirrored, an all-reduce of ``P`` (plus the scalar metrics, ``M`` bytes, which
-XLA fuses into it); central storage ``P`` out to and ``P`` back from every replica, and the
-state (``S``: parameters, optimizer state ``O``, counters) into and out of host memory at
-the owner; parameter servers a pull and a push of ``P`` per worker, each split over the
-``k`` shards, and each shard's state round trip.
-
-The cost model's :class:`~parallelkit.measure.costmodel.TopologyModel` turns these bytes into a
-rough communication time per step; it, ``TOPOLOGY`` and ``register_topology`` are importable from
-here too, as before.
-"""
+``TopologyModel``, ``TOPOLOGY`` and ``register_topology`` are the cost model's, importable from here too."""
 
 from __future__ import annotations
 

@@ -1,12 +1,4 @@
-"""Small Flax (NNX) models, and a functional view that strategies can train.
-
-Strategies work on plain parameter pytrees and ``loss_fn(params, batch)``, so an
-NNX module is split once into a static graph and a dict of arrays::
-
-    model = pk.models.MLP(64, (128,), 10, rngs=nnx.Rngs(0))
-    apply, params = pk.models.functional(model)
-    logits = apply(params, x)
-"""
+"""Small Flax (NNX) models, and the functional view (``apply``, ``params``) that strategies train."""
 
 from ..core.contract import tree_bytes as param_bytes
 from . import layers

@@ -1,9 +1,5 @@
-"""Functional form of NNX modules: ``(apply, params, model_state)`` as plain dicts a strategy can place.
-
-A module's parameters may declare their logical axes (``nnx.with_partitioning(init, names)``):
-:func:`param_axes` reads them, and :func:`from_nnx` records them for its parameter tree, so
-that :func:`declared_axes` finds them again from the plain dict a strategy receives.
-"""
+"""Functional form of NNX modules: ``(apply, params, model_state)`` as plain dicts a strategy can place, with their
+declared logical axes (:func:`declared_axes`)."""
 
 from __future__ import annotations
 

@@ -1,11 +1,4 @@
-"""A small causal language model (GPT) and its next-token loss.
-
-The model's attention is one call, :func:`parallelkit.models.layers.attention.attend`, so a strategy
-that splits the sequence changes how attention is computed without a second copy of
-the model. Its parameters carry logical axis names (``nnx.with_partitioning``:
-``vocab``, ``embed``, ``heads``, ``mlp``) and its activations name theirs with
-:func:`parallelkit.core.axes.constrain`, so axis rules can place both.
-"""
+"""A small causal language model (:class:`GPT`) and its next-token loss (:func:`lm_loss`)."""
 
 from __future__ import annotations
 

@@ -1,48 +1,8 @@
-"""Recomputation: keep fewer activations for the backward pass, and compute them again when it needs them.
-
-A layer wrapped by :func:`remat` keeps, from its forward pass, only what its policy saves;
-the backward pass recomputes the rest from the layer's inputs. The activations held between
-the two passes can shrink, at the price of computing the layer's forward pass again (up to
-once more); the results are the same up to float rounding. The policies are JAX's
-(``jax.checkpoint_policies``):
-
-- ``"nothing_saveable"``: keep nothing inside the layer, only its inputs; least memory, most recomputation.
-- ``"dots_saveable"``: keep the results of matrix products, recompute what lies between them.
-- ``"dots_with_no_batch_dims_saveable"``: keep only the products without batch dimensions in the
-  ``dot_general`` sense (``x @ kernel``, not attention's per-example ``einsum`` of queries and keys).
-- ``"everything_saveable"``: keep everything, recompute nothing (as without recomputation).
-
-PyTorch's ``torch.utils.checkpoint`` is the same idea with the first policy.
-
-The compiler decides what is kept in the end. Read from the compiled program with
-:func:`parallelkit.measure.inspect.memory_per_device` on XLA's CPU backend, the temporaries of
-layers run by ``jax.lax.scan`` (:class:`~parallelkit.models.Tower`) fall, while XLA merges the
-recomputation of layers in an unrolled Python loop (:class:`~parallelkit.models.MLP`,
-:class:`~parallelkit.models.Transformer`) back into their forward pass, so theirs do not.
-
-A layout's recomputation (:data:`RECOMPUTE`) is not a model's option but the step's: inside a
-:func:`recomputation` block open while the step is traced (by the loss function, or by a strategy
-that takes a recomputation), the kit's transformers (:class:`~parallelkit.models.GPT` and
-:class:`~parallelkit.models.Transformer`) recompute
-
-- ``"none"``: nothing; every activation the backward pass needs is kept.
-- ``"selective"``: attention's scores and softmax probabilities, the ``batch x heads x length x length``
-  arrays, from the queries, keys and values (:func:`scores_policy`); everything else is kept. The price
-  is the scores' product ``q k^T`` once more.
-- ``"full"``: each block from its input, which is all it keeps (:func:`block_policy`); nearly one more
-  forward pass of the blocks (all but the products whose outputs the backward pass does not read).
-
-Selective recomputation wraps the scores' arithmetic itself in ``jax.checkpoint``: a policy for the
-whole block that named the scores with ``jax.ad_checkpoint.checkpoint_name`` and refused only those
-names would keep the same arrays, since the backward pass would then keep the values the names were
-applied to. Read from the TPU compiler's program (:func:`parallelkit.aot.compile`), the peak memory
-falls from ``"none"`` to ``"selective"`` to ``"full"``; XLA's CPU backend drops the selective
-recomputation's product and shows no fall in its temporaries (``tests/test_recomputation.py``).
+"""Recomputation: :func:`remat` with JAX's named policies, and a layout's recomputation (:func:`recomputation`:
+``none``, ``selective``, ``full``) for the kit's transformers.
 
 References:
-  Korthikanti et al., "Reducing Activation Recomputation in Large Transformer Models", 2022:
-  selective recomputation, and the activations each choice keeps.
-"""
+  Korthikanti et al., "Reducing Activation Recomputation in Large Transformer Models", 2022."""
 
 from __future__ import annotations
 
@@ -106,7 +66,7 @@ def remat(fn: Callable[..., Any], policy: str = "nothing_saveable") -> Callable[
     modules, wrapped with ``nnx.remat`` (``jax.checkpoint`` that also takes modules), or an
     NNX module, whose call is wrapped the same way. Arguments that are not arrays (a head
     count, a flag) must be bound before wrapping, for example with a ``lambda``.
-    Same results as ``fn``; see the module docstring for the policies.
+    Same results as ``fn``; the policies are :data:`POLICIES` (docs/memory.md says what each keeps).
 
     >>> import jax.numpy as jnp
     >>> layer = remat(lambda w, x: jnp.tanh(x @ w), "dots_saveable")

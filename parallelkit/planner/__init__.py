@@ -1,14 +1,4 @@
-"""Which strategy? The planner: every layout the kit can run for a model and a cluster, ranked with why.
-
-:mod:`.model` describes a transformer by its shape (:class:`Transformer`, published shapes in
-:data:`MODELS`); :mod:`.cluster` a cluster's links and devices (:class:`Cluster`, from a
-datasheet or measured here); :mod:`.memory` counts the bytes one device holds, by the ZeRO
-paper's accounting of the state and Korthikanti et al.'s of the activations; :mod:`.layout`
-says how a step is split (:class:`Layout`), whether it can run a model and batch, and what each
-device then holds; :mod:`.steptime` predicts a layout's step on the cost model
-(:mod:`parallelkit.measure.costmodel`); :mod:`.search` weighs every layout and :mod:`.plan`
-ranks them (:func:`plan`: an example there); :mod:`.build` turns a layout into the kit's strategy.
-"""
+"""Which strategy? The planner ranks every layout the kit can run for a model and cluster (:func:`plan`)."""
 
 from .build import unsupported as unsupported
 from .cluster import Cluster as Cluster

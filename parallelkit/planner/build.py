@@ -1,12 +1,4 @@
-"""A layout as the kit's strategy: which layouts the kit can run, and the strategy that runs each.
-
-Without a pipeline every product of ``data`` (with ZeRO 0-3), ``tensor`` (with sequence
-parallelism), ``context`` and ``expert`` is one :class:`~parallelkit.Parallel` step; ``data``
-alone without ZeRO is :class:`~parallelkit.Mirrored`. With ``stages``, a
-:class:`~parallelkit.Pipeline` whose every stage is that ``Parallel`` over its own devices
-(``stage_axes``). Accumulation is the step's (``strategy.step(loss_fn, accumulate=layout.accumulate)``);
-recomputation the strategy's too (``Parallel(recompute=...)``: the kit's models recompute as it says).
-"""
+"""A layout as the kit's strategy: which layouts the kit can run, and the strategy that runs each."""
 
 from __future__ import annotations
 

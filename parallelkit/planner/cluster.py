@@ -1,10 +1,4 @@
-"""A cluster as the planner sees it: the cost model's machines and links, and what one device computes and holds.
-
-:class:`Cluster` is :class:`parallelkit.measure.costmodel.Cluster` (machines, the link inside
-one, the network between them) with each device's peak FLOP/s and memory. Build it from a
-datasheet (:meth:`Cluster.published`: :data:`parallelkit.measure.hardware.PUBLISHED`) or from
-this machine (:meth:`Cluster.measured`: :func:`parallelkit.measure.ceilings.measure_ceilings`).
-"""
+"""A cluster as the planner sees it (:class:`Cluster`): the cost model's links, each device's FLOP/s and memory."""
 
 from __future__ import annotations
 

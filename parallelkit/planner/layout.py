@@ -1,12 +1,4 @@
-"""A layout: how a training step is cut over devices, and the memory it needs on each.
-
-A :class:`Layout` names the size of every axis the kit can split over (``data``, ``tensor``,
-``context``, ``stages``, ``expert``), how the state is sharded over the data axis (``zero``,
-ZeRO stage 0-3), and what each device runs (sequence parallelism, the pipeline schedule and
-its microbatches, recomputation). :func:`memory_per_device` adds up the state and the
-activations one device holds (:mod:`.memory`); :func:`check` says why a layout cannot run a
-model and batch at all.
-"""
+"""A layout (:class:`Layout`): how a training step is cut over devices, and the memory it needs on each."""
 
 from __future__ import annotations
 

@@ -1,25 +1,5 @@
-"""Train strategies side by side from one start, time them, and compare each with a reference.
-
-The one runner behind every table that sets strategies beside one device: the tour
-(``pk.tour``), the bench (``python -m parallelkit bench``), the live race
-(``pk.widgets.StrategyRace``) and ``benchmarks/strategies.py`` are views of its :class:`Run`\\ s.
-
-Each strategy starts from the same parameters and sees the same batches. Runs go one after
-another through :func:`~parallelkit.run.fit` (its callbacks, its interrupt handling), or,
-with ``interleave=True``, one step of every strategy per batch in a fresh seeded order,
-with the garbage collector off, so that the machine's drift hits all of them alike. Either
-way the first step (trace, compile, one step) is kept apart and ``warmup`` steps after it
-are left out of the times. At the end every run's parameters are compared with the
-reference's by the kit's one rule of equality (:func:`assert_close`: rtol 1e-5, atol 1e-6).
-
->>> import optax, parallelkit as pk
->>> apply, params = pk.models.build("mlp", (64,), 10)
->>> batches = list(pk.data.batches(pk.data.digits(), 32, steps=4))
->>> runs = run_side_by_side({"one": pk.SingleDevice(), "two": pk.Mirrored(2)},
-...                         pk.models.classifier_loss(apply), params, optax.sgd(0.1), batches)
->>> [(name, run.equals_reference, len(run.times.step_seconds)) for name, run in runs.items()]
-[('one', True, 3), ('two', True, 3)]
-"""
+"""Train strategies side by side from one start, time them, and compare each with a reference
+(:func:`run_side_by_side`)."""
 
 from __future__ import annotations
 
@@ -144,6 +124,15 @@ def run_side_by_side(
     Raises:
       ValueError: no strategies, an unknown ``reference``, ``steps`` or ``warmup`` that is not a whole
         number (>= 1, >= 0), a one-shot iterator of batches, or callbacks with ``interleave``.
+
+    Example:
+      >>> import optax, parallelkit as pk
+      >>> apply, params = pk.models.build("mlp", (64,), 10)
+      >>> batches = list(pk.data.batches(pk.data.digits(), 32, steps=4))
+      >>> runs = run_side_by_side({"one": pk.SingleDevice(), "two": pk.Mirrored(2)},
+      ...                         pk.models.classifier_loss(apply), params, optax.sgd(0.1), batches)
+      >>> [(name, run.equals_reference, len(run.times.step_seconds)) for name, run in runs.items()]
+      [('one', True, 3), ('two', True, 3)]
     """
     if not strategies:
         raise ValueError("run_side_by_side needs at least one strategy, e.g. {'SingleDevice': pk.SingleDevice()}.")

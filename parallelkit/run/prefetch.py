@@ -1,16 +1,4 @@
-"""Prefetching: place the next batches on their devices while the current step runs.
-
-A training step that receives host arrays first copies them to the devices, and
-that copy sits inside the step. :func:`prefetch` moves it out: a background thread
-takes batches from your iterator, places each the way the strategy wants
-(``strategy.place_batch``) and keeps up to ``size`` of them ready; a
-:class:`~parallelkit.Step` given a :class:`Placed` batch uses it as it is.
-:func:`parallelkit.fit` does this with ``prefetch=2`` (off by default: see its docstring).
-
-Conceptually, for one device::
-
-    next_batch = jax.device_put(host_batch)        # while the previous step still runs
-    state, metrics = step(state, next_batch)       # no copy left inside the step
+"""Prefetching: place the next batches on their devices while the current step runs (:func:`prefetch`).
 
 >>> import numpy as np, parallelkit as pk
 >>> host = [{"x": np.ones((4, 2), np.float32)}] * 3

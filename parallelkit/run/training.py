@@ -1,29 +1,4 @@
-"""``fit``: a small training loop over any strategy; what it does besides stepping, callbacks do.
-
-Conceptually, ``fit`` is::
-
-    state = strategy.init(params, tx)
-    step = strategy.step(loss_fn)
-    for batch in batches:
-        state, metrics = step(state, batch)
-        for cb in callbacks:
-            cb.on_step_end(record)  # the step's metrics and time, read after the work is done
-
-The loop itself times each step (the compiling first step kept apart) and, when
-asked (``prefetch=2``), has a background thread place the next batches on the
-devices while a step runs (:func:`parallelkit.run.prefetch`). The rest are callbacks
-(:mod:`parallelkit.run.callbacks`): the non-finite-loss check, checkpoints, and the
-live views that dashboards hang on.
-
-Resuming after a crash. With ``checkpoint_dir``, ``fit`` saves the state every
-``checkpoint_every`` steps and at the end. ``fit(..., resume=True)`` restores the
-newest checkpoint and continues. The data contract that makes the resumed run end
-with exactly the parameters of an uninterrupted one: pass the *same* batches as the
-interrupted run, from its beginning (a deterministic iterator such as
-``pk.data.batches(dataset, size, steps=N, seed=0)`` made anew), and the same
-``steps``; ``fit`` skips the batches already trained on (the checkpoint records how
-many) and ``steps`` still counts from the start of the run.
-"""
+"""``fit``: a small training loop over any strategy; what it does besides stepping, callbacks do."""
 
 from __future__ import annotations
 

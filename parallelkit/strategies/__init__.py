@@ -1,9 +1,4 @@
-"""Training strategies: each decides where state lives and how gradients meet.
-
-Everything a new strategy is written with is here too (``docs/architecture.md``, "Adding a
-strategy"): :class:`Strategy`, :func:`create_state`, :func:`put_batch`, :func:`train_step`,
-:class:`Step`, :class:`ExpectedCollective` and :class:`Sizes`, and the :mod:`catalog`.
-"""
+"""Training strategies, and everything a new one is written with (docs/architecture.md, "Adding a strategy")."""
 
 from ..core.contract import put_batch as put_batch
 from ..core.placement import LeafPlacement as LeafPlacement

@@ -1,14 +1,4 @@
-"""The base class of strategies: the protocol's defaults, so a strategy writes only what is its own.
-
-A strategy decides *where state lives* and *how gradients meet*; the model, the
-loss, the optimizer and the data stay plain JAX, Flax and Optax. Every method the tools call
-is listed by :class:`~parallelkit.core.protocol.StrategyProtocol` (in ``state, metrics = step(state,
-batch)``, ``batch`` is the *global* batch as host arrays and the loss is its mean; ``unreplicate``'s
-host copy is for inspection and checkpoints); what they know about each strategy beyond it is in
-:mod:`parallelkit.strategies.catalog`.
-Strategies that split parameters take their rules in their constructor, so ``init`` and
-``step`` keep this shape for all of them; see :mod:`parallelkit.strategies.spmd`.
-"""
+"""The base class of strategies (:class:`Strategy`): the protocol's defaults."""
 
 from __future__ import annotations
 

@@ -1,20 +1,4 @@
-"""The catalog of strategies: what the tools know about each, in one place.
-
-Each :class:`Entry` names a strategy for the tables (the tour, the bench), says how to
-build it for a device count, gives its Rosetta names (``docs/rosetta.md``), the pattern
-its communication follows (the class's ``pattern``, read here, never written again), and the
-flags the tools read. The tour and the bench build their rows from it, and
-:func:`parallelkit.measure.costmodel.predict` takes its names (:func:`register` names each for the
-cost model); the traffic report asks the strategy itself (``strategy.traffic``), and
-:class:`~parallelkit.measure.costmodel.TopologyModel` times it by the same pattern. No tool asks
-which class a strategy is. A new strategy joins them all through :func:`register`:
-
->>> entry = get("Mirrored(jit)")
->>> entry.pattern, entry.tensorflow
-('mirrored', 'tf.distribute.MirroredStrategy')
->>> [e.name for e in entries(tour=True)][:3]
-['SingleDevice', 'Mirrored(jit)', 'Mirrored(pmap)']
-"""
+"""The catalog of strategies: what the tools know of each (:class:`Entry`); :func:`register` adds one."""
 
 from __future__ import annotations
 
@@ -83,7 +67,15 @@ def unregister(name: str) -> Entry:
 
 
 def get(name: str) -> Entry:
-    """The entry named ``name``; a clear error names the catalog's entries when there is none."""
+    """The entry named ``name``; a clear error names the catalog's entries when there is none.
+
+    Example:
+      >>> entry = get("Mirrored(jit)")
+      >>> entry.pattern, entry.tensorflow
+      ('mirrored', 'tf.distribute.MirroredStrategy')
+      >>> [e.name for e in entries(tour=True)][:3]
+      ['SingleDevice', 'Mirrored(jit)', 'Mirrored(pmap)']
+    """
     if name not in _ENTRIES:
         raise KeyError(f"No strategy named {name!r} in the catalog; it holds {list(_ENTRIES)}.")
     return _ENTRIES[name]

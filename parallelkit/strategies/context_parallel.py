@@ -1,14 +1,5 @@
-"""Context parallelism: the sequence split over devices, attention by all-gather, ring or all-to-all.
-
-The devices form a ``data`` x ``seq`` grid. Every batch array is split on its leading
-axis over ``data`` and on its second (the tokens) over ``seq``; the rules map the
-logical axes ``length`` and ``norm_length`` (the residual stream's) to ``seq``, so every activation the model constrains
-(:func:`parallelkit.core.axes.constrain`) keeps its length split, and
-:func:`parallelkit.models.layers.attention.attend` runs as :func:`parallelkit.models.layers.attention.context_parallel`
-by the strategy's method: the one place where a token needs the others. The
-parameters are replicated (or laid out by ``rules``); their gradients are summed over
-every device, as the shardings imply. One ``jax.jit`` of the single-device step, as for
-every SPMD preset.
+"""Context parallelism (:class:`ContextParallel`): the sequence split over devices, attention by all-gather, ring or
+all-to-all.
 
 >>> ContextParallel(seq=1, devices=jax.devices()[:1])
 ContextParallel(seq=1, method='ring', data=1)

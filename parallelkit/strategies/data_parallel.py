@@ -1,9 +1,4 @@
-"""What every replicated data-parallel strategy shares: how gradients meet, and what that moves.
-
-:class:`~parallelkit.strategies.mirrored.MirroredJit`, :class:`~parallelkit.strategies.pmap.MirroredPmap`,
-:class:`~parallelkit.MultiWorkerMirrored` and :class:`~parallelkit.SingleDevice` (one replica)
-hold a full copy of the state on every device and average the gradients once a step.
-"""
+"""What every replicated data-parallel strategy shares: how gradients meet, and what that moves."""
 
 from __future__ import annotations
 

@@ -1,19 +1,5 @@
-"""Expert parallelism: each device holds some of the experts, and tokens travel to them by all-to-all.
-
-The devices form a ``data`` x ``expert`` grid. The batch is split over all of them;
-every parameter that declares the logical axis ``expert`` (as the MoE
-:class:`~parallelkit.models.GPT` does, found by :func:`parallelkit.models.declared_axes`)
-is split along it over ``expert``; for parameters that declare no logical axes, every one
-whose path ends in ``w_in``, ``w_out``, ``b_in`` or ``b_out`` (the expert weights of
-:func:`parallelkit.models.layers.experts.moe_layer`) is split along its leading (expert) axis. The rest
-is replicated; where nothing is split (a model without experts), ``init`` warns that the step is data
-parallelism. The rules map the logical
-axis ``expert`` to the mesh axis ``expert``, so while the step traces,
-:func:`~parallelkit.models.layers.experts.moe_layer` runs as :func:`~parallelkit.models.layers.experts.expert_parallel`:
-each device routes its own tokens as one group and two all-to-alls inside
-``jax.shard_map`` carry them to their experts' devices and back. Everything else in the
-step is the single-device step under ``jax.jit``; the gradients of replicated parameters
-(and of the expert weights, over ``data``) are all-reduced as the shardings imply.
+"""Expert parallelism (:class:`ExpertParallel`): each device holds some of the experts, and tokens travel to them by
+all-to-all.
 
 >>> import parallelkit as pk
 >>> ExpertParallel(expert=1, devices=jax.devices()[:1])

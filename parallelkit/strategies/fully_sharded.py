@@ -1,29 +1,7 @@
 """Fully sharded data parallelism (ZeRO stages 1-3, PyTorch FSDP): split the state over the data axis.
 
-Mirrored training keeps a whole copy of parameters, gradients and optimizer state on
-every device. ZeRO (Rajbhandari et al., 2020) removes the copies stage by stage, over
-the same ``data`` axis that splits the batch:
-
-- **stage 1**: the optimizer state is sharded; gradients are all-reduced as in mirrored
-  training, each device updates its shard, and the new parameters are all-gathered;
-- **stage 2**: gradients are sharded too: a reduce-scatter leaves each device the sum of
-  its shard only;
-- **stage 3** (FSDP's ``FULL_SHARD``): parameters are sharded as well, all-gathered
-  before use and freed after; gradients reduce-scattered after the backward pass.
-
-Here each stage is the single-device step under ``jax.jit`` with per-leaf shardings
-(:mod:`parallelkit.strategies.spmd`); XLA's SPMD partitioner chooses the
-communication those shardings imply. The shardings are a layout, not an algorithm:
-with a large batch the compiled step gathers the weights and reduces the gradients as
-ZeRO describes; with a small one it may keep weights in place and move activations
-instead, and on the CPU backend a gradient reduce-scatter compiles as an all-reduce of
-which each device keeps its shard (``strategy.traffic`` shows what was compiled).
-
-Which leaves are sharded follows one stated rule,
-:func:`parallelkit.core.partition.fully_sharded_specs`: a leaf of at least ``min_size``
-elements is split along its largest dimension that divides by the device count;
-smaller or indivisible leaves stay replicated.
-"""
+References:
+  Rajbhandari et al., "ZeRO: Memory Optimizations Toward Training Trillion Parameter Models", 2020."""
 
 from __future__ import annotations
 

@@ -1,17 +1,4 @@
-"""Hybrid parallelism: a 2-D mesh, data parallel on one axis and tensor parallel on the other.
-
-The devices form a ``data`` x ``model`` grid. Along ``model`` each group of ``k``
-neighbouring devices splits the weights as :class:`~parallelkit.TensorParallel` does
-(Megatron's column and row splits, one all-reduce of activations per block); along
-``data`` the ``d`` groups each take a slice of the batch, and the gradients of each
-weight slice are all-reduced over ``data``, as under :class:`~parallelkit.Mirrored`.
-With ``shard_data=True`` the weights are also sharded over ``data`` (fully sharded data
-parallelism on the data axis, ZeRO-3 within each model slice), by the rule of
-:func:`parallelkit.core.partition.fully_sharded_specs`.
-
-One ``jax.jit`` of the single-device step, as for every sharded strategy; XLA
-inserts both kinds of collective from the shardings.
-"""
+"""Hybrid parallelism (:class:`Hybrid`): data parallel on one mesh axis, tensor parallel on the other."""
 
 from __future__ import annotations
 

@@ -1,25 +1,4 @@
-"""Mirrored data parallelism (TensorFlow's MirroredStrategy, PyTorch's DDP).
-
-Every device holds a full copy of the parameters and optimizer state, takes its
-slice of the global batch, and computes gradients; the gradients are averaged
-across devices (an all-reduce) and every copy applies the same update, so the
-copies never drift apart. Two backends show the two JAX idioms:
-
-- ``"jit"`` (:class:`MirroredJit`, here): a preset of :class:`~parallelkit.SPMD`, one
-  ``jax.jit`` over a ``data`` mesh axis: the batch is sharded on it, the state
-  replicated; the compiler inserts the all-reduce. The modern path.
-- ``"pmap"`` (:class:`~parallelkit.strategies.pmap.MirroredPmap`): the classic per-device
-  program with an explicit ``lax.pmean`` over the replica axis (in maintenance mode: its module says why it is here).
-
-``pk.Mirrored(...)`` is a function that returns one or the other. ``allreduce`` picks
-how the gradients meet, as TensorFlow's ``cross_device_ops`` does: by default the
-compiler's own all-reduce (``lax.psum``); ``"ring"``, ``"tree"``, ``"reduce_to_one"``
-or ``AllReduce("hierarchical", group=g)`` run the hand-written algorithms of
-:mod:`parallelkit.strategies.allreduce` instead, inside ``jax.shard_map`` (backend ``"jit"``) or ``pmap``.
-``bucket_bytes`` sends the gradients in buckets of at most that many bytes, one all-reduce
-each, filled in the order the backward pass produces the gradients (the head's first, the
-embeddings' last), as PyTorch DDP's ``bucket_cap_mb`` and Horovod's tensor fusion do.
-"""
+"""Mirrored data parallelism (TensorFlow's MirroredStrategy, PyTorch's DDP): ``pk.Mirrored``, :class:`MirroredJit`."""
 
 from __future__ import annotations
 

@@ -1,19 +1,4 @@
-"""Multi-worker mirrored data parallelism (TensorFlow's MultiWorkerMirroredStrategy, multi-node DDP).
-
-:class:`Mirrored` with the ``jit`` backend, stretched over every device of every
-process: one global mesh with a ``data`` axis, the state replicated on all of it,
-the batch split along it. The compiler's all-reduce now crosses process borders
-(gloo on CPU, NCCL or the TPU interconnect elsewhere); the training step is the
-same single-device step.
-
-Each process feeds only its own slice of the global batch: the rows that belong to
-its local devices. Two ways to hand it over:
-
-- ``batch="global"`` (default): every process passes the same global batch (for
-  example a deterministic loader with the same seed); each places only its rows.
-- ``batch="local"``: each process passes just its slice (global batch / processes
-  rows, in process order), as sharded input pipelines do.
-"""
+"""Multi-worker mirrored data parallelism (MultiWorkerMirroredStrategy, multi-node DDP) on one global mesh."""
 
 from __future__ import annotations
 
@@ -62,7 +47,7 @@ class MultiWorkerMirrored(SPMD):
         self.num_processes = len({d.process_index for d in self.devices})
 
     def place_batch(self, batch: Batch) -> Batch:
-        """Build the global batch array from this process's rows only (the module says which, by ``batch``)."""
+        """Build the global batch array from this process's rows only (``batch`` says which: docs/multi_host.md)."""
         if self.feed == "global":
             check_divisible(batch, self.num_replicas)
             return jax.tree.map(

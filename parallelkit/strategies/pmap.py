@@ -1,13 +1,4 @@
-"""Mirrored data parallelism with ``jax.pmap``: ``Mirrored(backend="pmap")``.
-
-The classic per-device program: the state stacked with a leading axis of length ``n``
-(one copy per device), the batch reshaped to ``(n, per_replica, ...)``, and the
-gradients averaged by an explicit ``lax.pmean`` over the replica axis (or a hand-written
-all-reduce of :mod:`parallelkit.strategies.allreduce`). Since JAX 0.8 ``pmap`` is built on
-``jit`` + ``shard_map`` and is in maintenance mode; it is here because so much code and
-teaching uses it. :class:`~parallelkit.strategies.mirrored.MirroredJit` is the same
-strategy as one ``jax.jit`` with shardings.
-"""
+"""Mirrored data parallelism with ``jax.pmap``: ``Mirrored(backend="pmap")`` (:class:`MirroredPmap`)."""
 
 from __future__ import annotations
 

@@ -1,22 +1,5 @@
-"""One SPMD strategy: a mesh with any named axes, and logical axis rules for the batch, activations and parameters.
-
-``jax.jit`` of the single-device step with a ``NamedSharding`` for every leaf: the batch split as the rules
-place the logical axis ``batch`` (every array's leading axis; ``batch_axes`` names the other
-axes of an array, such as a token axis ``length``, to lay them out too), the parameters by
-``param_rules``, and the activations where the model calls
-:func:`parallelkit.core.axes.constrain`, which becomes ``with_sharding_constraint`` while
-this strategy traces its step. XLA's SPMD partitioner inserts the communication
-the shardings imply (the all-reduces of data and tensor parallelism, the all-gathers and
-reduce-scatters of fully sharded training). :class:`~parallelkit.TensorParallel`,
-:class:`~parallelkit.FullySharded`, :class:`~parallelkit.Hybrid`, :class:`~parallelkit.ExpertParallel`
-and :class:`~parallelkit.ContextParallel` are presets of it.
-
-The strategy owns one mesh (:func:`parallelkit.core.mesh.make_mesh`) and a rule for every
-parameter (:mod:`parallelkit.core.partition`). From them it derives a sharding for every leaf of
-the state: the parameters by their specs, the optimizer state like the parameters it belongs
-to, the step counter replicated. ``init`` builds the state inside one ``jax.jit`` whose outputs
-carry those shardings, so each device only ever receives its own slices (no device holds the
-whole state first).
+"""One SPMD strategy (:class:`SPMD`): a mesh with any named axes, and logical axis rules for the batch, activations
+and parameters.
 
 >>> import parallelkit as pk
 >>> mesh = pk.mesh.make_mesh(jax.devices()[:1], data=1, seq=1)
@@ -225,8 +208,8 @@ class SPMD(Strategy):
         model_state: PyTree = None,
         rng: int | jax.Array | None = None,
     ) -> TrainState:
-        """Place every leaf directly in its sharding, as the module docstring says (a state replicated on every
-        device is simply put there)."""
+        """Place every leaf directly in its sharding, inside one ``jax.jit`` (a state replicated on every device
+        is simply put there)."""
         rng = prng_key(rng)  # a seed would become a traced integer inside jit
         target = self.state_shardings(params, tx, model_state=model_state, rng=rng)
         build = functools.partial(create_state, tx=tx)  # the optimizer bound: not an argument of the jit
@@ -268,8 +251,9 @@ class SPMD(Strategy):
 
 
 class _CompiledOnFirstCall:
-    """The jitted step (the module docstring says what it runs; :meth:`_accumulation` how ``accumulate=K``
-    microbatches meet once), built on the first call with the strategy's shardings for the state it is given.
+    """The jitted step (the single-device step under ``jax.jit`` with the strategy's shardings;
+    :meth:`_accumulation` says how ``accumulate=K`` microbatches meet once), built on the first call with the
+    strategy's shardings for the state it is given.
 
     The shardings are per leaf, so they depend on the model and the optimizer
     (:meth:`SPMD.state_shardings`); a step is built for one state's structure and

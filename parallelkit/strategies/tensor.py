@@ -1,18 +1,4 @@
-"""Tensor (intra-model) parallelism, Megatron style: the weights themselves are split over devices.
-
-Mirrored training copies the whole model to every device; tensor parallelism cuts
-each large weight into ``k`` slices on a ``model`` mesh axis, so each device holds
-and computes 1/k of every split layer. In an MLP block the first kernel is split
-by columns (each device computes a slice of the hidden units) and the second by
-rows (each device multiplies its slice of the hidden units and holds a partial
-sum); one all-reduce adds the partial sums, so a block costs one all-reduce in the
-forward pass and one in the backward pass. Attention splits its heads the same way.
-
-How the split is described: the logical axes the model declares (``nnx.with_partitioning(init, ("embed",
-"mlp"))``), or partition rules (:class:`TensorParallel`'s ``rules`` says each way). The training step
-is the single-device step under ``jax.jit``; XLA inserts the all-reduces the
-shardings imply, which :func:`parallelkit.measure.inspect.collectives` reads back.
-"""
+"""Tensor parallelism, Megatron style (:class:`TensorParallel`): the weights themselves split over devices."""
 
 from __future__ import annotations
 

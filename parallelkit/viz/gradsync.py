@@ -1,19 +1,4 @@
-"""Gradient synchronisation as figures: per-replica gradients, their spread, a ring all-reduce.
-
-Each function takes data from :mod:`parallelkit.measure.gradsync` and returns a
-:class:`matplotlib.figure.Figure` (no pyplot).
-
->>> import numpy as np
->>> from parallelkit.measure.gradsync import GradSync
->>> g = np.array([[1.0, 2.0], [3.0, 4.0]])  # 2 replicas, one layer of 2 numbers
->>> sync = GradSync(("w",), (g,), (np.tile(g.mean(0), (2, 1)),), np.array([0.5, 0.7]))
->>> fig = gradient_sync_figure(sync, "w")
->>> fig.axes[0].images[0].get_array().tolist(), fig.axes[1].images[0].get_array().tolist()
-([[1.0, 2.0], [3.0, 4.0]], [[2.0, 3.0], [2.0, 3.0]])
-
-The live view is here too: :class:`GradSyncExplorer`, a step slider and a layer slider over captured
-gradients, each change redrawing :func:`gradient_sync_figure` (``pk.widgets.GradSyncExplorer``).
-"""
+"""Gradient synchronisation as figures, and the live :class:`GradSyncExplorer`."""
 
 from __future__ import annotations
 
@@ -41,6 +26,15 @@ def gradient_sync_figure(sync: GradSync, layer: int | str = 0, max_elements: int
       The figure: ``axes[0]`` shows ``before`` as ``[replicas, elements]``, ``axes[1]``
       ``after``; ``axes[2]`` has one bar per replica, its gradient's L2 norm, and a line
       at the synced gradient's norm.
+
+    Example:
+      >>> import numpy as np
+      >>> from parallelkit.measure.gradsync import GradSync
+      >>> g = np.array([[1.0, 2.0], [3.0, 4.0]])  # 2 replicas, one layer of 2 numbers
+      >>> sync = GradSync(("w",), (g,), (np.tile(g.mean(0), (2, 1)),), np.array([0.5, 0.7]))
+      >>> fig = gradient_sync_figure(sync, "w")
+      >>> fig.axes[0].images[0].get_array().tolist(), fig.axes[1].images[0].get_array().tolist()
+      ([[1.0, 2.0], [3.0, 4.0]], [[2.0, 3.0], [2.0, 3.0]])
     """
     if isinstance(layer, str) and layer not in sync.layers:
         raise ValueError(f"No layer {layer!r}; the layers are {list(sync.layers)}.")

@@ -1,11 +1,9 @@
-"""A pipeline schedule as a Gantt chart: one row per stage, one bar per forward or backward pass.
+"""A pipeline schedule as a Gantt chart, and the live :class:`PipelineExplorer`.
 
 >>> from parallelkit.strategies.pipeline.schedules import gpipe_schedule
 >>> fig = pipeline_gantt_figure(gpipe_schedule(stages=2, microbatches=2))
 >>> [(float(p.get_x()), float(p.get_width())) for p in fig.axes[0].patches[:2]]
 [(0.0, 1.0), (1.0, 1.0)]
-
-The live view is here too: :class:`PipelineExplorer` (``pk.widgets.PipelineExplorer``).
 """
 
 from __future__ import annotations

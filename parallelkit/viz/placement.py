@@ -1,17 +1,4 @@
-"""Where state lives and what crosses between devices, as matplotlib figures.
-
-The functions take plain data (what :meth:`~parallelkit.Strategy.describe`,
-:meth:`~parallelkit.ParameterServer.partition` and :func:`parallelkit.measure.inspect.collectives`
-return) and give back a
-:class:`matplotlib.figure.Figure` built without pyplot, so they work headless and
-in notebooks alike (a notebook displays a returned ``Figure`` as an image).
-
->>> from parallelkit import LeafPlacement
->>> rows = [LeafPlacement(".w", (4, 2), "float32", (0, 1), "device", "P()", 2, 32)]
->>> fig = placement_figure(rows, devices=[0, 1, 2])
->>> fig.axes[0].images[0].get_array().tolist()
-[[1.0, 1.0, 0.0]]
-"""
+"""Where state lives and what crosses between devices, as matplotlib figures built without pyplot."""
 
 from __future__ import annotations
 
@@ -113,6 +100,13 @@ def placement_figure(rows: Sequence[LeafPlacement], devices: Sequence[int] | Non
 
     Raises:
       ValueError: a leaf lives on a device that is not in ``devices``.
+
+    Example:
+      >>> from parallelkit import LeafPlacement
+      >>> rows = [LeafPlacement(".w", (4, 2), "float32", (0, 1), "device", "P()", 2, 32)]
+      >>> fig = placement_figure(rows, devices=[0, 1, 2])
+      >>> fig.axes[0].images[0].get_array().tolist()
+      [[1.0, 1.0, 0.0]]
     """
     if devices is None:
         devices = sorted({d for row in rows for d in row.devices})

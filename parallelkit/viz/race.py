@@ -1,19 +1,4 @@
-"""A strategy race as a figure: step times, throughput against ideal scaling, scaling efficiency.
-
-Takes the plain data of :class:`StrategyRace` (a
-:class:`~parallelkit.widgets.live.RaceStandings`) and returns a
-:class:`matplotlib.figure.Figure` (no pyplot).
-
->>> from parallelkit.widgets.live import RaceRow, RaceStandings
->>> rows = (RaceRow("one", 1, 9, 9, 0.5, 0.004, 16000.0, 1.0, 1.0, 0.3, True),
-...         RaceRow("four", 4, 9, 9, 0.9, 0.002, 32000.0, 0.5, 0.5, 0.3, True))
->>> fig = race_figure(RaceStandings(rows, "one", simulated=False))
->>> [float(p.get_height()) for p in fig.axes[0].patches], [float(p.get_height()) for p in fig.axes[2].patches]
-([4.0, 2.0], [1.0, 0.5])
-
-The live view over the same data is here too: :class:`StrategyRace` trains the strategies in turn and
-redraws the figure as they go (``pk.widgets.StrategyRace`` is the same class).
-"""
+"""A strategy race as a figure (:func:`race_figure`), and the live :class:`StrategyRace`."""
 
 from __future__ import annotations
 
@@ -58,6 +43,14 @@ def race_figure(standings: RaceStandings, title: str = "") -> Figure:
       The figure; bar ``k`` of ``axes[0].patches`` has height ``rows[k].median_seconds * 1e3``,
       of ``axes[1]`` ``rows[k].samples_per_second``, of ``axes[2]``
       ``rows[k].scaling_efficiency``; ``axes[1].lines[0]`` is the ideal throughput.
+
+    Example:
+      >>> from parallelkit.widgets.live import RaceRow, RaceStandings
+      >>> rows = (RaceRow("one", 1, 9, 9, 0.5, 0.004, 16000.0, 1.0, 1.0, 0.3, True),
+      ...         RaceRow("four", 4, 9, 9, 0.9, 0.002, 32000.0, 0.5, 0.5, 0.3, True))
+      >>> fig = race_figure(RaceStandings(rows, "one", simulated=False))
+      >>> [float(p.get_height()) for p in fig.axes[0].patches], [float(p.get_height()) for p in fig.axes[2].patches]
+      ([4.0, 2.0], [1.0, 0.5])
     """
     rows = standings.rows
     x = np.arange(len(rows))

@@ -1,34 +1,4 @@
-"""Gradient buckets in the alpha-beta model: how big a bucket should be.
-
-Data parallelism all-reduces its gradients in buckets (PyTorch DDP's ``bucket_cap_mb``,
-25 MB by default; Horovod's tensor fusion, a 128 MiB buffer by default since v0.21.0,
-``HOROVOD_FUSION_THRESHOLD``; XLA's all-reduce combiner,
-``--xla_gpu_all_reduce_combine_threshold_bytes`` on a GPU). The backward pass produces the
-gradients last layer first; a bucket's all-reduce can start once its gradients exist and
-the bucket before it is done (one communication stream), while the backward pass goes
-on. Two costs pull against each other:
-
-- every all-reduce pays the latency of its rounds, so many small buckets are
-  latency-bound;
-- a bucket starts only when it is full, so one big bucket waits for the whole backward
-  pass and hides nothing; the last bucket's all-reduce is never hidden.
-
-:func:`bucket_timeline` plays this out: bucket ``k`` is ready when the backward pass has
-produced its bytes (at an even rate per byte over ``backward_s``), starts when it is ready
-and the one before has finished, and takes :func:`~.links.allreduce_seconds`. What runs past
-the end of the backward pass is exposed: the step waits for it. With ``backward_s=0`` (no
-overlap, as on XLA's CPU backend, which runs collectives and compute one after another)
-everything is exposed: the sum of the buckets' all-reduces.
-
->>> from parallelkit.measure.costmodel import Cluster, Link
->>> four = Cluster(1, 4, Link("test", GBps=10, latency_us=5, source="by hand"))
->>> one = bucket_timeline(four, [4e6], backward_s=1e-3)           # one bucket, ready at the end
->>> many = bucket_timeline(four, [1e6] * 4, backward_s=1e-3)      # four, the first ready at 1/4
->>> round(one.exposed_s * 1e6), round(many.exposed_s * 1e6)       # us the step waits after the backward pass
-(630, 180)
->>> round(bucket_timeline(four, [4e3] * 1000, backward_s=1e-3).exposed_s * 1e3, 1)  # latency-bound
-29.6
-"""
+"""Gradient buckets in the alpha-beta model: :func:`bucket_timeline` beside the backward pass."""
 
 from __future__ import annotations
 
@@ -74,6 +44,16 @@ def bucket_timeline(
     Raises:
       ValueError: a bucket that is not a finite number of bytes > 0, or a backward time that is not
         a finite number of seconds >= 0.
+
+    Example:
+      >>> from parallelkit.measure.costmodel import Cluster, Link
+      >>> four = Cluster(1, 4, Link("test", GBps=10, latency_us=5, source="by hand"))
+      >>> one = bucket_timeline(four, [4e6], backward_s=1e-3)           # one bucket, ready at the end
+      >>> many = bucket_timeline(four, [1e6] * 4, backward_s=1e-3)      # four, the first ready at 1/4
+      >>> round(one.exposed_s * 1e6), round(many.exposed_s * 1e6)       # us the step waits after the backward pass
+      (630, 180)
+      >>> round(bucket_timeline(four, [4e3] * 1000, backward_s=1e-3).exposed_s * 1e3, 1)  # latency-bound
+      29.6
     """
     sizes = list(bucket_bytes)  # once: a generator would be spent by the check below
     if not all(_finite(b) and b > 0 for b in sizes):

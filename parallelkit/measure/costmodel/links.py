@@ -1,12 +1,4 @@
-"""Links, clusters and the rounds of every collective: the alpha-beta model, and the one fit of it.
-
-A :class:`Link` times a message and a :class:`Cluster` a round of them (:data:`Round`) under the
-cost model's assumptions (:mod:`parallelkit.measure.costmodel`). Every collective the kit times
-is a list of rounds: :func:`allreduce_rounds` (ring, tree, reduce-to-one, hierarchical),
-:func:`ring_rounds` (a reduce-scatter or an all-gather is one phase of a ring),
-:func:`alltoall_rounds` (the pairwise exchange). :func:`fit_alpha_beta` fits ``alpha`` and
-``beta`` to measured times, for the measured ceilings and :func:`fit_link`.
-"""
+"""Links, clusters and the rounds of every collective, and the one alpha-beta fit (:func:`fit_alpha_beta`)."""
 
 from __future__ import annotations
 

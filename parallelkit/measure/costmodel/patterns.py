@@ -1,14 +1,4 @@
-"""How each family of strategies communicates in one step: the registry of patterns.
-
-A :class:`~parallelkit.measure.costmodel.workload.Pattern` turns a workload, a cluster and
-the options into (gradient seconds, which overlap can hide; activation seconds, which it
-cannot). :data:`PATTERNS` holds every pattern the kit knows from the start (what each one
-sends: :func:`.estimate.communication_seconds`): data parallelism and its relatives, tensor,
-hybrid, pipeline and expert parallelism, and the patterns that split the sequence
-(:mod:`.sequence`); :func:`register_pattern` adds one of your own. A strategy in
-:mod:`parallelkit.strategies.catalog` names its pattern, and :func:`name_strategy` (which
-the catalog's ``register`` calls) records the name, so the cost model never imports the strategies.
-"""
+"""How each family of strategies communicates: :data:`PATTERNS`, :func:`register_pattern`."""
 
 from __future__ import annotations
 

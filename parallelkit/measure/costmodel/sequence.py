@@ -1,45 +1,4 @@
-"""The cost model's patterns for splitting the sequence: context parallelism by each method, Megatron's SP.
-
-Both move activations, not gradients, so what they send is written in two workload
-figures: ``sequence_bytes``, one sample's ``(length, dim)`` activation (the size of its
-keys, or of its values, in one layer), and ``layers``. :func:`plan` lists what one
-device's step sends, each collective with its count and its payload as
-:func:`parallelkit.measure.inspect.collectives` reads a compiled program (an all-gather's
-gathered result, a reduce-scatter's shard, an all-to-all's or a permute's array), so a
-prediction can be set beside the compiler's own figures. The payload does not compare one
-method with another; :attr:`Planned.sent_bytes` does, by the rule of
-:func:`parallelkit.measure.inspect.sent_bytes` (which says why). With ``n`` devices splitting
-each sequence, a group of ``n`` takes ``n x batch_per_device`` samples (the cost model's
-convention), so each device holds a block of ``b = batch_per_device x sequence_bytes``
-of every ``(length, dim)`` activation (``1/n`` of the group's sequences' tokens). Per layer,
-forward and backward:
-
-- ``context_allgather``: keys and values all-gathered (``2 x``, each ``n b``), their
-  gradients reduce-scattered (``2 x``, each ``b``): ``(n-1)/n`` of the K,V bytes arrive;
-  each device sends ``4 (n-1) b``;
-- ``context_ring``: keys and values passed on ``n - 1`` times forward, their gradients
-  ``n - 1`` times backward (``4 (n-1)`` permutes of ``b``): it sends the same ``4 (n-1) b``;
-- ``context_ring_zigzag``: the ring, and q, k, v into the zig-zag layout and the output back
-  (``8`` permutes of ``b/2`` each way: ``16``): ``4 (n-1) b + 8 b``;
-- ``context_ulysses``: q, k, v and the output by all-to-all, forward and backward (``8`` of ``b``):
-  ``8 (n-1)/n b``, as much as the ring on 2 devices and less on more;
-- ``sequence_parallel``: the 2 all-reduces of each block forward and 2 backward, each
-  a reduce-scatter (shard ``b``) and an all-gather (``n b``); their time is the ring
-  all-reduce's, whose two halves they are.
-
-The gradients of the replicated parameters are all-reduced over every device, as for
-mirrored training (``context_*``: hidden behind compute by ``overlap``, like data parallelism's),
-or over the data groups (``sequence_parallel``, as for hybrid). Times follow the cost model's
-rounds: an all-gather or reduce-scatter is ``n - 1`` ring rounds of ``1/n`` of the gathered
-array, a permute one round, an all-to-all ``n - 1`` rounds of ``b/n`` to one peer each: in
-those rounds each device sends :attr:`Planned.sent_bytes`.
-
->>> work = Workload(0, 1e-3, batch_per_device=2, sequence_bytes=1024, layers=3)
->>> [(c.op, c.count, c.payload) for c in plan(work, "context_ring", 4)]
-[('collective-permute', 36, 2048)]
->>> [(c.op, c.payload, c.sent_bytes) for c in plan(work, "context_allgather", 4)]
-[('all-gather', 8192, 36864.0), ('reduce-scatter', 2048, 36864.0)]
-"""
+"""The cost model's patterns that split the sequence (context parallelism, Megatron's SP): :func:`plan`."""
 
 from __future__ import annotations
 
@@ -83,6 +42,13 @@ def plan(workload: Workload, name: str, n: int) -> list[Planned]:
     Raises:
       ValueError: a strategy that does not split the sequence, or a workload without
         ``sequence_bytes`` and ``layers``.
+
+    Example:
+      >>> work = Workload(0, 1e-3, batch_per_device=2, sequence_bytes=1024, layers=3)
+      >>> [(c.op, c.count, c.payload) for c in plan(work, "context_ring", 4)]
+      [('collective-permute', 36, 2048)]
+      >>> [(c.op, c.payload, c.sent_bytes) for c in plan(work, "context_allgather", 4)]
+      [('all-gather', 8192, 36864.0), ('reduce-scatter', 2048, 36864.0)]
     """
     if name not in PLANS:
         raise ValueError(f"{name!r} does not split the sequence: choose one of {list(PLANS)}.")

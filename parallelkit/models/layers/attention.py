@@ -1,10 +1,5 @@
-"""Attention over a sequence split across devices: dense, all-gather, ring (plain and zig-zag) and Ulysses.
-
-Arrays are ``(batch, length, heads, head_dim)``. :func:`dense` is the reference on one
-device. :func:`context_parallel` runs one method inside ``jax.shard_map`` with the
-length split over a mesh axis (``seq``). :func:`attend` is what a model calls: dense
-attention, or the active strategy's method when its logical axis rules put ``length``
-on a mesh axis of more than one device (:func:`method` picks which).
+"""Attention over a sequence split across devices: dense, all-gather, ring (plain and zig-zag) and Ulysses;
+:func:`attend` is what a model calls.
 
 >>> import jax.numpy as jnp
 >>> q = k = v = jnp.ones((1, 4, 2, 8))

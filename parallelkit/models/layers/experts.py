@@ -1,13 +1,5 @@
-"""Mixture of experts: a top-k softmax router, expert capacity, and expert parallelism by all-to-all.
-
-:func:`moe_layer` is the layer in the GShard formulation: the tokens are cut into
-groups, each group routes on its own, and one-hot dispatch and combine masks move
-tokens into each expert's fixed-size buffer and back with einsums. On one device (or
-under rules that do not split the logical axis ``expert``) every expert runs there;
-traced under a strategy whose rules map ``expert`` to a mesh axis of size ``n > 1``
-it becomes :func:`expert_parallel`, where one ``jax.lax.all_to_all`` sends each expert's
-slots to the device that holds it and a second brings the results back: the expert
-weights stay split along their leading axis, never gathered.
+"""Mixture of experts: a top-k softmax router, expert capacity (:func:`moe_layer`), and expert parallelism by
+all-to-all (:func:`expert_parallel`).
 
 >>> params = init_moe_params(jax.random.key(0), dim=4, hidden=8, experts=4)
 >>> y, aux = moe_layer(jnp.ones((2, 3, 4)), params, top_k=2)

@@ -1,20 +1,7 @@
-"""Megatron's sequence parallelism at a block's edges: all-gather into column-split layers, reduce-scatter out of rows.
+"""Megatron's sequence parallelism at a block's edges: :func:`gather_columns` and :func:`scatter_rows`.
 
-Under tensor parallelism a transformer block's residual stream is whole on every
-device and each block ends in an all-reduce of its row-split layer's partial sums.
-Sequence parallelism (Korthikanti et al., 2022) splits the residual stream along the
-sequence over the same devices instead, so layer norms and dropout work on ``1/k`` of
-the tokens, and writes that all-reduce as its two halves: a reduce-scatter that leaves
-each device the sum for its own tokens, and an all-gather of the tokens before the next
-column-split layer. The bytes are those of the all-reduce; the activations held between
-blocks are ``1/k``.
-
-The model calls :func:`gather_columns` and :func:`scatter_rows` where it calls its
-column- and row-split layers. While a strategy traces its step with rules that put the
-residual stream's length (``norm_length``) on the same mesh axis as the layer's split
-output (``heads``, ``mlp``), each runs its matmul inside ``jax.shard_map`` with the
-collective written out (``lax.all_gather``, ``lax.psum_scatter``: the compiled step holds
-them as they are). Anywhere else each is the layer itself.
+References:
+  Korthikanti et al., "Reducing Activation Recomputation in Large Transformer Models", 2022.
 
 >>> from flax import nnx
 >>> layer = nnx.Linear(4, 6, rngs=nnx.Rngs(0))

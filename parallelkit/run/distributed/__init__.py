@@ -1,10 +1,9 @@
-"""Multi-host training: resolve the cluster, join it, and run local clusters for learning and tests.
+"""Multi-host training: resolve the cluster, join it, and run local clusters. Importing it neither imports JAX nor
+calls ``jax.distributed``.
 
 >>> from parallelkit import distributed
 >>> distributed.resolve_cluster(env={}).describe()[:14]
 'single process'
-
-Importing this package neither imports JAX nor calls ``jax.distributed``.
 """
 
 from .cluster import ClusterError as ClusterError

@@ -1,11 +1,4 @@
-"""Start a cluster process that dies with its launcher (Linux): ``python _guard.py LAUNCHER_PID command...``.
-
-Asks the kernel to SIGKILL this process when the launcher dies (``PR_SET_PDEATHSIG``,
-which survives ``exec``), then becomes ``command``. Run by file path, not with
-``-m``, so that it starts in milliseconds without importing parallelkit or JAX.
-Setting the signal in the launcher instead (``preexec_fn``) would fork a process
-that runs JAX's threads, which JAX warns may deadlock.
-"""
+"""Start a cluster process that dies with its launcher (Linux): ``python _guard.py LAUNCHER_PID command...``."""
 
 import ctypes
 import os

@@ -1,26 +1,4 @@
-"""Where this process sits in a cluster: resolving it, checking it, joining it.
-
-Every process of a multi-host JAX program runs the same code and calls
-:func:`initialize` once, before any JAX work. The cluster is resolved from, in
-order (the first source that is present wins):
-
-1. explicit arguments: ``coordinator_address``, ``num_processes``, ``process_id``;
-2. the parallelkit launcher's environment (``PK_COORDINATOR``, ``PK_NUM_PROCESSES``,
-   ``PK_PROCESS_ID``, ...), set by ``python -m parallelkit launch`` and :func:`run_local`;
-3. the classic TensorFlow flags ``ps_hosts``, ``worker_hosts``, ``job_name``, ``task_index``;
-4. the ``TF_CONFIG`` environment variable (JSON ``{"cluster": ..., "task": ...}``);
-5. JAX's own detection (SLURM, Open MPI, Kubernetes, Cloud TPU), or a single process.
-
-How TensorFlow roles map to JAX processes: JAX has one kind of process, so every
-task of the TF cluster becomes one process, numbered ``chief`` first, then
-``worker`` tasks, then ``ps`` tasks, each in list order. The first task (the chief,
-or worker 0) hosts the coordinator at its own ``host:port``. With
-``worker_hosts=a:2222,b:2222`` and ``ps_hosts=c:2222``, worker 1 is process 1 and
-ps 0 is process 2 of 3. Strategies decide what a ``ps`` process does with its devices
-(``MultiWorkerMirrored`` simply uses all of them).
-
-Nothing here imports JAX at module import; :func:`resolve_cluster` is pure Python.
-"""
+"""Where this process sits in a cluster: resolving it (:func:`resolve_cluster`), checking it, joining it."""
 
 from __future__ import annotations
 

@@ -1,28 +1,4 @@
-"""A local cluster: N processes on 127.0.0.1, each with M simulated CPU devices.
-
-``launch(command, processes=2)`` starts the same command N times with the
-launcher's environment (``PK_COORDINATOR``, ``PK_PROCESS_ID``, ...), which
-:func:`parallelkit.run.distributed.initialize` reads. ``run_local(fn, processes=2)``
-does the same for a Python function, from a script or a notebook, and returns
-each process's result. The caller (a notebook kernel, pytest) never calls
-``jax.distributed`` itself.
-
-JAX's failure modes, and what the launcher does about them:
-
-- a process dies (killed, crashed, exception): JAX would leave the others stuck in a
-  collective until the heartbeat timeout, then abort them (SIGABRT, exit 134). The
-  launcher sees the death at once, reports *that* process and the likely cause,
-  and kills the rest after ``grace`` seconds (SIGKILL: JAX catches SIGTERM).
-- a process never joins: the others would wait ``initialization_timeout`` and abort.
-  The launcher gives every process ``init_timeout`` seconds to join (it touches a
-  ready file once ``initialize`` returns) and otherwise names the missing one.
-- anything else that runs past ``timeout``: everything is killed and reported.
-- the launcher itself is stopped (SIGTERM, SIGINT, SIGHUP, an interrupted ``run_local``,
-  a restarted kernel): its children die with it. It kills them on every signal it
-  can catch; on Linux each child also asks the kernel for SIGKILL when the launcher
-  dies (``PR_SET_PDEATHSIG``, see ``_guard.py``), and :func:`parallelkit.run.distributed.initialize` watches
-  the launcher from every child and exits when it is gone (any OS, even after SIGKILL).
-"""
+"""A local cluster: N processes on 127.0.0.1, each with M simulated CPU devices (:func:`launch`, :func:`run_local`)."""
 
 from __future__ import annotations
 
@@ -165,7 +141,7 @@ def launch(
     Each process gets ``devices_per_process`` simulated CPU devices (or, with
     ``platform="gpu"``, that many GPUs of its own) and must call
     ``pk.distributed.initialize()`` (which reads the launcher's environment). The
-    children never outlive the launcher: see the module docstring.
+    children never outlive the launcher: docs/multi_host.md says how.
 
     Args:
       command: the program, for example ``[sys.executable, "train.py", "--steps", "10"]``.

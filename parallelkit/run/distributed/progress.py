@@ -1,23 +1,4 @@
-"""Live progress across the process border: ``fit`` callbacks of a cluster, shown by the caller.
-
-Training in a local cluster runs in subprocesses, but a notebook's dashboard lives
-in the kernel. In each process, :class:`ReportProgress` is a ``fit`` callback that
-prints one line per event; the launcher streams every line to the caller as it
-comes; there, :class:`ForwardProgress` (the ``print_fn`` of
-:func:`~parallelkit.run.distributed.run_local` or :func:`~parallelkit.run.distributed.launch`)
-turns one process's lines back into the same callback calls, for example on a
-:class:`parallelkit.widgets.TimingDashboard`, and prints every other line as usual.
-
->>> import io
->>> from parallelkit.run.training import Callback, RunInfo, StepRecord
->>> out = io.StringIO()
->>> ReportProgress(stream=out).on_step_end(StepRecord(1, {"loss": 2.0}, 0.5, compiled=True))
->>> class Seen(Callback):
-...     def on_step_end(self, record):
-...         print("step", record.step, "loss", record.loss)
->>> ForwardProgress([Seen()], process=0)("[p0] " + out.getvalue().strip())
-step 1 loss 2.0
-"""
+"""Live progress across processes: :class:`ReportProgress` in each, :class:`ForwardProgress` in the caller."""
 
 from __future__ import annotations
 
@@ -62,6 +43,17 @@ class ForwardProgress:
       callbacks: ``fit`` callbacks to drive, such as a ``TimingDashboard``.
       process: whose progress to show.
       print_fn: where ordinary output lines go.
+
+    Example:
+      >>> import io
+      >>> from parallelkit.run.training import Callback, RunInfo, StepRecord
+      >>> out = io.StringIO()
+      >>> ReportProgress(stream=out).on_step_end(StepRecord(1, {"loss": 2.0}, 0.5, compiled=True))
+      >>> class Seen(Callback):
+      ...     def on_step_end(self, record):
+      ...         print("step", record.step, "loss", record.loss)
+      >>> ForwardProgress([Seen()], process=0)("[p0] " + out.getvalue().strip())
+      step 1 loss 2.0
     """
 
     def __init__(self, callbacks: Sequence[Callback], process: int = 0, print_fn: Callable[[str], None] = print):

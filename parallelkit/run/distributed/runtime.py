@@ -193,7 +193,7 @@ def _check_joined(spec: ClusterSpec) -> None:
 def _exit_with_launcher(poll_seconds: float = 0.5) -> None:
     """Under the parallelkit launcher, end this process as soon as the launcher is gone.
 
-    The last of the safeguards the launcher's module docstring lists, for SIGKILL of the launcher
+    The last of the safeguards docs/multi_host.md lists for the launcher, for SIGKILL of the launcher
     on other systems and a process started by a child: it ends this process when the launcher's
     pid no longer exists (seen from any descendant) or when this process's parent changes (a dead
     parent hands its children to another, at once, even while the dead launcher awaits its reaper).

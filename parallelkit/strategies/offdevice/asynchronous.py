@@ -1,35 +1,7 @@
 """Asynchronous parameter-server training: every worker's gradient applied on its own, as it arrives.
 
-Each worker loops on its own: pull the parameters, compute a gradient on its slice of
-data, push it; the shards apply each push as one update, without waiting for the
-other workers. A gradient is therefore computed on the parameters as they were at its
-worker's pull, and by the time it arrives the other workers may have pushed ``d``
-updates since: its *delay* (staleness). Delays arise from the workers' speeds alone,
-with no straggler needed: eight equally fast workers that start together each find
-the other seven's pushes applied before their own.
-
-What runs for real and what is simulated, in this one-process teaching version:
-
-- simulated: time. :class:`AsyncWorkers` is a seeded event simulation of the
-  workers' clocks (worker ``i`` takes ``worker_times[i]`` time units per gradient,
-  each computation varying by up to ``JITTER`` either side), which decides who
-  pushes next and on which version of the parameters it computed;
-- real: everything the schedule says happens. Each worker's pull is a copy of every
-  shard to its device, kept there until its next pull (the stale copy it computes
-  on); each gradient is computed on that copy, on its worker's device; each push goes
-  to the shards, whose update programs apply it alone.
-
-A round (one call of the step) applies the next ``n`` pushes for ``n`` workers, so it
-consumes the global batch like a synchronous step does: push ``k`` of the round
-computes on the ``k``-th slice of the batch (the data a worker reads is assigned when
-its gradient is computed; what the schedule decides is the parameters it reads).
-
-A staleness bound drops a gradient older than ``staleness`` updates when it arrives
-(as TensorFlow's ``SyncReplicasOptimizer`` drops stale gradients); its worker pulls
-again and computes anew. Stale-synchronous parallel (Ho et al., 2013) bounds it
-instead by making a fast worker wait; either way no applied gradient is older than
-the bound.
-"""
+References:
+  Ho et al., "More Effective Distributed ML via a Stale Synchronous Parallel Parameter Server", 2013."""
 
 from __future__ import annotations
 

@@ -1,26 +1,4 @@
-"""Central storage (TensorFlow's CentralStorageStrategy): one copy of the state, off the compute devices.
-
-Parameters and optimizer state live once, in host memory. Each step runs three
-stages, and the bytes of each are real transfers between memories:
-
-1. **pull**: the parameters are copied from host memory to every compute device;
-2. **compute**: each device takes its slice of the global batch and computes its
-   own gradients (one compiled program, ``jax.shard_map`` over the ``data`` axis);
-   no collective runs between the devices. With ``accumulate=K`` each device runs its
-   slice as ``K`` microbatches in a ``lax.scan`` and averages their gradients there, so
-   it still pushes one gradient row a step;
-3. **push and update**: the per-replica gradients are copied to the owner's device
-   (its default memory: a device-to-device copy, as TensorFlow would copy them to the
-   CPU), and a second compiled program there copies the state in from host memory,
-   averages the gradients into one, applies the optimizer update once and writes the
-   state back to host memory. The arithmetic runs on the owner's device, not on the
-   CPU host; the state crosses between host memory and that device twice a step, and
-   the traffic report counts both crossings.
-
-The same three stages, with the state cut into several owners, are a parameter
-server (:mod:`parallelkit.strategies.offdevice.parameter_server`); both share the helpers of
-:mod:`parallelkit.strategies.offdevice.rows`.
-"""
+"""Central storage (TensorFlow's CentralStorageStrategy): one copy of the state, off the compute devices."""
 
 from __future__ import annotations
 

@@ -1,27 +1,4 @@
-"""Parameter servers (TensorFlow's ParameterServerStrategy, ``--ps_hosts``): state sharded over PS shards.
-
-Parameters and optimizer state are cut into ``num_shards`` pieces, balanced by
-bytes, and each piece lives on its own parameter-server shard. Each step, the
-workers **pull** every shard, compute gradients on their slice of the batch, and
-**push** each gradient piece to the shard that owns it; every shard averages the
-pushed rows and applies the optimizer update to its piece, independently.
-
-What runs for real and what is simulated, in this one-process teaching version:
-
-- real: the shards are separate arrays, each in the host memory (``pinned_host``)
-  of one device (shard ``j`` beside device ``j % n``); pulls and pushes are real
-  copies between memories; each shard's update is its own compiled program.
-- simulated: the PS tasks are not separate processes (the multi-process version
-  belongs to :mod:`parallelkit.run.distributed`); in ``mode="async"`` the workers' clocks
-  are a seeded event simulation (:mod:`parallelkit.strategies.offdevice.asynchronous`), not a
-  race between processes, while every pull, gradient and update it schedules is real.
-
-The partition follows TensorFlow's variable partitioners in spirit: the parameters
-are flattened in tree order into one vector and cut into ``num_shards`` contiguous
-slices whose sizes differ by at most one element, so 3 shards balance as well as
-2. A large variable may span two shards; :meth:`ParameterServer.partition` shows
-which slice of which variable each shard holds.
-"""
+"""Parameter servers (TensorFlow's ParameterServerStrategy, ``--ps_hosts``): state sharded over PS shards."""
 
 from __future__ import annotations
 

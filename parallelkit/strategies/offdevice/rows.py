@@ -1,10 +1,4 @@
-"""The off-device strategies' shared parts: host memory, each replica's gradient rows, and one step's stages.
-
-Central storage and parameter servers run a step in three stages (:mod:`.central` describes them); this
-module holds what both use: where host memory is (:func:`host_sharding`), each replica's gradients as a row
-of its own (:class:`ReplicaRows`, :func:`replica_gradients`, :func:`push_rows`, :func:`join_rows`,
-:func:`mean_rows`) and the step that runs the stages (:class:`PushPullStep`).
-"""
+"""The off-device strategies' shared parts: host memory, gradient rows, the step's stages (:class:`PushPullStep`)."""
 
 from __future__ import annotations
 

@@ -1,39 +1,5 @@
-"""A pipeline in one program: the circular (looping) pipeline, in ``jax.shard_map`` with ``lax.ppermute``.
-
-:class:`~parallelkit.Pipeline` drives its stages from the host, one thread per stage. This module
-writes a pipeline the other way, as MaxText does: the whole forward pass is **one** compiled
-program over a ``stage`` mesh axis, its backward pass is JAX's own derivative of it, and the
-hand-overs are ``lax.ppermute`` instructions that the compiled HLO shows.
-
-The model is ``L = stages x virtual`` repeats of one block, ``block(params_k, x) -> x`` (the
-same shapes in and out, as a transformer's layers are), with the repeats' parameters stacked
-on a leading axis. Repeat ``k`` lives on stage ``k % stages``: each stage holds ``virtual``
-chunks, the circular layout of interleaved 1F1B. Each of the ``virtual x microbatches +
-stages - 1`` iterations of a ``lax.scan``, every stage runs its block on what it holds, then
-passes the result one stage on around the ring (the last stage's output goes back to stage 0
-for its next chunk; stage 0 keeps it until that chunk's turn). Stage ``s`` is busy in
-``virtual x microbatches`` of the iterations, so the bubble is ``(stages - 1) / (virtual x
-microbatches + stages - 1)``, as the interleaved schedule's; in its idle iterations a stage
-computes on zeros that nothing reads (an SPMD program runs the same code everywhere).
-
-What each design can do: the host-driven executor runs any order (1F1B's early backward
-passes, zero bubble's split ones) and any layers, and pays a host round trip per pass; this
-one compiles to one program, the compiler sees every collective, and nothing runs on the host
-between passes, but its backward pass is the forward loop reversed (GPipe's order: every
-microbatch's activations are kept until the loop runs backward) and every repeat must have
-the same shapes.
-
->>> import jax, jax.numpy as jnp
->>> mesh = jax.sharding.Mesh(jax.devices()[:2], ("stage",))
->>> block = lambda w, x: jnp.tanh(x @ w)
->>> stacked = jnp.stack([jnp.eye(3) * (k + 1) for k in range(4)])  # 4 repeats: 2 stages x 2 chunks
->>> x = jnp.ones((4, 3))
->>> y = circular_pipeline(block, stacked, x, mesh=mesh, microbatches=2)
->>> bool(jnp.allclose(y, sequential(block, stacked, x), atol=1e-6))
-True
->>> round(bubble_fraction(stages=2, microbatches=2, virtual=2), 3)  # 1 / (2 x 2 + 1)
-0.2
-"""
+"""A pipeline in one program: the circular (looping) pipeline, in ``jax.shard_map`` with ``lax.ppermute``
+(:func:`circular_pipeline`)."""
 
 from __future__ import annotations
 
@@ -96,6 +62,18 @@ def circular_pipeline(
         stages, a ``microbatches`` that is not a whole number of at least the stages, a batch
         whose rows do not split into the microbatches (and those over ``data_axis``), or a
         ``block`` whose output differs from its input in shape or dtype.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> mesh = jax.sharding.Mesh(jax.devices()[:2], ("stage",))
+      >>> block = lambda w, x: jnp.tanh(x @ w)
+      >>> stacked = jnp.stack([jnp.eye(3) * (k + 1) for k in range(4)])  # 4 repeats: 2 stages x 2 chunks
+      >>> x = jnp.ones((4, 3))
+      >>> y = circular_pipeline(block, stacked, x, mesh=mesh, microbatches=2)
+      >>> bool(jnp.allclose(y, sequential(block, stacked, x), atol=1e-6))
+      True
+      >>> round(bubble_fraction(stages=2, microbatches=2, virtual=2), 3)  # 1 / (2 x 2 + 1)
+      0.2
     """
     _check_mesh(mesh, axis, data_axis)
     stages = mesh.shape[axis]

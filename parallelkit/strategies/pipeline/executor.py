@@ -1,15 +1,4 @@
-"""Run a schedule for real: one host thread per stage, each working through its own passes in order.
-
-A stage's thread takes its next pass from the schedule, waits until the pass it depends
-on (the forward pass above, the backward pass below) has handed over its output, runs
-it, blocks until the device has finished, and hands its own output on. The times around
-each pass are recorded as :class:`~parallelkit.strategies.pipeline.schedules.Slot` rows: a measured
-timeline in seconds from the start of the step, drawn and checked like a computed one.
-
-After every pass the timeline also keeps two figures about memory, which are different
-things: the executor's own count of what it keeps for the backward passes, and the device's
-own reading of its bytes in use (:class:`Timeline`'s ``stashed`` and ``in_use`` say how each is made).
-"""
+"""Run a schedule for real: one host thread per stage, its passes in order, timed into a :class:`Timeline`."""
 
 from __future__ import annotations
 

@@ -1,20 +1,4 @@
-"""Pipeline schedules as plain data: which stage works on which microbatch, when.
-
-A pipeline cuts the model into ``stages`` (one per device) and the batch into
-``microbatches``. A schedule is a list of :class:`Slot` rows, ``(stage, microbatch,
-start, end, kind, chunk)``, in time units of one stage's forward pass; nothing here needs
-JAX, so schedules can be drawn (:func:`parallelkit.viz.pipeline_gantt_figure`) and
-checked (:func:`check_schedule`) before any pipeline runs.
-
-Four schedules, in the order the field met them:
-
-- :func:`gpipe_schedule`: every forward pass, then every backward pass;
-- :func:`one_f_one_b_schedule`: forward and backward passes alternate, so a stage holds
-  fewer microbatches at once;
-- :func:`interleaved_schedule`: each stage holds ``virtual`` chunks of layers that are not
-  neighbours (Megatron's virtual stages), so the bubble shrinks ``virtual`` times;
-- :func:`zero_bubble_schedule`: each backward pass split in two (:class:`Slot`'s ``kind``),
-  the weight passes, which nobody waits for, moved into the bubbles (ZB-H1).
+"""Pipeline schedules as plain data (:class:`Slot` rows): GPipe, 1F1B, interleaved and zero bubble.
 
 >>> slots = gpipe_schedule(stages=2, microbatches=2)
 >>> [(s.stage, s.microbatch, s.start, s.end, s.kind) for s in slots[:3]]

@@ -1,23 +1,8 @@
-"""A model as a list of layers, cut into stages, and the three compiled programs of one stage.
+"""A model as a list of layers, cut into stages, and the compiled programs of one stage.
 
-A layer is ``apply(params, x) -> y``; the first receives the batch as given (so it picks
-its own inputs, e.g. ``batch["x"]``), each later one the previous output, and
-``head_loss(output, batch)`` turns the last output into the loss. A stage is a run of
-neighbouring layers. Its programs are compiled once per stage and shared by every
-schedule: a schedule changes only the order in which they are called.
-
-- :func:`forward`: the stage's layers on one microbatch (the last stage ends with the loss);
-- :func:`backward`: the same layers again under :func:`jax.vjp`, adding the parameter
-  gradients of one microbatch to the stage's running sum and returning the gradient for
-  the stage below. The forward pass is recomputed here from the stage's input, so
-  between its forward and backward pass a microbatch costs its stage only that input
-  (GPipe's re-materialisation, Huang et al. 2019);
-- :func:`backward_input`: a zero-bubble schedule's backward pass, the input's gradient
-  alone; its weight pass is :func:`backward` with ``wrt="params"``;
-- :func:`backward_unreduced`: :func:`backward` on each of a stage's ``data`` devices alone,
-  until :func:`reduce_unreduced` all-reduces their sums once a step;
-- :func:`update`: one optimizer update of the stage's own parameters (and :func:`next_step`,
-  the step counter).
+References:
+  Huang et al., "GPipe: Efficient Training of Giant Neural Networks using Pipeline Parallelism", 2019:
+  re-materialisation, each stage keeping only its input between the passes.
 """
 
 from __future__ import annotations

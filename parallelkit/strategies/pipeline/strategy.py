@@ -1,8 +1,4 @@
-"""``pk.Pipeline``: the layers cut into stages on their own devices, the batch into microbatches.
-
-The step that runs its schedule is :class:`~parallelkit.strategies.pipeline.step.PipelineStep`; the bytes a step
-moves are measured in :mod:`~parallelkit.strategies.pipeline.traffic`.
-"""
+"""``pk.Pipeline``: the layers cut into stages on their own devices, the batch into microbatches."""
 
 from __future__ import annotations
 
