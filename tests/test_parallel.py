@@ -157,6 +157,16 @@ def test_bad_axes_get_a_clear_error(kwargs, match):
         pk.Parallel(**kwargs)
 
 
+@pytest.mark.parametrize(
+    ("stage_axes", "match"),
+    [(dict(tensors=2), r"'tensors' is not one of them"), (dict(data=2), r"'data' is Pipeline's own data=")],
+)
+def test_a_stage_axis_the_stage_does_not_take_gets_a_clear_error(stage_axes, match):
+    layers, _ = pk.models.as_layers(_gpt(0))
+    with pytest.raises(ValueError, match=match):
+        pk.Pipeline(layers, 2, 4, stage_axes=stage_axes)
+
+
 def test_repr_names_the_axes_it_splits():
     assert repr(pk.Parallel(data=2, zero=3, tensor=2, context=2)) == (
         "Parallel(data=2, zero=3, tensor=2, context=2, context_method='ring')"
