@@ -11,11 +11,11 @@ Conceptually, for ``n`` replicas and a global batch ``b``::
     before[i] = grad(loss_fn)(params, b[i * len(b) // n : (i + 1) * len(b) // n])
     after[i] = mean(before)  # what every replica holds once the all-reduce is done
 
-:func:`ring_allreduce` replays the same average as a ring all-reduce, recording
+:func:`ring_allreduce_trace` replays the same average as a ring all-reduce, recording
 every chunk that moves, for a step-through figure.
 
 >>> import numpy as np
->>> ring = ring_allreduce(np.arange(6.0).reshape(3, 2))  # 3 replicas, 2 numbers each
+>>> ring = ring_allreduce_trace(np.arange(6.0).reshape(3, 2))  # 3 replicas, 2 numbers each
 >>> ring.result[0].tolist(), len(ring.steps)
 ([2.0, 3.0], 4)
 """
@@ -36,6 +36,7 @@ from ..core.axes import DATA
 from ..core.contract import Batch, LossFn, PyTree, check_divisible, loss_with_aux
 from ..core.mesh import make_mesh
 from ..core.partition import path_label
+from ..core.renamed import renamed
 from ..core.state import TrainState
 
 if TYPE_CHECKING:
@@ -181,7 +182,7 @@ class RingTrace:
         return sent
 
 
-def ring_allreduce(inputs: np.ndarray) -> RingTrace:
+def ring_allreduce_trace(inputs: np.ndarray) -> RingTrace:
     """Average ``inputs[i]`` (replica i's flattened gradient) over replicas with a ring.
 
     Each vector is cut into ``n`` chunks. Reduce-scatter: in each of ``n - 1`` steps,
@@ -212,3 +213,6 @@ def ring_allreduce(inputs: np.ndarray) -> RingTrace:
             buffers, counts = new, new_counts
             steps.append(RingStep(phase, transfers, buffers.copy(), counts.copy()))
     return RingTrace(inputs, bounds, tuple(steps), buffers / n)
+
+
+__getattr__ = renamed(__name__, {"ring_allreduce": f"{__name__}:ring_allreduce_trace"})  # a trace, not the all-reduce

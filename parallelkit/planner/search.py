@@ -27,7 +27,7 @@ from .build import unsupported
 from .cluster import Cluster
 from .layout import Layout, check, memory_per_device
 from .memory import CONTEXT_METHODS, ELEMENT_BYTES, SCHEDULES, Memory
-from .model import Transformer
+from .model import ModelShape
 from .steptime import StepTime, bubble_share, gradient_seconds, step_time
 
 TOP = (
@@ -91,7 +91,7 @@ def prime_factors(n: int) -> dict[int, int]:
     return factors
 
 
-def meshes(model: Transformer, devices: int) -> Iterator[dict[str, int]]:
+def meshes(model: ModelShape, devices: int) -> Iterator[dict[str, int]]:
     """Every ``(tensor, expert, context, stages, data)`` whose product is ``devices`` that the model splits into."""
     for tensor in divisors(devices):
         for expert in divisors(devices // tensor):
@@ -103,13 +103,13 @@ def meshes(model: Transformer, devices: int) -> Iterator[dict[str, int]]:
                         yield mesh
 
 
-def layouts(model: Transformer, devices: int, batch: int) -> Iterator[Layout]:
+def layouts(model: ModelShape, devices: int, batch: int) -> Iterator[Layout]:
     """Every layout :func:`plan` weighs, before recomputation and accumulation are chosen."""
     for mesh in meshes(model, devices):
         yield from mesh_layouts(model, mesh, batch)
 
 
-def mesh_layouts(model: Transformer, mesh: dict[str, int], batch: int) -> Iterator[Layout]:
+def mesh_layouts(model: ModelShape, mesh: dict[str, int], batch: int) -> Iterator[Layout]:
     """The layouts of one mesh (axis sizes) that :func:`plan` weighs: each ZeRO stage, sequence parallelism,
     context method and pipeline schedule; none when the mesh has more replicas than ``batch`` sequences."""
     replicas, layers = mesh["data"] * mesh["expert"], model.layers
@@ -148,7 +148,7 @@ def pipeline_counts(stages: int, virtual: int, per_replica: int) -> tuple[int, .
     return tuple(m for m in divisors(per_replica) if m >= stages and (virtual == 1 or m % stages == 0))
 
 
-def ceilings(model: Transformer, group: Sequence[Layout], cluster: Cluster, batch: int, **options) -> list[float]:
+def ceilings(model: ModelShape, group: Sequence[Layout], cluster: Cluster, batch: int, **options) -> list[float]:
     """The highest MFU each layout of ``group`` (the layouts of one mesh: :func:`mesh_layouts`) could reach.
 
     Its step time is at least the one this adds up, so its MFU is at most this, whatever :func:`weigh` then
@@ -192,7 +192,7 @@ def ceilings(model: Transformer, group: Sequence[Layout], cluster: Cluster, batc
 
 
 def search(
-    model: Transformer, cluster: Cluster, batch: int, *, top: int | None = TOP, **options
+    model: ModelShape, cluster: Cluster, batch: int, *, top: int | None = TOP, **options
 ) -> tuple[list[Candidate], int]:
     """Every layout's verdict that could rank among the ``top`` best MFUs (all of them when ``top`` is None),
     in :func:`layouts`'s order, and how many layouts were not weighed.
@@ -229,7 +229,7 @@ def _mesh(layout: Layout) -> tuple[int, ...]:
 
 
 def assess(
-    model: Transformer, layout: Layout, cluster: Cluster, batch: int, *, precision: str, optimizer: str,
+    model: ModelShape, layout: Layout, cluster: Cluster, batch: int, *, precision: str, optimizer: str,
     efficiency: float, overlap: str, reserve: float,
 ) -> Candidate:  # fmt: skip
     """``layout`` exactly as given: its memory, and its step time and MFU when it fits in the memory kept free."""
@@ -254,7 +254,7 @@ def too_large(memory: Memory, budget: float, smallest: str = "") -> str:
            f"{budget / 1e9:.1f} GB usable"  # fmt: skip
 
 
-def weigh(model: Transformer, layout: Layout, cluster: Cluster, batch: int, **options) -> Candidate:
+def weigh(model: ModelShape, layout: Layout, cluster: Cluster, batch: int, **options) -> Candidate:
     """The fastest variant of ``layout`` (recomputation, accumulation) that fits (:func:`assess`), or why none does.
 
     More accumulation steps and more recomputation only add time, so each recomputation is weighed with the

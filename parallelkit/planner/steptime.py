@@ -2,7 +2,7 @@
 
 The assumptions, all of them (each a parameter or a line here):
 
-- **Compute** is the model's training FLOPs (:meth:`.model.Transformer.flops_per_token`: ``6 N``
+- **Compute** is the model's training FLOPs (:meth:`.model.ModelShape.flops_per_token`: ``6 N``
   plus attention, the count of the MFU figures) spread evenly over the devices, at the
   efficiency of one layer's matrix products on one device (:func:`matmul_efficiency`), or at
   ``efficiency`` of one device's peak (:meth:`.cluster.Cluster.peak_flops`) when a number is
@@ -75,7 +75,7 @@ from ..measure.costmodel import axis_seconds
 from .cluster import Cluster
 from .layout import Layout
 from .memory import ELEMENT_BYTES, layer_activation_bytes
-from .model import Transformer
+from .model import ModelShape
 
 OVERLAP = ("none", "full")
 # The share of the peak a large matrix product reaches: the best of a brute-force search over shapes of BF16 matmuls
@@ -146,7 +146,7 @@ def strides(layout: Layout) -> dict[str, int]:
 
 
 def step_time(
-    model: Transformer,
+    model: ModelShape,
     layout: Layout,
     cluster: Cluster,
     batch: int,
@@ -249,7 +249,7 @@ def matmul_seconds(m: float, k: float, n: float, cluster: Cluster, precision: st
     return cast + max(flops, (inputs + ELEMENT_BYTES["bf16"] * m * n) / cluster.hbm_bytes_per_s)
 
 
-def elementwise_seconds(model: Transformer, layout: Layout, cluster: Cluster, micro: int, precision: str) -> float:
+def elementwise_seconds(model: ModelShape, layout: Layout, cluster: Cluster, micro: int, precision: str) -> float:
     """What the operations besides the matrix products take on one device in one step: the arrays Korthikanti et
     al. count a layer keeps (:func:`.memory.layer_activation_bytes` without the attention's scores, which a fused
     attention never writes) written once by the forward pass and read once and their gradients written once by the
@@ -272,7 +272,7 @@ def elementwise_seconds(model: Transformer, layout: Layout, cluster: Cluster, mi
     return layers * layout.microbatches * passes * arrays / cluster.hbm_bytes_per_s
 
 
-def matmul_efficiency(model: Transformer, layout: Layout, cluster: Cluster, micro: int, precision: str) -> float:
+def matmul_efficiency(model: ModelShape, layout: Layout, cluster: Cluster, micro: int, precision: str) -> float:
     """The share of one device's peak that one layer's matrix products reach on a microbatch of ``micro`` sequences:
     their FLOPs over the peak times their time (:func:`matmul_seconds`), shapes as the module's assumptions say."""
     ulysses = layout.context_method == "ulysses" and layout.context > 1
@@ -281,7 +281,7 @@ def matmul_efficiency(model: Transformer, layout: Layout, cluster: Cluster, micr
 
 @functools.lru_cache(maxsize=65536)  # the planner asks for the same shapes for many layouts
 def _matmul_efficiency(
-    model: Transformer, cluster: Cluster, precision: str, t: int, context: int, ulysses: bool, expert: int, micro: int
+    model: ModelShape, cluster: Cluster, precision: str, t: int, context: int, ulysses: bool, expert: int, micro: int
 ) -> float:
     h, f = model.d_model, model.ffn
     tokens = micro * model.seq / context
@@ -307,7 +307,7 @@ def _matmul_efficiency(
     return flops / (seconds * cluster.peak_flops(precision))
 
 
-def gradient_seconds(model: Transformer, layout: Layout, cluster: Cluster, element_bytes: int) -> float:
+def gradient_seconds(model: ModelShape, layout: Layout, cluster: Cluster, element_bytes: int) -> float:
     """The gradients' (and ZeRO-3's parameters') collectives over the axes where the same parameters repeat.
 
     The dense parameters repeat over ``expert x context x data`` (contiguous in :data:`MESH_ORDER`,

@@ -10,7 +10,7 @@ A callback sees the run through four hooks, in this order::
 ``fit`` puts its own callbacks first, then the user's: :class:`NonFiniteCheck` (stop on
 a NaN or infinite loss), :class:`SkippedStepsCheck` (with a loss scale: stop a run whose every
 step is skipped), then :class:`Checkpointing` (save every K steps, at the end and
-on an error). Live views (``pk.widgets.TimingDashboard``,
+on an error). Live views (``pk.viz.TimingDashboard``,
 ``pk.distributed.ReportProgress``) are callbacks of the same kind.
 
 >>> class Losses(Callback):

@@ -2,7 +2,7 @@
 
 The one runner behind every table that sets strategies beside one device: the tour
 (``pk.tour``), the bench (``python -m parallelkit bench``), the live race
-(``pk.widgets.StrategyRace``) and ``benchmarks/strategies.py`` are views of its :class:`Run`\\ s.
+(``pk.viz.StrategyRace``) and ``benchmarks/strategies.py`` are views of its :class:`Run`\\ s.
 
 Each strategy starts from the same parameters and sees the same batches. Runs go one after
 another through :func:`~parallelkit.run.fit` (its callbacks, its interrupt handling), or,

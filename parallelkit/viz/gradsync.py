@@ -12,7 +12,7 @@ Each function takes data from :mod:`parallelkit.measure.gradsync` and returns a
 ([[1.0, 2.0], [3.0, 4.0]], [[2.0, 3.0], [2.0, 3.0]])
 
 The live view is here too: :class:`GradSyncExplorer`, a step slider and a layer slider over captured
-gradients, each change redrawing :func:`gradient_sync_figure` (``pk.widgets.GradSyncExplorer``).
+gradients, each change redrawing :func:`gradient_sync_figure` (``pk.viz.GradSyncExplorer``).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import numpy as np
 from matplotlib.figure import Figure
 
 from ..measure.gradsync import GradSync, RingTrace
-from ..widgets.dashboard import Explorer
+from .dashboard import Explorer
 from .placement import png
 
 _CMAP = "RdBu_r"  # gradients are signed: red positive, blue negative, white zero
@@ -99,7 +99,7 @@ def ring_figure(ring: RingTrace, step: int | None = None) -> Figure:
     with an arrow for every chunk sent to the next replica.
 
     Args:
-      ring: from :func:`parallelkit.measure.gradsync.ring_allreduce`.
+      ring: from :func:`parallelkit.measure.gradsync.ring_allreduce_trace`.
       step: draw only this step (0-based); all steps by default.
 
     Returns:

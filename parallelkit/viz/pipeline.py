@@ -5,7 +5,7 @@
 >>> [(float(p.get_x()), float(p.get_width())) for p in fig.axes[0].patches[:2]]
 [(0.0, 1.0), (1.0, 1.0)]
 
-The live view is here too: :class:`PipelineExplorer` (``pk.widgets.PipelineExplorer``).
+The live view is here too: :class:`PipelineExplorer` (``pk.viz.PipelineExplorer``).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from ..core.contract import Batch, batch_size
 from ..strategies.pipeline import Pipeline, Timeline
 from ..strategies.pipeline.schedules import Slot, bubble_fraction, makespan
 from ..strategies.pipeline.stages import HeadLoss, Layer
-from ..widgets.dashboard import Explorer
+from .dashboard import Explorer
 from .placement import png
 
 COLORS = {"forward": "tab:blue", "backward": "tab:orange", "weight": "tab:green"}

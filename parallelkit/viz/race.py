@@ -1,18 +1,18 @@
 """A strategy race as a figure: step times, throughput against ideal scaling, scaling efficiency.
 
 Takes the plain data of :class:`StrategyRace` (a
-:class:`~parallelkit.widgets.live.RaceStandings`) and returns a
+:class:`~parallelkit.viz.live.RaceStandings`) and returns a
 :class:`matplotlib.figure.Figure` (no pyplot).
 
->>> from parallelkit.widgets.live import RaceRow, RaceStandings
+>>> from parallelkit.viz.live import RaceRow, RaceStandings
 >>> rows = (RaceRow("one", 1, 9, 9, 0.5, 0.004, 16000.0, 1.0, 1.0, 0.3, True),
 ...         RaceRow("four", 4, 9, 9, 0.9, 0.002, 32000.0, 0.5, 0.5, 0.3, True))
 >>> fig = race_figure(RaceStandings(rows, "one", simulated=False))
 >>> [float(p.get_height()) for p in fig.axes[0].patches], [float(p.get_height()) for p in fig.axes[2].patches]
 ([4.0, 2.0], [1.0, 0.5])
 
-The live view over the same data is here too: :class:`StrategyRace` trains the strategies in turn and
-redraws the figure as they go (``pk.widgets.StrategyRace`` is the same class).
+The live view over the same data is here too: :class:`StrategyRace` (``pk.viz.StrategyRace``) trains
+the strategies in turn and redraws the figure as they go.
 """
 
 from __future__ import annotations
@@ -31,8 +31,8 @@ from ..core.devices import device_summary
 from ..run.compare import Run, fresh_batches, run_side_by_side
 from ..run.training import Callback, FitResult, History, RunInfo, StepRecord
 from ..strategies import Strategy
-from ..widgets.dashboard import LiveView
-from ..widgets.live import LiveTimes, RaceStandings, format_race, number_or_dash, race_rows
+from .dashboard import LiveView
+from .live import LiveTimes, RaceStandings, format_race, number_or_dash, race_rows
 from .placement import annotate_bar, png
 
 _REFERENCE, _OTHER = "0.55", "tab:blue"

@@ -6,7 +6,7 @@ prints one line per event; the launcher streams every line to the caller as it
 comes; there, :class:`ForwardProgress` (the ``print_fn`` of
 :func:`~parallelkit.run.distributed.run_local` or :func:`~parallelkit.run.distributed.launch`)
 turns one process's lines back into the same callback calls, for example on a
-:class:`parallelkit.widgets.TimingDashboard`, and prints every other line as usual.
+:class:`parallelkit.viz.TimingDashboard`, and prints every other line as usual.
 
 >>> import io
 >>> from parallelkit.run.training import Callback, RunInfo, StepRecord

@@ -88,7 +88,7 @@ class TimingDashboard(LiveView, Callback):
     steps it measures; elsewhere it prints a line of text now and then. An interrupted
     run (Kernel → Interrupt) keeps what was measured and says so.
 
-    The numbers come from :attr:`log`, a :class:`~parallelkit.widgets.live.LiveTimes`:
+    The numbers come from :attr:`log`, a :class:`~parallelkit.viz.live.LiveTimes`:
     at the end of a run ``dash.summary().median_seconds == history.times.median``.
 
     Args:

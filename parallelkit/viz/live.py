@@ -116,7 +116,7 @@ def format_summary(s: TimingSummary) -> str:
 
 @dataclass(frozen=True)
 class RaceRow:
-    """One strategy of a :class:`~parallelkit.widgets.StrategyRace`, measured against the reference."""
+    """One strategy of a :class:`~parallelkit.viz.StrategyRace`, measured against the reference."""
 
     name: str
     devices: int
