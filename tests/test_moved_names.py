@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib
 import sys
 
+import jax
 import pytest
 from helpers import run_python
 
@@ -34,6 +35,14 @@ def test_an_old_name_warns_and_is_the_new_one(read, new, expected):
     assert old is expected()
 
 
+@pytest.mark.parametrize("name", ["megatron_mlp_rules", "megatron_cnn_rules", "megatron_transformer_rules"])
+def test_the_megatron_rules_live_beside_their_models_and_their_old_names_warn(name):
+    moved = rf"parallelkit.core.partition.{name} is now parallelkit.models.megatron.{name}"
+    with pytest.warns(DeprecationWarning, match=moved):
+        old = getattr(pk.partition, name)
+    assert old is getattr(pk.models, name) is getattr(importlib.import_module("parallelkit.models.megatron"), name)
+
+
 def test_the_old_planner_name_imports_from_the_package():
     with pytest.warns(DeprecationWarning, match="planner.Transformer is now parallelkit.planner.ModelShape"):
         from parallelkit.planner import Transformer
@@ -42,7 +51,7 @@ def test_the_old_planner_name_imports_from_the_package():
 
 
 def test_a_name_that_never_was_is_still_an_attribute_error():
-    for module, name in ((pk, "allreduces"), (pk.planner, "Transformers"), (gradsync, "ring")):
+    for module, name in ((pk, "allreduces"), (pk.planner, "Transformers"), (gradsync, "ring"), (pk.partition, "mlp")):
         with pytest.raises(AttributeError, match=f"has no attribute '{name}'"):
             getattr(module, name)
     with pytest.raises(AttributeError, match="module 'a.b' has no attribute 'c'"):
@@ -63,8 +72,9 @@ def _fresh_widgets() -> None:
 def test_the_old_views_package_warns_once_and_is_vizs():
     _fresh_widgets()
     with pytest.warns(DeprecationWarning, match="parallelkit.widgets is now parallelkit.viz") as caught:
-        import parallelkit.widgets as widgets
         import parallelkit.widgets.live  # noqa: F401  (a second import: no second warning)
+
+        import parallelkit.widgets as widgets
     assert len([w for w in caught if issubclass(w.category, DeprecationWarning)]) == 1
     from parallelkit.widgets.dashboard import TimingDashboard
     from parallelkit.widgets.live import LiveTimes
@@ -102,3 +112,19 @@ def test_every_view_is_found_in_its_module_and_listed():
     assert pk.viz.gradsync is importlib.import_module("parallelkit.viz.gradsync")  # a module by its own name
     with pytest.raises(AttributeError, match="module 'parallelkit.viz' has no attribute 'figure'"):
         pk.viz.figure  # noqa: B018
+
+
+def test_each_model_gives_its_own_layers_and_the_free_function_asks_it():
+    from flax import nnx
+
+    for model in (
+        pk.models.MLP(4, (8,), 2, rngs=nnx.Rngs(0)),
+        pk.models.Transformer((4, 3), 2, dim=8, heads=2, depth=1, mlp_dim=8, rngs=nnx.Rngs(0)),
+        pk.models.GPT(16, max_length=4, dim=8, heads=2, depth=1, mlp_dim=8, rngs=nnx.Rngs(0)),
+    ):
+        own, free = model.as_layers(), pk.models.as_layers(model)
+        assert len(own.apply) == len(free.apply) and jax.tree.all(
+            jax.tree.map(lambda a, b: bool((a == b).all()), own.params, free.params)
+        )
+    with pytest.raises(TypeError, match="as_layers knows the kit's MLP, Transformer and GPT, not CNN"):
+        pk.models.as_layers(pk.models.CNN((8, 8, 1), 10, rngs=nnx.Rngs(0)))

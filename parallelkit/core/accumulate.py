@@ -31,9 +31,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
-from .contract import Batch, PyTree, batch_size
+from .contract import batch_size
 from .mesh import is_count
 from .precision import cast_floating, is_floating
+from .types import Batch, PyTree
 
 SUPPORTED = (
     "SingleDevice, Mirrored (both backends), MultiWorkerMirrored, TensorParallel, FullySharded, Hybrid, SPMD, "

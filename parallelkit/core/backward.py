@@ -13,7 +13,8 @@ from collections.abc import Sequence
 import jax
 from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn, Literal, Var
 
-from .contract import Batch, LossFn, PyTree, loss_with_aux
+from .contract import loss_with_aux
+from .types import Batch, LossFn, PyTree
 
 Position = tuple[int, ...]  # where an equation sits: its index, then its index in each body it is nested in
 

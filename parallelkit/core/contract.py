@@ -18,15 +18,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from .partition import path_label
+from .types import Batch as Batch
+from .types import LossFn as LossFn
+from .types import Metrics as Metrics
+from .types import PyTree as PyTree
 
 if TYPE_CHECKING:
     from .protocol import StrategyProtocol as Strategy
-
-
-PyTree = Any
-Batch = Mapping[str, Any]
-LossFn = Callable[[PyTree, Batch], Any]  # -> loss, or (loss, aux dict)
-Metrics = dict[str, jax.Array]
 
 
 def batch_size(batch: Batch) -> int:

@@ -55,8 +55,7 @@ import numpy as np
 from flax import struct
 
 from .mesh import is_number
-
-PyTree = Any
+from .types import PyTree
 
 DEFAULT_PERIOD = 2000  # finite steps in a row before a dynamic scale doubles (jmp, Keras)
 INITIAL_SCALE = 2.0**15  # where a dynamic scale starts (Keras's default)

@@ -20,10 +20,11 @@ from typing import TYPE_CHECKING, Any
 import jax
 import optax
 
-from ..core.contract import Batch, LossFn, PyTree, batch_size
+from ..core.contract import batch_size
 from ..core.devices import quiet_libtpu
 from ..core.precision import Precision
 from ..core.step import Placed
+from ..core.types import Batch, LossFn, PyTree
 from .inspect import Collective, parse_collectives
 
 if TYPE_CHECKING:

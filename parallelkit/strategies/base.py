@@ -20,14 +20,13 @@ import jax
 import numpy as np
 import optax
 
-from ..core.contract import Batch, LossFn, PyTree
 from ..core.devices import resolve_devices
 from ..core.placement import LeafPlacement
 from ..core.precision import Precision
 from ..core.reports import ExpectedCollective, Sizes, StepTraffic
 from ..core.state import TrainState
 from ..core.step import Step
-from ..measure.traffic import compiled_traffic
+from ..core.types import Batch, LossFn, PyTree
 
 # Where Explicit mode runs: the strategies whose step is one jax.jit over a mesh (pk.SPMD and its presets).
 EXPLICIT_STRATEGIES = (
@@ -129,6 +128,8 @@ class Strategy(abc.ABC):
         outside one program (central storage, parameter servers) measure those copies.
         It compiles (or pulls and computes once) but does not train: ``state`` is left as it is.
         """
+        from ..measure.traffic import compiled_traffic  # loaded when asked: training needs no traffic accounting
+
         return compiled_traffic(self, loss_fn, state, batch)
 
     def expected_collectives(self, sizes: Sizes) -> Sequence[ExpectedCollective] | None:

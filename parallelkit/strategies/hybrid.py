@@ -21,9 +21,9 @@ import jax
 
 from ..core import partition
 from ..core.axes import DATA, MODEL
-from ..core.contract import PyTree
 from ..core.devices import first_devices
 from ..core.mesh import is_count
+from ..core.types import PyTree
 from .parallel import Parallel
 from .spmd import EXPLICIT
 from .tensor import hybrid_hint, model_specs

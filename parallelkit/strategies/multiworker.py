@@ -22,10 +22,11 @@ from collections.abc import Sequence
 import jax
 import numpy as np
 
-from ..core.contract import Batch, PyTree, check_divisible
+from ..core.contract import check_divisible
 from ..core.devices import resolve_devices
 from ..core.mesh import make_mesh
 from ..core.reports import ExpectedCollective, Sizes
+from ..core.types import Batch, PyTree
 from . import data_parallel
 from .spmd import BATCH_ON_DATA, EXPLICIT, SPMD
 

@@ -23,10 +23,10 @@ from jax.sharding import Mesh
 
 from ..core import partition
 from ..core.axes import MODEL, AxisRules
-from ..core.contract import PyTree
 from ..core.devices import first_devices
 from ..core.mesh import is_count
 from ..core.reports import ExpectedCollective, Sizes
+from ..core.types import PyTree
 from ..models import declared_axes
 from .parallel import SEQUENCE_PARALLEL as SEQUENCE_PARALLEL
 from .parallel import TENSOR_AXES, Parallel, undeclared_axes_error

@@ -18,7 +18,8 @@ import optax
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 
-from ..core.contract import Batch, batch_size
+from ..core.contract import batch_size
+from ..core.types import Batch
 from ..strategies.pipeline import Pipeline, Timeline
 from ..strategies.pipeline.schedules import Slot, bubble_fraction, makespan
 from ..strategies.pipeline.stages import HeadLoss, Layer

@@ -26,8 +26,8 @@ import numpy as np
 import optax
 from matplotlib.figure import Figure
 
-from ..core.contract import Batch, LossFn, PyTree
 from ..core.devices import device_summary
+from ..core.types import Batch, LossFn, PyTree
 from ..run.compare import Run, fresh_batches, run_side_by_side
 from ..run.training import Callback, FitResult, History, RunInfo, StepRecord
 from ..strategies import Strategy

@@ -42,11 +42,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import SingleDeviceSharding
 
-from ...core.contract import Batch, LossFn
 from ...core.mesh import outside_callers_mesh
 from ...core.precision import Precision
 from ...core.state import TrainState
 from ...core.step import keep_finite_choice
+from ...core.types import Batch, LossFn
 from .rows import gradient_rows
 
 JITTER = 0.25  # each gradient computation takes its worker's time x U(1 - JITTER, 1 + JITTER)

@@ -32,11 +32,11 @@ import optax
 from jax.sharding import SingleDeviceSharding
 
 from ...core.accumulate import accumulated_placement, check_accumulate
-from ...core.contract import LossFn, PyTree
 from ...core.mesh import outside_callers_mesh
 from ...core.precision import Precision, check_precision
 from ...core.state import TrainState, create_state
 from ...core.step import Step, keep_finite_choice
+from ...core.types import LossFn, PyTree
 from ..base import refuse_explicit
 from .base import NOT_EXPLICIT, OffDeviceStrategy
 from .rows import (

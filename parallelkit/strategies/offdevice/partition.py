@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from ...core.contract import PyTree
+from ...core.types import PyTree
 
 
 def check_num_shards(num_shards: int) -> None:

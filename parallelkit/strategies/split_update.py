@@ -28,13 +28,13 @@ ValueError: A demo runs the optimizer on each of its 2 pieces separately, ...
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Sequence
-from typing import Any
 
 import jax
 import numpy as np
 import optax
 
-PyTree = Any
+from ..core.types import PyTree
+
 SCALES = (1e-6, 1e6)  # probe gradients: small enough for no clip to act, then large enough for any to
 RTOL = 1e-5  # float32: an element-wise optimizer gives the same update whole or in pieces, to rounding
 
