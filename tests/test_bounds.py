@@ -3,7 +3,12 @@
 - every module at most 500 lines;
 - every function's body at most 60 code lines (not blank, not a comment, not the docstring);
 - ``SingleDevice``'s import closure (the modules its module imports at load time, and theirs) at most
-  18 modules;
+  18 modules and 4,000 lines;
+- every module imported at load time by at most 20 others (its fan-in), but the vocabulary
+  (``core/types.py``: the types, the mesh axes' names, what a count is), which imports nothing of
+  the package and is there to be read by every module;
+- no public name of a module used only in its own module: each is read elsewhere (another module,
+  the tests, notebooks, benchmarks, docs or examples), or private;
 - one home for the host-link model: the cost model's (``TopologyModel`` on a ``Cluster`` with host
   ``Link``s), which the traffic report, measured bytes only, does not import.
 """
@@ -22,7 +27,8 @@ from parallelkit.measure import costmodel, traffic
 from parallelkit.measure.costmodel import Cluster, Link, Workload, communication_seconds
 
 PACKAGE = Path(pk.__file__).parent
-MODULE_LINES, FUNCTION_CODE_LINES, CLOSURE_MODULES = 500, 60, 18
+MODULE_LINES, FUNCTION_CODE_LINES, CLOSURE_MODULES, CLOSURE_LINES, FAN_IN = 500, 60, 18, 4000, 20
+VOCABULARY = "parallelkit.core.types"  # read by every module that speaks of a tree, a batch, a mesh axis or a count
 
 
 def _sources() -> dict[str, Path]:
@@ -117,13 +123,35 @@ def test_the_function_measure_counts_code_not_its_docstring_comments_or_blank_li
     assert long_functions(tmp_path / "m.py", 61) == [] == long_functions(tmp_path / "n.py", 0)
 
 
-def test_single_devices_import_closure_is_at_most_18_modules():
+def test_single_devices_import_closure_is_at_most_18_modules_and_4000_lines():
     closure = import_closure("parallelkit.strategies.single")
     assert "parallelkit.measure.costmodel" not in closure  # the traffic report's bytes need no cost model
-    assert len(closure) <= CLOSURE_MODULES, (
-        f"SingleDevice loads {len(closure)} modules ({sum(closure.values())} lines), over {CLOSURE_MODULES}: "
-        f"{sorted(closure)}"
+    assert "parallelkit.measure.traffic" not in closure  # loaded when a strategy is asked for its traffic
+    lines = sum(closure.values())
+    assert len(closure) <= CLOSURE_MODULES and lines <= CLOSURE_LINES, (
+        f"SingleDevice loads {len(closure)} modules ({lines} lines), over {CLOSURE_MODULES} modules or "
+        f"{CLOSURE_LINES} lines: {closure}"
     )
+
+
+def fan_in() -> dict[str, set[str]]:
+    """Each parallelkit module's importers: the modules that import it when they load."""
+    modules, importers = _sources(), {}
+    for name, path in modules.items():
+        for imported in _load_time_imports(name, path, modules) - {name}:
+            importers.setdefault(imported, set()).add(name)
+    return importers
+
+
+def test_no_module_but_the_vocabulary_is_imported_by_more_than_20():
+    wide = {name: len(by) for name, by in fan_in().items() if len(by) > FAN_IN and name != VOCABULARY}
+    assert not wide, f"Modules imported by more than {FAN_IN} others (move what they come for where it is used): {wide}"
+
+
+def test_the_vocabulary_imports_nothing_of_the_package():
+    modules = _sources()
+    assert not _load_time_imports(VOCABULARY, modules[VOCABULARY], modules)
+    assert len(fan_in()[VOCABULARY]) > FAN_IN  # the exemption is needed: every room speaks it
 
 
 def test_the_closure_follows_imports_from_packages_and_leaves_out_type_checking_ones():

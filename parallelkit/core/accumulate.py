@@ -32,9 +32,8 @@ import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
 from .contract import batch_size
-from .mesh import is_count
 from .precision import cast_floating, is_floating
-from .types import Batch, PyTree
+from .types import Batch, PyTree, is_count
 
 SUPPORTED = (
     "SingleDevice, Mirrored (both backends), MultiWorkerMirrored, TensorParallel, FullySharded, Hybrid, SPMD, "

@@ -1,11 +1,12 @@
-"""Mesh axis names, and logical axis rules that map a model's axis names onto them.
+"""Logical axis rules: which mesh axis, if any, splits each axis a model names.
 
-The mesh axes live in one place (as haliax's ``ResourceAxis``). A model names the
-axes of its arrays by what they mean (``batch``, ``length``, ``embed``, ``heads``,
-``mlp``, ``vocab``, ``expert``); :class:`AxisRules` says which mesh axis, if any,
-splits each of them, as MaxText's ``logical_axis_rules`` do. Model code calls
-:func:`constrain` on its activations: under a strategy whose rules are active it
-becomes ``jax.lax.with_sharding_constraint``, anywhere else it returns its input.
+The mesh axes' names (``DATA``, ``MODEL``, ...) live with the package's vocabulary in
+:mod:`.types` and are read here too. A model names the axes of its arrays by what they mean
+(``batch``, ``length``, ``embed``, ``heads``, ``mlp``, ``vocab``, ``expert``);
+:class:`AxisRules` says which mesh axis, if any, splits each of them, as MaxText's
+``logical_axis_rules`` do. Model code calls :func:`constrain` on its activations: under a
+strategy whose rules are active it becomes ``jax.lax.with_sharding_constraint``, anywhere else
+it returns its input.
 
 >>> rules = AxisRules((("batch", "data"), ("length", "seq")))
 >>> rules.spec(("batch", "length", "embed"))
@@ -24,17 +25,16 @@ import jax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-DATA = "data"  # replicas: each holds a slice of the batch
-FSDP = "fsdp"  # fully sharded data parallelism: a slice of the batch and of every large weight
-STAGE = "stage"  # pipeline parallelism: each holds some of the layers
-SEQ = "seq"  # sequence parallelism: each holds a slice of the tokens
-EXPERT = "expert"  # expert parallelism: each holds some of the experts
-MODEL = "model"  # tensor parallelism: each holds a slice of the weights
+from .types import DATA as DATA  # the mesh axes' names live with the vocabulary; read here too
+from .types import EXPERT as EXPERT
+from .types import FSDP as FSDP
+from .types import MODEL as MODEL
+from .types import SEQ as SEQ
+from .types import STAGE as STAGE
+from .types import MeshAxes as MeshAxes
 
 # The logical axes the kit's models name (pk.models, attention, experts); rules may name others.
 LOGICAL = ("batch", "length", "norm_length", "embed", "heads", "mlp", "vocab", "expert", "hidden_channels")
-
-MeshAxes = str | tuple[str, ...] | None  # what one logical axis maps to: a mesh axis, several, or none
 
 
 def axis_names(entry: MeshAxes) -> tuple[str, ...]:

@@ -54,8 +54,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from .mesh import is_number
-from .types import PyTree
+from .types import PyTree, is_number
 
 DEFAULT_PERIOD = 2000  # finite steps in a row before a dynamic scale doubles (jmp, Keras)
 INITIAL_SCALE = 2.0**15  # where a dynamic scale starts (Keras's default)

@@ -32,13 +32,12 @@ import numpy as np
 import optax
 from jax.sharding import PartitionSpec as P
 
-from ..core.axes import DATA
 from ..core.contract import check_divisible, loss_with_aux
 from ..core.mesh import make_mesh
 from ..core.partition import path_label
 from ..core.renamed import renamed
 from ..core.state import TrainState
-from ..core.types import Batch, LossFn, PyTree
+from ..core.types import DATA, Batch, LossFn, PyTree
 
 if TYPE_CHECKING:
     from ..core.protocol import StrategyProtocol as Strategy

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from ..core.axes import constrain
-from ..core.mesh import is_count
+from ..core.types import is_count
 from .classifiers import Layers, cross_entropy, feed_forward, project_heads, stack_layers
 from .functional import with_axes
 from .layers import attention

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from jax.sharding import PartitionSpec as P
 
-from ..core.axes import MODEL
+from ..core.types import MODEL
 
 
 def megatron_mlp_rules(hidden_layers: int) -> list[tuple[str, P]]:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import jax
 
-from ..core.mesh import is_count, is_number
+from ..core.types import is_count, is_number
 from ..measure import costmodel
 from ..measure.ceilings import measure_ceilings
 from ..measure.costmodel import Link

@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..core.mesh import is_count
+from ..core.types import is_count
 from .build import kit_strategy
 from .memory import (
     CONTEXT_METHODS,

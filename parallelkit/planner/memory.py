@@ -35,7 +35,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..core.mesh import is_count
+from ..core.types import is_count
 from ..models.layers.attention import METHODS
 from ..models.recompute import RECOMPUTE
 from ..strategies.fully_sharded import zero_state_bytes

@@ -14,7 +14,7 @@ import warnings
 from dataclasses import dataclass
 from typing import Any
 
-from ..core.mesh import is_count
+from ..core.types import is_count
 from ..measure.flops import dense_training_flops
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from fractions import Fraction
 
-from ..core.mesh import is_count, is_number
+from ..core.types import is_count, is_number
 from .build import unsupported
 from .cluster import Cluster
 from .layout import Layout, activations

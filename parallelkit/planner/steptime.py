@@ -70,7 +70,7 @@ import functools
 import math
 from dataclasses import dataclass, field
 
-from ..core.mesh import is_number
+from ..core.types import is_number
 from ..measure.costmodel import axis_seconds
 from .cluster import Cluster
 from .layout import Layout

@@ -26,18 +26,21 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import jax
 import numpy as np
 
 from ..core.precision import LossScaleState, Precision
 from ..core.skipped import ADVICE, NonFiniteGradientsError, SkippedSteps
-from ..core.state import TrainState
 from ..core.step import loss_and_grads
 from ..core.types import PyTree
 from ..measure.timing import StepTimes
 from ..strategies.base import Strategy
 from .checkpoint import Checkpoints
+
+if TYPE_CHECKING:
+    from ..core.state import TrainState
 
 
 @dataclass(frozen=True)

@@ -29,11 +29,10 @@ import jax
 import numpy as np
 import optax
 
-from ..core.mesh import is_count
 from ..core.partition import path_label
 from ..core.precision import LossScaleState
 from ..core.state import TrainState
-from ..core.types import PyTree
+from ..core.types import PyTree, is_count
 from ..strategies.base import Strategy
 
 if TYPE_CHECKING:

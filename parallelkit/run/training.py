@@ -43,12 +43,11 @@ import optax
 
 from ..core.contract import batch_size
 from ..core.devices import device_summary
-from ..core.mesh import is_count
 from ..core.precision import Precision, PrecisionWarning
 from ..core.skipped import NonFiniteGradientsError
 from ..core.state import TrainState
 from ..core.step import DONATED_STATE, Placed, Step, is_deleted
-from ..core.types import Batch, LossFn, PyTree
+from ..core.types import Batch, LossFn, PyTree, is_count
 from ..data import Dataset
 from ..strategies.base import Strategy
 from .callbacks import (

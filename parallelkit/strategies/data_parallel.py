@@ -14,14 +14,12 @@ import jax
 import numpy as np
 
 from ..core.accumulate import Accumulation, check_accumulate
-from ..core.axes import DATA
 from ..core.backward import gradient_order
-from ..core.mesh import is_count
 from ..core.precision import Precision, check_precision
 from ..core.reports import ExpectedCollective, Sizes, gradient_all_reduce
 from ..core.state import TrainState
 from ..core.step import train_step
-from ..core.types import Batch, LossFn, PyTree
+from ..core.types import DATA, Batch, LossFn, PyTree, is_count
 from ..measure import traffic
 from .allreduce import AllReduce, bucket_plan, mean_tree
 

@@ -39,13 +39,13 @@ from jax.sharding import PartitionSpec as P
 
 from ..core import partition
 from ..core.accumulate import Accumulation, ReplicaCopies, accumulated_placement, check_accumulate
-from ..core.axes import DATA, AxisRules, MeshAxes, active_rules, axis_names
+from ..core.axes import AxisRules, active_rules, axis_names
 from ..core.contract import put_batch
 from ..core.mesh import is_explicit, outside_callers_mesh
 from ..core.precision import Precision, check_precision
 from ..core.state import TrainState, create_state, prng_key
 from ..core.step import Step, train_step
-from ..core.types import Batch, LossFn, PyTree
+from ..core.types import DATA, Batch, LossFn, MeshAxes, PyTree
 from .base import Strategy
 
 BATCH = "batch"  # the logical name of every batch leaf's leading axis

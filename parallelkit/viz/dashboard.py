@@ -17,9 +17,8 @@ import sys
 import time
 from typing import TextIO
 
-from ..core.devices import device_summary
 from ..run.training import Callback, History, RunInfo, StepRecord
-from .live import LiveTimes, TimingSummary, format_summary, number_or_dash, svg_polyline
+from .live import LiveTimes, TimingSummary, format_summary, number_or_dash, simulated_note, svg_polyline
 
 
 def in_notebook() -> bool:
@@ -175,7 +174,7 @@ class _DashboardWidgets:
         self.title = title
 
     def update(self, s: TimingSummary, steady: list[float]) -> None:
-        simulated = f" (simulated, {device_summary().simulation})" if s.simulated else ""
+        simulated = f" ({simulated_note()})" if s.simulated else ""
         state = " · <b style='color:#c00'>interrupted</b>" if s.interrupted else (" · done" if s.finished else "")
         title = f"{self.title} · " if self.title else ""
         self.header.value = f"<b>{title}{s.strategy}</b> · {s.devices} device{'s' * (s.devices != 1)}{simulated}{state}"

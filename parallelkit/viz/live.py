@@ -213,10 +213,15 @@ def format_race(standings: RaceStandings) -> str:
         cells = "".join(f"{number_or_dash(v, spec):>{width}}" for v, width, spec in numbers)
         lines.append(f"{r.name:<16}{r.devices:>9}{steps:>8}{cells}")
     if standings.simulated:
-        lines.append(f"simulated CPU devices, {device_summary().simulation}")
+        lines.append(simulated_note())
     if standings.interrupted:
         lines.append("INTERRUPTED: the race stopped early")
     return "\n".join(lines)
+
+
+def simulated_note() -> str:
+    """What the views add to numbers measured on simulated devices: ``simulated CPU devices, <how>``."""
+    return f"simulated CPU devices, {device_summary().simulation}"
 
 
 def svg_polyline(values: np.ndarray | list[float], unit: str = "ms", width: int = 360, height: int = 90) -> str:

@@ -25,7 +25,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from ...core import axes
-from ...core.axes import SEQ, MeshAxes
+from ...core.types import SEQ, MeshAxes
 from ..recompute import recompute_scores
 
 METHODS = ("allgather", "ring", "ring_zigzag", "ulysses")

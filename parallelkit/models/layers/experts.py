@@ -27,8 +27,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from ...core import axes
-from ...core.axes import EXPERT, MeshAxes
-from ...core.mesh import is_count, is_number
+from ...core.types import EXPERT, MeshAxes, is_count, is_number
 
 Params = Mapping[str, jax.Array]
 # name -> the logical names of its axes; every leaf but the router has the experts on its leading axis

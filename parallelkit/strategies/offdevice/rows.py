@@ -18,12 +18,11 @@ from jax.sharding import Mesh, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 
 from ...core.accumulate import Accumulation, check_accumulate
-from ...core.axes import DATA
 from ...core.mesh import outside_callers_mesh
 from ...core.precision import Precision, all_finite
 from ...core.state import TrainState
 from ...core.step import guarded_update, loss_and_grads
-from ...core.types import Batch, LossFn, PyTree
+from ...core.types import DATA, Batch, LossFn, PyTree
 
 HOST_MEMORY = "pinned_host"
 

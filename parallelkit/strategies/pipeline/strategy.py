@@ -18,14 +18,13 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from ...core.accumulate import refuse_accumulation
-from ...core.axes import DATA
 from ...core.contract import batch_size, guard_inputs
 from ...core.devices import DeviceCountError, first_devices
-from ...core.mesh import is_count, make_mesh, outside_callers_mesh
+from ...core.mesh import make_mesh, outside_callers_mesh
 from ...core.precision import Precision, check_precision
 from ...core.reports import StepTraffic
 from ...core.state import TrainState, check_same_tree
-from ...core.types import Batch, PyTree
+from ...core.types import DATA, Batch, PyTree, is_count
 from ..base import Strategy, refuse_explicit
 from ..parallel import MESH_AXES, Parallel
 from ..split_update import check_update_splits
