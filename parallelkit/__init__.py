@@ -77,15 +77,15 @@ from .strategies.pipeline import schedules as schedules
 __version__ = "0.1.0"
 
 
-LAZY = {"viz": "viz", "widgets": "widgets", "tour": "course.tour"}  # their modules, below this package
+_LAZY = {"viz": "viz", "widgets": "widgets", "tour": "course.tour"}  # their modules, below this package
 _OLD_NAMES = _renamed(__name__, {"allreduce": "parallelkit:collectives"})  # the name the course teaches
 
 
 def __getattr__(name: str):
     # Views import matplotlib/ipywidgets: load them only when first used, keeping
     # `import parallelkit` fast and headless-safe. (pk.widgets, their old home, warns as it loads.)
-    if name in LAZY:
+    if name in _LAZY:
         import importlib
 
-        return importlib.import_module(f"{__name__}.{LAZY[name]}")
+        return importlib.import_module(f"{__name__}.{_LAZY[name]}")
     return _OLD_NAMES(name)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import ast
 import io
+import re
 import tokenize
 from pathlib import Path
 
@@ -27,6 +28,7 @@ from parallelkit.measure import costmodel, traffic
 from parallelkit.measure.costmodel import Cluster, Link, Workload, communication_seconds
 
 PACKAGE = Path(pk.__file__).parent
+READERS = ("tests", "notebooks", "benchmarks", "docs", "examples")  # beside the package, where a name may be read
 MODULE_LINES, FUNCTION_CODE_LINES, CLOSURE_MODULES, CLOSURE_LINES, FAN_IN = 500, 60, 18, 4000, 20
 VOCABULARY = "parallelkit.core.types"  # read by every module that speaks of a tree, a batch, a mesh axis or a count
 
@@ -158,6 +160,47 @@ def test_the_closure_follows_imports_from_packages_and_leaves_out_type_checking_
     closure = import_closure("parallelkit.strategies.pipeline.step")
     assert {"parallelkit.strategies.pipeline.stages", "parallelkit.measure.traffic"} <= closure.keys()
     assert "parallelkit.strategies.pipeline.strategy" not in closure  # imported under TYPE_CHECKING only
+
+
+def public_names(path: Path) -> list[str]:
+    """The names a module defines at its top level (functions, classes, assignments) that do not start with ``_``."""
+    names = []
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            names.append(node.name)
+        elif isinstance(node, ast.Assign | ast.AnnAssign):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names += [n.id for target in targets for n in ast.walk(target) if isinstance(n, ast.Name)]
+    return [name for name in names if not name.startswith("_")]
+
+
+def read_only_at_home(modules: dict[str, Path], readers: list[Path]) -> list[str]:
+    """``module.name`` for each public name no other text names: not another module, nor any of ``readers``."""
+    texts = {name: path.read_text() for name, path in modules.items()}
+    elsewhere = [path.read_text() for path in readers]
+    lonely = []
+    for module, path in modules.items():
+        for name in public_names(path):
+            named = re.compile(rf"\b{re.escape(name)}\b")
+            others = (text for other, text in texts.items() if other != module)
+            if not any(named.search(text) for text in [*others, *elsewhere]):
+                lonely.append(f"{module}.{name}")
+    return lonely
+
+
+def test_every_public_name_is_read_outside_its_module():
+    root = PACKAGE.parent
+    readers = [p for d in READERS for p in (root / d).rglob("*") if p.suffix in (".py", ".ipynb", ".md")]
+    lonely = read_only_at_home(_sources(), readers)
+    assert not lonely, f"Public names used only in their own module (make each private, or remove it): {lonely}"
+
+
+def test_the_public_name_measure_sees_a_lonely_name_and_not_a_read_one(tmp_path):
+    (tmp_path / "a.py").write_text("USED = 1\nLONELY, _PRIVATE = 2, 3\n\n\ndef helper():\n    return LONELY\n")
+    (tmp_path / "b.py").write_text("from a import USED\n")
+    (tmp_path / "notes.md").write_text("`helper` is read here.\n")
+    modules = {"a": tmp_path / "a.py", "b": tmp_path / "b.py"}
+    assert read_only_at_home(modules, [tmp_path / "notes.md"]) == ["a.LONELY"]
 
 
 # One link model: the host's links are the cost model's, and the traffic report holds measured bytes only.

@@ -174,14 +174,14 @@ def loss_with_aux(loss_fn: LossFn) -> Callable[..., tuple[jax.Array, tuple[dict,
                     "(loss, aux, new_model_state); pk.models.classifier_loss does."
                 )
             loss, aux, new_state = out
-            return check_loss_value(loss), (aux, new_state)
+            return _check_loss_value(loss), (aux, new_state)
         loss, aux = out if isinstance(out, tuple) else (out, {})
-        return check_loss_value(loss), (aux, None)
+        return _check_loss_value(loss), (aux, None)
 
     return wrapped
 
 
-def check_loss_value(loss: Any) -> Any:
+def _check_loss_value(loss: Any) -> Any:
     """``loss`` if it is one floating number; a clear error for a vector of losses or an integer (while tracing)."""
     shape, dtype = jnp.shape(loss), jnp.result_type(loss)
     if shape != ():

@@ -39,7 +39,7 @@ NOTEBOOKS = ROOT / "notebooks"
 REFERENCES = tuple(  # Markdown pages of the course, after the notebooks
     ROOT / "docs" / name for name in ("rosetta.md", "glossary.md", "simulated_devices.md")
 )
-SOLUTION = "solution"  # the tag of an exercise's solution cell, hidden until the learner opens it
+_SOLUTION = "solution"  # the tag of an exercise's solution cell, hidden until the learner opens it
 
 
 def execute(path: Path, workdir: Path, timeout: int = 600) -> nbformat.NotebookNode:
@@ -201,7 +201,7 @@ def render(nb: nbformat.NotebookNode, title: str = "parallelkit") -> str:
     from nbconvert import HTMLExporter
 
     exporter = HTMLExporter(template_name="lab", mathjax_url="", require_js_url="", jquery_url="")
-    page = hide_solutions(snapshot_widgets(copy.deepcopy(nb)))  # the caller's notebook stays as it is
+    page = _hide_solutions(snapshot_widgets(copy.deepcopy(nb)))  # the caller's notebook stays as it is
     body, _ = exporter.from_notebook_node(page, resources={"metadata": {"name": title}})
     for reference in REFERENCES:
         linked = rf'href="\.\./docs/{re.escape(reference.name)}(#[^"]*)?"'
@@ -210,7 +210,7 @@ def render(nb: nbformat.NotebookNode, title: str = "parallelkit") -> str:
     return re.sub(r"<script src=\"\">\s*</script>", "", body)  # the loaders of scripts no page here needs
 
 
-def hide_solutions(nb: nbformat.NotebookNode) -> nbformat.NotebookNode:
+def _hide_solutions(nb: nbformat.NotebookNode) -> nbformat.NotebookNode:
     """Put each solution cell's code in a closed ``<details>`` before the cell, which keeps only its outputs.
 
     Returns ``nb``, changed in place.
@@ -221,7 +221,7 @@ def hide_solutions(nb: nbformat.NotebookNode) -> nbformat.NotebookNode:
 
     cells = []
     for cell in nb.cells:
-        if cell.cell_type == "code" and SOLUTION in cell.metadata.get("tags", []):
+        if cell.cell_type == "code" and _SOLUTION in cell.metadata.get("tags", []):
             code = highlight(cell.source, PythonLexer(), HtmlFormatter(cssclass="highlight hl-ipython3"))
             code = code.strip().replace("\n", "&#10;")  # one line: a blank line would end Markdown's HTML block
             shown = f"<details class='pk-solution'><summary>Solution (open it after trying)</summary>{code}</details>"

@@ -147,7 +147,7 @@ def trace_gradients(
 
 
 @dataclass(frozen=True)
-class Transfer:
+class _Transfer:
     """One chunk sent from ``src`` to its ring neighbour ``dst`` in one ring step."""
 
     src: int
@@ -157,9 +157,9 @@ class Transfer:
 
 
 @dataclass(frozen=True)
-class RingStep:
+class _RingStep:
     phase: str  # "reduce-scatter" (dst adds what it receives) or "all-gather" (dst keeps it)
-    transfers: tuple[Transfer, ...]
+    transfers: tuple[_Transfer, ...]
     buffers: np.ndarray  # [replicas, elements]: every replica's buffer after this step
     contributions: np.ndarray  # [replicas, chunks]: how many replicas' gradients each chunk holds
 
@@ -170,7 +170,7 @@ class RingTrace:
 
     inputs: np.ndarray  # [replicas, elements]
     bounds: tuple[int, ...]  # chunk c is elements bounds[c]:bounds[c+1]
-    steps: tuple[RingStep, ...]
+    steps: tuple[_RingStep, ...]
     result: np.ndarray  # [replicas, elements]: the mean, on every replica
 
     def bytes_sent(self, itemsize: int = 4) -> np.ndarray:
@@ -201,7 +201,7 @@ def ring_allreduce_trace(inputs: np.ndarray) -> RingTrace:
         for s in range(n - 1):
             # reduce-scatter step s: replica i sends chunk (i - s); all-gather: chunk (i + 1 - s)
             sends = [(i, (i - s + (phase == "all-gather")) % n) for i in range(n)]
-            transfers = tuple(Transfer(i, (i + 1) % n, c, buffers[i, chunk[c]].copy()) for i, c in sends)
+            transfers = tuple(_Transfer(i, (i + 1) % n, c, buffers[i, chunk[c]].copy()) for i, c in sends)
             new, new_counts = buffers.copy(), counts.copy()
             for t in transfers:
                 if phase == "reduce-scatter":
@@ -211,7 +211,7 @@ def ring_allreduce_trace(inputs: np.ndarray) -> RingTrace:
                     new[t.dst, chunk[t.chunk]] = t.values
                     new_counts[t.dst, t.chunk] = counts[t.src, t.chunk]
             buffers, counts = new, new_counts
-            steps.append(RingStep(phase, transfers, buffers.copy(), counts.copy()))
+            steps.append(_RingStep(phase, transfers, buffers.copy(), counts.copy()))
     return RingTrace(inputs, bounds, tuple(steps), buffers / n)
 
 

@@ -40,11 +40,11 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-STATE, META = "state", "meta"  # the two items of every checkpoint
+_STATE, _META = "state", "meta"  # the two items of every checkpoint
 
 
 @dataclass(frozen=True)
-class Restored:
+class _Restored:
     """A restored, placed state; the step it was saved at; how many batches the run had consumed then."""
 
     state: TrainState
@@ -128,7 +128,7 @@ class Checkpoints:
                 enable_async_checkpointing=False,  # a saved step is on disk before the next step starts
                 create=True,
             )
-            handlers = {STATE: ocp.StandardCheckpointHandler(), META: ocp.JsonCheckpointHandler()}
+            handlers = {_STATE: ocp.StandardCheckpointHandler(), _META: ocp.JsonCheckpointHandler()}
             self._manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
         return self._manager
 
@@ -181,7 +181,7 @@ class Checkpoints:
         if not _is_logical(strategy, tree):  # pmap's stacked copies: save one host copy
             tree = jax.device_get(strategy.unreplicate(tree))
         meta = {"step": step, "batches": step if batches is None else int(batches), "strategy": repr(strategy)}
-        args = ocp.args.Composite(**{STATE: ocp.args.StandardSave(tree), META: ocp.args.JsonSave(meta)})
+        args = ocp.args.Composite(**{_STATE: ocp.args.StandardSave(tree), _META: ocp.args.JsonSave(meta)})
         saved = self.manager.save(step, args=args, force=True)
         self.manager.wait_until_finished()
         return bool(saved)
@@ -195,7 +195,7 @@ class Checkpoints:
         *,
         model_state: PyTree = None,
         rng: int | jax.Array | None = None,
-    ) -> Restored:
+    ) -> _Restored:
         """Restore a checkpoint (the newest by default) onto ``strategy``'s placement.
 
         Conceptually, ``strategy.init(params, tx)`` with the saved values: ``params``
@@ -230,12 +230,12 @@ class Checkpoints:
             target = jax.tree.map(np.asarray, strategy.unreplicate(placed))
         del template, placed
         self._check_fits(step, target, strategy)
-        args = ocp.args.Composite(**{STATE: ocp.args.StandardRestore(target), META: ocp.args.JsonRestore()})
+        args = ocp.args.Composite(**{_STATE: ocp.args.StandardRestore(target), _META: ocp.args.JsonRestore()})
         try:
             out = self.manager.restore(step, args=args)
         except (ValueError, KeyError, TypeError) as err:
             raise self._does_not_fit(step, strategy, f"{type(err).__name__}: {err}") from err
-        tree, meta = out[STATE], out[META]
+        tree, meta = out[_STATE], out[_META]
         extras = {"rng": tree.get("rng"), "model_state": tree.get("model_state")}
         scale = None if "loss_scale" not in tree else LossScaleState(**tree["loss_scale"])
         if logical:
@@ -248,11 +248,11 @@ class Checkpoints:
             if scale is not None:
                 state = state.replace(loss_scale=_like_step(state, scale))
         log.info("Restored step %d from %s onto %r.", step, self.directory, strategy)
-        return Restored(state, step, int(meta["batches"]))
+        return _Restored(state, step, int(meta["batches"]))
 
     def _saved_tree(self, step: int) -> PyTree:
         """The metadata of the state saved at ``step``: its tree of leaves' shapes and dtypes."""
-        metadata = self.manager.item_metadata(step)[STATE]
+        metadata = self.manager.item_metadata(step)[_STATE]
         return getattr(metadata, "tree", metadata)  # a TreeMetadata, or the tree itself
 
     def _check_fits(self, step: int, target: PyTree, strategy: Strategy) -> None:

@@ -29,7 +29,7 @@ from ..core.step import Step
 from ..core.types import Batch, LossFn, PyTree
 
 # Where Explicit mode runs: the strategies whose step is one jax.jit over a mesh (pk.SPMD and its presets).
-EXPLICIT_STRATEGIES = (
+_EXPLICIT_STRATEGIES = (
     "pk.SPMD and its presets (SingleDevice, Mirrored with backend='jit', MultiWorkerMirrored, FullySharded, "
     "TensorParallel, Hybrid, ContextParallel, ExpertParallel)"
 )
@@ -53,7 +53,7 @@ def refuse_explicit(who: str, explicit: object, why: str) -> None:
         raise ValueError(f"{who}(explicit={explicit!r}): explicit is a bool, and {who} runs only explicit=False.")
     raise ValueError(
         f"{who}(explicit=True): Explicit mode is not supported here. {why} Explicit mode runs in "
-        f"{EXPLICIT_STRATEGIES}: use one of those, or leave explicit=False."
+        f"{_EXPLICIT_STRATEGIES}: use one of those, or leave explicit=False."
     )
 
 

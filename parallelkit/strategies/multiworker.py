@@ -30,7 +30,7 @@ from ..core.types import Batch, PyTree
 from . import data_parallel
 from .spmd import BATCH_ON_DATA, EXPLICIT, SPMD
 
-FEEDS = ("global", "local")
+_FEEDS = ("global", "local")
 
 
 class MultiWorkerMirrored(SPMD):
@@ -54,8 +54,8 @@ class MultiWorkerMirrored(SPMD):
     """
 
     def __init__(self, devices: Sequence[jax.Device] | None = None, batch: str = "global", *, explicit: bool = False):
-        if batch not in FEEDS:
-            raise ValueError(f"MultiWorkerMirrored(batch={batch!r}): choose one of {FEEDS}.")
+        if batch not in _FEEDS:
+            raise ValueError(f"MultiWorkerMirrored(batch={batch!r}): choose one of {_FEEDS}.")
         # Devices in process order, so each process's rows of the batch are one contiguous block.
         chosen = sorted(resolve_devices(devices), key=lambda d: (d.process_index, d.id))
         super().__init__(make_mesh(chosen, data=len(chosen), explicit=explicit), rules=BATCH_ON_DATA)

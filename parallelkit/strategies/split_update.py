@@ -35,16 +35,16 @@ import optax
 
 from ..core.types import PyTree
 
-SCALES = (1e-6, 1e6)  # probe gradients: small enough for no clip to act, then large enough for any to
+_SCALES = (1e-6, 1e6)  # probe gradients: small enough for no clip to act, then large enough for any to
 RTOL = 1e-5  # float32: an element-wise optimizer gives the same update whole or in pieces, to rounding
 
 
-def probe_gradients(params: PyTree, scale: float) -> PyTree:
+def _probe_gradients(params: PyTree, scale: float) -> PyTree:
     """Deterministic gradients shaped like ``params``: ``scale x sin(0.7 i + 0.3)`` for the ``i``-th element overall.
 
     Computed in NumPy (float64, then each leaf's dtype); leaves that are not floating point get zeros.
 
-    >>> probe_gradients({"w": np.zeros(3)}, 2.0)["w"].round(3).tolist()
+    >>> _probe_gradients({"w": np.zeros(3)}, 2.0)["w"].round(3).tolist()
     [0.591, 1.683, 1.983]
     """
     leaves, treedef = jax.tree.flatten(params)
@@ -78,7 +78,7 @@ def check_update_splits(
     """Raise a ValueError if ``tx`` run on each piece of ``params`` differs from ``tx`` run on the whole.
 
     The probe (the module docstring's) is one small program, compiled and run on the host CPU, its
-    gradients :func:`probe_gradients` at each of :data:`SCALES`.
+    gradients :func:`_probe_gradients` at each of :data:`_SCALES`.
 
     Args:
       tx: the optimizer.
@@ -124,7 +124,7 @@ def check_update_splits(
     head = f"{strategy} {how}, "
     try:
         with jax.default_device(jax.local_devices(backend="cpu")[0]):
-            grads = [probe_gradients(params, scale) for scale in SCALES]
+            grads = [_probe_gradients(params, scale) for scale in _SCALES]
             updates = jax.device_get(jax.jit(probe)(params, grads))
     except _PieceFailed as failed:
         err = failed.__cause__
@@ -132,14 +132,14 @@ def check_update_splits(
             f"{head}and this optimizer fails on a piece ({type(err).__name__}: {err}), as a mask or setting "
             f"chosen by the parameter tree's paths does when it is given a piece instead. {what_to_do}"
         ) from err
-    for scale, (whole, joined) in zip(SCALES, updates, strict=True):
+    for scale, (whole, joined) in zip(_SCALES, updates, strict=True):
         mismatch = _first_mismatch(whole, joined)
         if mismatch is not None:
             path, diff, size = mismatch
             why = (
                 "Only large gradients set them apart, as a clip by the global norm does "
                 "(optax.clip_by_global_norm): each piece would be clipped by its own norm."
-                if scale == max(SCALES)
+                if scale == max(_SCALES)
                 else "They differ even for small gradients: the update combines elements that the pieces "
                 "separate, as a norm per parameter does when a piece cuts through a parameter (LAMB and LARS "
                 "trust ratios), or a mask or setting chosen by the parameter's path."

@@ -193,7 +193,7 @@ class SPMD(Strategy):
         parameter sharded over them, as ZeRO-3's are, is gathered whole on each replica first)."""
         batch_axes = set(axis_names(self.batch_sharding.spec[0]))
         specs = self.partition_specs(params)
-        return jax.tree.map(lambda spec: P(*without_axes(spec, batch_axes)), specs, is_leaf=lambda x: isinstance(x, P))
+        return jax.tree.map(lambda spec: P(*_without_axes(spec, batch_axes)), specs, is_leaf=lambda x: isinstance(x, P))
 
     def state_shardings(
         self,
@@ -407,7 +407,7 @@ class _CompiledOnFirstCall:
         rows = partition.shardings(
             mesh,
             jax.tree.map(
-                lambda spec: P(axes, *without_axes(spec, group)),
+                lambda spec: P(axes, *_without_axes(spec, group)),
                 self.strategy.partition_specs(params),
                 is_leaf=lambda x: isinstance(x, P),
             ),
@@ -470,10 +470,10 @@ class _CompiledOnFirstCall:
             raise
 
 
-def without_axes(spec: P, axes: set[str]) -> tuple:
+def _without_axes(spec: P, axes: set[str]) -> tuple:
     """``spec``'s entries with ``axes`` taken out (a dimension they alone split becomes replicated).
 
-    >>> without_axes(P("data", ("data", "model"), None), {"data"})
+    >>> _without_axes(P("data", ("data", "model"), None), {"data"})
     (None, 'model', None)
     """
     entries = []

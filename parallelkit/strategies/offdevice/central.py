@@ -50,7 +50,7 @@ from .rows import (
 )
 
 
-class CentralUpdate:
+class _CentralUpdate:
     """The push and the update of central storage: the rows to the storage device, one program there.
 
     ``update(state, rows) -> (state, metrics)``; :meth:`lowered` gives the update
@@ -145,7 +145,7 @@ class CentralStorage(OffDeviceStrategy):
         check_accumulate(accumulate)
         check_precision(precision)
         compute = replica_gradients(loss_fn, self.mesh, precision, accumulate)
-        step = PushPullStep(self.pull, compute, CentralUpdate(self.storage, precision))
+        step = PushPullStep(self.pull, compute, _CentralUpdate(self.storage, precision))
         return Step(step, accumulated_placement(self.place_batch, accumulate, self.num_replicas), self, precision)
 
     def __repr__(self) -> str:

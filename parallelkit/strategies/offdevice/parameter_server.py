@@ -56,9 +56,9 @@ from .rows import (
     replica_gradients,
 )
 
-MODES = ("sync", "async")
+_MODES = ("sync", "async")
 
-ASYNC_ACCUMULATION = (
+_ASYNC_ACCUMULATION = (
     "In mode='async' every worker's gradient is applied alone as it arrives: there is no step-wide "
     "synchronisation for microbatches to share. Accumulate with mode='sync', or give the async run a "
     "smaller batch."
@@ -129,8 +129,8 @@ class ParameterServer(OffDeviceStrategy):
         explicit: bool = False,
     ):
         refuse_explicit("ParameterServer", explicit, NOT_EXPLICIT)
-        if mode not in MODES:
-            raise ValueError(f"ParameterServer(mode={mode!r}): choose one of {MODES}.")
+        if mode not in _MODES:
+            raise ValueError(f"ParameterServer(mode={mode!r}): choose one of {_MODES}.")
         if staleness is not None and (isinstance(staleness, bool) or not isinstance(staleness, int) or staleness < 0):
             raise ValueError(f"staleness={staleness!r}: it counts updates, so use an integer >= 0 (or None: no bound).")
         if mode == "sync" and (staleness is not None or worker_times is not None):
@@ -252,7 +252,7 @@ class ParameterServer(OffDeviceStrategy):
         fraction of its pushes that were finite, and its ``loss_scale`` the scale after its last push.
         """
         if self.mode == "async":
-            refuse_accumulation(repr(self), accumulate, ASYNC_ACCUMULATION)
+            refuse_accumulation(repr(self), accumulate, _ASYNC_ACCUMULATION)
         check_precision(precision)
         push_update = ShardedUpdate(self.shard_storage, precision)
         if self.mode == "async":
