@@ -1,19 +1,12 @@
 """Does an optimizer give the same update when a strategy runs it on pieces of the parameters?
 
-Some strategies never run the optimizer over all parameters at once:
-:class:`~parallelkit.ParameterServer` runs ``tx`` on each shard's flat slice, and
-:class:`~parallelkit.Pipeline` on each stage's layers. That equals one update of the
-whole tree only when each element's update depends on that element alone (SGD,
-momentum, Adam, AdamW), or at least on nothing outside its piece. It does not for
-``optax.clip_by_global_norm`` (each piece would be clipped by its own norm), for LAMB
-and LARS trust ratios when a piece cuts through a parameter (the norms are per
-parameter), nor for masks chosen by a parameter's path, which a flat slice lacks.
-
-:func:`check_update_splits` is a probe, not a proof: it runs ``tx.init`` and two
-``tx.update`` calls on the whole tree and on its pieces, with deterministic gradients
-first at a small scale and then at a very large one (so that any clipping threshold
-is crossed), and compares the updates. It runs on the host when the strategy builds its
-state (a passed probe is remembered for the same optimizer object, split and shapes).
+:func:`check_update_splits` is the probe :class:`~parallelkit.ParameterServer` (each shard's flat
+slice) and :class:`~parallelkit.Pipeline` (each stage's layers) run when they build their state:
+``tx.init`` and two ``tx.update`` calls on the whole tree and on its pieces, with deterministic
+gradients at a small and at a very large scale (so that any clipping threshold is crossed), the
+updates compared. It is a probe, not a proof; a passed probe is remembered for the same optimizer
+object, split and shapes. Which optimizers split and why (element-wise ones do;
+``clip_by_global_norm``, LAMB, LARS and masks by path do not) is taught in notebook 04.
 
 >>> import numpy as np, optax
 >>> params = {"a": np.ones(3, np.float32), "b": np.ones(2, np.float32)}
