@@ -1,7 +1,7 @@
 """Plain data behind the live views: what a run has recorded so far, and its summary.
 
-Nothing here imports ipywidgets or matplotlib: the widgets in this package are thin
-views over these dataclasses, and the tests check the data, not the pixels.
+Nothing here imports ipywidgets or matplotlib: the live views beside it in :mod:`parallelkit.viz`
+are thin views over these dataclasses, and the tests check the data, not the pixels.
 
 >>> log = LiveTimes(strategy="Mirrored(backend='jit', devices=8)", devices=8, batch_size=64)
 >>> for s in (1.5, 0.02, 0.04, 0.03):
