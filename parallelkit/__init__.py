@@ -78,7 +78,8 @@ __version__ = "0.1.0"
 
 
 _LAZY = {"viz": "viz", "widgets": "widgets", "tour": "course.tour"}  # their modules, below this package
-_OLD_NAMES = _renamed(__name__, {"allreduce": "parallelkit:collectives"})  # the name the course teaches
+# pk.allreduce: pk.collectives, the name the course teaches; LAZY: the table above, private now
+_OLD_NAMES = _renamed(__name__, {"allreduce": "parallelkit:collectives", "LAZY": "parallelkit:_LAZY"})
 
 
 def __getattr__(name: str):

@@ -20,6 +20,7 @@ from parallelkit.planner import ModelShape
     ("read", "new", "expected"),
     [
         (lambda: pk.allreduce, "parallelkit.collectives", lambda: pk.collectives),
+        (lambda: pk.LAZY, "parallelkit._LAZY", lambda: pk._LAZY),
         (lambda: pk.planner.Transformer, "parallelkit.planner.ModelShape", lambda: ModelShape),
         (
             lambda: gradsync.ring_allreduce,
@@ -27,7 +28,7 @@ from parallelkit.planner import ModelShape
             lambda: gradsync.ring_allreduce_trace,
         ),
     ],
-    ids=["pk.allreduce", "planner.Transformer", "gradsync.ring_allreduce"],
+    ids=["pk.allreduce", "pk.LAZY", "planner.Transformer", "gradsync.ring_allreduce"],
 )
 def test_an_old_name_warns_and_is_the_new_one(read, new, expected):
     with pytest.warns(DeprecationWarning, match=rf"is now {new}, and the old name goes in parallelkit {REMOVED_IN}"):
