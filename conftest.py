@@ -9,3 +9,6 @@ import parallelkit as pk
 
 TEST_DEVICES = 8
 pk.simulate_devices(TEST_DEVICES)
+
+# The views' old name warns as it loads (tests/test_moved_names.py expects it); it holds no doctest.
+collect_ignore = ["parallelkit/widgets/__init__.py"]

@@ -1,6 +1,6 @@
 """What does a live view cost per step? The dashboard's callback, timed on its own.
 
-``pk.widgets.TimingDashboard`` and ``pk.widgets.StrategyRace`` promise not to slow
+``pk.viz.TimingDashboard`` and ``pk.viz.StrategyRace`` promise not to slow
 the steps they measure: they record every step but redraw at most every
 ``min_interval`` seconds. This script calls ``TimingDashboard.on_step_end`` in widget
 mode (no notebook needed: the widgets are built, their display goes nowhere) between
@@ -26,7 +26,7 @@ import numpy as np
 
 def one_run(steps: int, min_interval: float) -> tuple[np.ndarray, int]:
     import parallelkit as pk
-    from parallelkit.widgets import TimingDashboard
+    from parallelkit.viz import TimingDashboard
 
     dash = TimingDashboard(batch_size=64, mode="widget", min_interval=min_interval)
     with contextlib.redirect_stdout(io.StringIO()):  # outside a notebook, display() prints the widget's repr

@@ -58,7 +58,7 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from parallelkit.planner import MODELS, Cluster, Layout, Transformer, plan, step_time, unsupported  # noqa: E402
+from parallelkit.planner import MODELS, Cluster, Layout, ModelShape, plan, step_time, unsupported  # noqa: E402
 from parallelkit.planner.search import simpler_first  # noqa: E402
 
 GPT = {"max_length": 64, "dim": 64, "heads": 8, "depth": 4, "mlp_dim": 256}
@@ -67,7 +67,7 @@ TORCHTITAN = "pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md (co
 # As published: tokens a second per GPU on H100s (torchtitan's runs: 96 GB HBM2e at a 500 W limit), bf16 without
 # torch.compile or Float8 where published; the layout each names, in the planner's words.
 MAXTEXT = "AI-Hypercomputer/maxtext docs/reference/models/tiering.md (commit 66266787)"
-LLAMA2_70B = Transformer(80, 8192, 64, 28672, 32000, 4096, kv_heads=8, dropout=False, name="Llama 2 70B")
+LLAMA2_70B = ModelShape(80, 8192, 64, 28672, 32000, 4096, kv_heads=8, dropout=False, name="Llama 2 70B")
 # As published: tokens a second per chip, and the layout each names, in the planner's words. torchtitan's H100s
 # have 96 GB of HBM2e (at a 500 W limit), not the SXM datasheet's 80 GB.
 PUBLISHED = [
@@ -131,13 +131,13 @@ KORTHIKANTI_2022 = [
 ]
 
 
-def megatron_gpt(name: str, heads: int, width: int, layers: int) -> Transformer:
+def megatron_gpt(name: str, heads: int, width: int, layers: int) -> ModelShape:
     """Megatron-LM's GPT: a 4h GELU MLP, biases, learned positions, a tied head, vocabulary 51,200, sequence 2048."""
-    return Transformer(layers, width, heads, 4 * width, 51200, 2048, gated=False, tied=True, bias=True,
+    return ModelShape(layers, width, heads, 4 * width, 51200, 2048, gated=False, tied=True, bias=True,
                        positions=True, name=f"GPT {name}")  # fmt: skip
 
 
-def megatron_flops_per_token(model: Transformer) -> float:
+def megatron_flops_per_token(model: ModelShape) -> float:
     """Narayanan et al.'s eq. (3) over the tokens: ``96 l h^2 (1 + s / 6h + V / 16 l h)``, FLOPs with full
     recomputation (a fourth pass of the layers), the count behind Table 1's teraFLOP/s."""
     layers, h, s, v = model.layers, model.d_model, model.seq, model.vocab
@@ -152,7 +152,7 @@ def pipeline_layout(tensor: int, stages: int, gpus: int, batch: int, micro: int,
                   virtual=virtual, **rest)  # fmt: skip
 
 
-def predicted(model: Transformer, layout: Layout, cluster: Cluster, batch: int) -> dict:
+def predicted(model: ModelShape, layout: Layout, cluster: Cluster, batch: int) -> dict:
     """The planner's step, MFU and memory for a published layout, and its own first choice for the same run."""
     time_ = step_time(model, layout, cluster, batch)
     memory = pk.planner.memory_per_device(model, layout, batch)
@@ -243,7 +243,7 @@ def _parser() -> argparse.ArgumentParser:
 TOP = 24  # how many of the planner's first choices are built and timed
 
 
-def runnable(shape: Transformer) -> list[Layout]:
+def runnable(shape: ModelShape) -> list[Layout]:
     """The planner's first :data:`TOP` layouts of 8 devices for ``shape`` and a batch of :data:`BATCH` on this machine
     (``plan(..., exhaustive=True)``, float32, Adam), each built as ``layout.strategy()`` builds it: every product
     of the axes composes, so each ranked layout is one the kit runs (``unsupported`` is None, checked)."""
@@ -302,7 +302,7 @@ def activation_slope() -> dict:
         step, state = single.step(pk.models.lm_loss(apply)), single.init(params, optax.adam(1e-3))
         temps[depth] = pk.inspect.memory_per_device(step, state, batch).temp
     compiled = (temps[8] - temps[4]) / (4 * BATCH)
-    shape = Transformer.from_gpt(pk.models.GPT(256, **GPT, rngs=nnx.Rngs(0)))
+    shape = ModelShape.from_gpt(pk.models.GPT(256, **GPT, rngs=nnx.Rngs(0)))
     planned = pk.planner.layer_activation_bytes(shape, 1, element_bytes=4)
     print(f"one layer of one sequence: compiled {compiled / 1e3:.1f} kB, planned {planned / 1e3:.1f} kB")
     return {"compiled_bytes": compiled, "planned_bytes": planned, "ratio": compiled / planned}
@@ -316,7 +316,7 @@ def spearman(a: list[float], b: list[float]) -> float:
 
 def against_the_compiler_and_the_clock(steps: int, rounds: int) -> dict:
     gpt = pk.models.GPT(256, **GPT, rngs=nnx.Rngs(0))
-    shape = Transformer.from_gpt(gpt)
+    shape = ModelShape.from_gpt(gpt)
     corpus = pk.data.text(length=GPT["max_length"], max_bytes=50_000)
     batch = next(pk.data.batches(corpus, BATCH, steps=1))
     candidates = [Layout(), *runnable(shape)]

@@ -30,7 +30,7 @@ import optax  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from parallelkit.models import RECOMPUTE  # noqa: E402
-from parallelkit.planner import Layout, Transformer  # noqa: E402
+from parallelkit.planner import Layout, ModelShape  # noqa: E402
 
 GPT = {"max_length": 512, "dim": 256, "heads": 8, "depth": 4, "mlp_dim": 1024}
 TOPOLOGY, CHIPS, BATCH = "v5e:2x2", 4, 8
@@ -44,7 +44,7 @@ def main() -> None:
         raise SystemExit('libtpu is not installed: pip install "parallelkit[tpu]"')
     model = pk.models.GPT(256, **GPT, rngs=nnx.Rngs(0))
     apply, params = pk.models.functional(model)
-    shape = Transformer.from_gpt(model)
+    shape = ModelShape.from_gpt(model)
     tokens = jnp.zeros((BATCH, GPT["max_length"]), jnp.int32)
     target = pk.aot.devices(TOPOLOGY)
     rows = []

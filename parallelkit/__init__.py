@@ -25,6 +25,7 @@ from .core.devices import device_summary as device_summary
 from .core.devices import simulate_devices as simulate_devices
 from .core.precision import Precision as Precision
 from .core.precision import PrecisionWarning as PrecisionWarning
+from .core.renamed import renamed as _renamed
 from .core.skipped import NonFiniteGradientsError as NonFiniteGradientsError
 from .core.skipped import SkippedStepsWarning as SkippedStepsWarning
 from .course import lesson as lesson
@@ -68,24 +69,24 @@ from .strategies import Step as Step
 from .strategies import Strategy as Strategy
 from .strategies import TensorParallel as TensorParallel
 from .strategies import TrainState as TrainState
-from .strategies import allreduce as allreduce
+from .strategies import allreduce as collectives  # noqa: F401  (the all-reduces by hand, by the course's name)
 from .strategies import pipeline as pipeline
 from .strategies.pipeline import Pipeline as Pipeline
 from .strategies.pipeline import schedules as schedules
 
-collectives = allreduce  # pk.collectives: the all-reduces by hand, under the name the course teaches them by
-
 __version__ = "0.1.0"
 
 
-LAZY = {"viz": "viz", "widgets": "widgets", "tour": "course.tour"}  # their modules, below this package
+_LAZY = {"viz": "viz", "widgets": "widgets", "tour": "course.tour"}  # their modules, below this package
+# pk.allreduce: pk.collectives, the name the course teaches; LAZY: the table above, private now
+_OLD_NAMES = _renamed(__name__, {"allreduce": "parallelkit:collectives", "LAZY": "parallelkit:_LAZY"})
 
 
 def __getattr__(name: str):
     # Views import matplotlib/ipywidgets: load them only when first used, keeping
-    # `import parallelkit` fast and headless-safe.
-    if name in LAZY:
+    # `import parallelkit` fast and headless-safe. (pk.widgets, their old home, warns as it loads.)
+    if name in _LAZY:
         import importlib
 
-        return importlib.import_module(f"{__name__}.{LAZY[name]}")
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+        return importlib.import_module(f"{__name__}.{_LAZY[name]}")
+    return _OLD_NAMES(name)

@@ -211,7 +211,7 @@ def load_cifar10(path: str | Path, split: str = "train") -> Dataset:
     return Dataset(x=x, y=np.concatenate(ys), num_classes=10, name="cifar10")
 
 
-BYTE_VOCAB = 256  # byte-level tokens: each byte of the text is one token
+_BYTE_VOCAB = 256  # byte-level tokens: each byte of the text is one token
 CORPUS_BYTES = 1 << 20  # the corpus shipped with the kit: 1 MiB of text
 _CORPUS = Path(__file__).with_name("corpus.txt.gz")
 
@@ -280,7 +280,7 @@ def text(path: str | Path | None = None, length: int = 128, *, max_bytes: int | 
     tokens = np.frombuffer(raw, dtype=np.uint8).astype(np.int32)
     x = tokens[: count * length].reshape(count, length)
     y = tokens[1 : count * length + 1].reshape(count, length)
-    return Dataset(x=x, y=y, num_classes=BYTE_VOCAB, name=name)
+    return Dataset(x=x, y=y, num_classes=_BYTE_VOCAB, name=name)
 
 
 def batches(

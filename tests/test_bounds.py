@@ -3,7 +3,12 @@
 - every module at most 500 lines;
 - every function's body at most 60 code lines (not blank, not a comment, not the docstring);
 - ``SingleDevice``'s import closure (the modules its module imports at load time, and theirs) at most
-  18 modules;
+  18 modules and 4,000 lines;
+- every module imported at load time by at most 20 others (its fan-in), but the vocabulary
+  (``core/types.py``: the types, the mesh axes' names, what a count is), which imports nothing of
+  the package and is there to be read by every module;
+- no public name of a module used only in its own module: each is read elsewhere (another module,
+  the tests, notebooks, benchmarks, docs or examples), or private;
 - one home for the host-link model: the cost model's (``TopologyModel`` on a ``Cluster`` with host
   ``Link``s), which the traffic report, measured bytes only, does not import.
 """
@@ -12,6 +17,7 @@ from __future__ import annotations
 
 import ast
 import io
+import re
 import tokenize
 from pathlib import Path
 
@@ -22,7 +28,9 @@ from parallelkit.measure import costmodel, traffic
 from parallelkit.measure.costmodel import Cluster, Link, Workload, communication_seconds
 
 PACKAGE = Path(pk.__file__).parent
-MODULE_LINES, FUNCTION_CODE_LINES, CLOSURE_MODULES = 500, 60, 18
+READERS = ("tests", "notebooks", "benchmarks", "docs", "examples")  # beside the package, where a name may be read
+MODULE_LINES, FUNCTION_CODE_LINES, CLOSURE_MODULES, CLOSURE_LINES, FAN_IN = 500, 60, 18, 4000, 20
+VOCABULARY = "parallelkit.core.types"  # read by every module that speaks of a tree, a batch, a mesh axis or a count
 
 
 def _sources() -> dict[str, Path]:
@@ -117,19 +125,82 @@ def test_the_function_measure_counts_code_not_its_docstring_comments_or_blank_li
     assert long_functions(tmp_path / "m.py", 61) == [] == long_functions(tmp_path / "n.py", 0)
 
 
-def test_single_devices_import_closure_is_at_most_18_modules():
+def test_single_devices_import_closure_is_at_most_18_modules_and_4000_lines():
     closure = import_closure("parallelkit.strategies.single")
     assert "parallelkit.measure.costmodel" not in closure  # the traffic report's bytes need no cost model
-    assert len(closure) <= CLOSURE_MODULES, (
-        f"SingleDevice loads {len(closure)} modules ({sum(closure.values())} lines), over {CLOSURE_MODULES}: "
-        f"{sorted(closure)}"
+    assert "parallelkit.measure.traffic" not in closure  # loaded when a strategy is asked for its traffic
+    lines = sum(closure.values())
+    assert len(closure) <= CLOSURE_MODULES and lines <= CLOSURE_LINES, (
+        f"SingleDevice loads {len(closure)} modules ({lines} lines), over {CLOSURE_MODULES} modules or "
+        f"{CLOSURE_LINES} lines: {closure}"
     )
+
+
+def fan_in() -> dict[str, set[str]]:
+    """Each parallelkit module's importers: the modules that import it when they load."""
+    modules, importers = _sources(), {}
+    for name, path in modules.items():
+        for imported in _load_time_imports(name, path, modules) - {name}:
+            importers.setdefault(imported, set()).add(name)
+    return importers
+
+
+def test_no_module_but_the_vocabulary_is_imported_by_more_than_20():
+    wide = {name: len(by) for name, by in fan_in().items() if len(by) > FAN_IN and name != VOCABULARY}
+    assert not wide, f"Modules imported by more than {FAN_IN} others (move what they come for where it is used): {wide}"
+
+
+def test_the_vocabulary_imports_nothing_of_the_package():
+    modules = _sources()
+    assert not _load_time_imports(VOCABULARY, modules[VOCABULARY], modules)
+    assert len(fan_in()[VOCABULARY]) > FAN_IN  # the exemption is needed: every room speaks it
 
 
 def test_the_closure_follows_imports_from_packages_and_leaves_out_type_checking_ones():
     closure = import_closure("parallelkit.strategies.pipeline.step")
     assert {"parallelkit.strategies.pipeline.stages", "parallelkit.measure.traffic"} <= closure.keys()
     assert "parallelkit.strategies.pipeline.strategy" not in closure  # imported under TYPE_CHECKING only
+
+
+def public_names(path: Path) -> list[str]:
+    """The names a module defines at its top level (functions, classes, assignments) that do not start with ``_``."""
+    names = []
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            names.append(node.name)
+        elif isinstance(node, ast.Assign | ast.AnnAssign):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names += [n.id for target in targets for n in ast.walk(target) if isinstance(n, ast.Name)]
+    return [name for name in names if not name.startswith("_")]
+
+
+def read_only_at_home(modules: dict[str, Path], readers: list[Path]) -> list[str]:
+    """``module.name`` for each public name no other text names: not another module, nor any of ``readers``."""
+    texts = {name: path.read_text() for name, path in modules.items()}
+    elsewhere = [path.read_text() for path in readers]
+    lonely = []
+    for module, path in modules.items():
+        for name in public_names(path):
+            named = re.compile(rf"\b{re.escape(name)}\b")
+            others = (text for other, text in texts.items() if other != module)
+            if not any(named.search(text) for text in [*others, *elsewhere]):
+                lonely.append(f"{module}.{name}")
+    return lonely
+
+
+def test_every_public_name_is_read_outside_its_module():
+    root = PACKAGE.parent
+    readers = [p for d in READERS for p in (root / d).rglob("*") if p.suffix in (".py", ".ipynb", ".md")]
+    lonely = read_only_at_home(_sources(), readers)
+    assert not lonely, f"Public names used only in their own module (make each private, or remove it): {lonely}"
+
+
+def test_the_public_name_measure_sees_a_lonely_name_and_not_a_read_one(tmp_path):
+    (tmp_path / "a.py").write_text("USED = 1\nLONELY, _PRIVATE = 2, 3\n\n\ndef helper():\n    return LONELY\n")
+    (tmp_path / "b.py").write_text("from a import USED\n")
+    (tmp_path / "notes.md").write_text("`helper` is read here.\n")
+    modules = {"a": tmp_path / "a.py", "b": tmp_path / "b.py"}
+    assert read_only_at_home(modules, [tmp_path / "notes.md"]) == ["a.LONELY"]
 
 
 # One link model: the host's links are the cost model's, and the traffic report holds measured bytes only.

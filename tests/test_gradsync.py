@@ -10,9 +10,9 @@ from helpers import tree_allclose
 
 import parallelkit as pk
 import parallelkit.viz as viz
-from parallelkit.measure.gradsync import GradientProbe, path_label, ring_allreduce, trace_gradients
+from parallelkit.measure.gradsync import GradientProbe, path_label, ring_allreduce_trace, trace_gradients
+from parallelkit.viz import GradSyncExplorer
 from parallelkit.viz.gradsync import spread_table
-from parallelkit.widgets import GradSyncExplorer
 
 
 @pytest.fixture(scope="module")
@@ -99,7 +99,7 @@ def test_spread_figure_plots_the_data(traced):
 def test_ring_allreduce_moves_chunks_to_the_mean(traced):
     sync = traced[0]
     grads = np.concatenate([g.reshape(sync.replicas, -1) for g in sync.before], axis=1)
-    ring = ring_allreduce(grads)
+    ring = ring_allreduce_trace(grads)
     n, size = grads.shape
     np.testing.assert_allclose(ring.result, np.tile(grads.astype(np.float64).mean(0), (n, 1)), rtol=1e-12)
     np.testing.assert_allclose(ring.result[0], np.concatenate([s.ravel() for s in sync.synced]), rtol=1e-5, atol=1e-7)
@@ -113,7 +113,7 @@ def test_ring_allreduce_moves_chunks_to_the_mean(traced):
 
 
 def test_ring_figure_draws_each_steps_contributions():
-    ring = ring_allreduce(np.random.default_rng(0).normal(size=(4, 10)))
+    ring = ring_allreduce_trace(np.random.default_rng(0).normal(size=(4, 10)))
     fig = viz.ring_figure(ring)
     for ax, step in zip(fig.axes, ring.steps, strict=False):
         np.testing.assert_array_equal(ax.images[0].get_array(), step.contributions)

@@ -318,7 +318,7 @@ def test_the_timeline_keeps_the_devices_own_memory_reading_apart_from_the_stash(
 
 
 def test_the_explorer_redraws_from_a_real_run_for_every_choice(deep_mlp, batch, capsys):
-    from parallelkit.widgets import PipelineExplorer
+    from parallelkit.viz import PipelineExplorer
 
     explorer = PipelineExplorer(*deep_mlp, pk.models.cross_entropy, batch)
     assert explorer.microbatch_choices == [1, 2, 4, 8]

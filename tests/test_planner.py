@@ -13,7 +13,7 @@ from helpers import tree_allclose
 import parallelkit as pk
 from parallelkit.measure.costmodel import Cluster as Links
 from parallelkit.measure.costmodel import Link, axis_groups, axis_seconds, ring_rounds
-from parallelkit.planner import MODELS, Cluster, Layout, Transformer, check, plan, step_time, unsupported
+from parallelkit.planner import MODELS, Cluster, Layout, ModelShape, check, plan, step_time, unsupported
 from parallelkit.planner.search import layouts
 
 FAST, SLOW = Link("fast", 100, 2, "by hand"), Link("slow", 10, 20, "by hand")
@@ -35,7 +35,7 @@ def test_an_axis_collective_is_its_rings_rounds_timed_one_by_one(machines, per, 
 
 
 def test_tensor_parallel_all_reduces_by_hand():
-    model = Transformer(layers=4, d_model=1024, heads=8, ffn=4096, vocab=1000, seq=512)
+    model = ModelShape(layers=4, d_model=1024, heads=8, ffn=4096, vocab=1000, seq=512)
     layout, batch = Layout(data=2, tensor=4), 8
     t = step_time(model, layout, _cluster(), batch)
     activation = (batch // 2) * 512 * 1024 * 2  # a replica's 4 sequences, bf16
@@ -44,7 +44,7 @@ def test_tensor_parallel_all_reduces_by_hand():
 
 
 def test_the_bubble_and_what_binds():
-    model = Transformer(layers=8, d_model=4096, heads=32, ffn=16384, vocab=100, seq=2048)
+    model = ModelShape(layers=8, d_model=4096, heads=32, ffn=16384, vocab=100, seq=2048)
     t = step_time(model, Layout(stages=8, microbatches=8), _cluster(), 64)
     assert t.bubble == pytest.approx(t.compute * 7 / 8) and t.binding == "compute"
     slow = step_time(model, Layout(stages=8, microbatches=1), _cluster(), 64)
@@ -91,7 +91,7 @@ def test_a_plan_ranks_by_mfu_within_memory_and_says_why():
 
 
 def test_every_kind_of_axis_is_weighed():
-    moe = Transformer(layers=8, d_model=512, heads=8, ffn=1024, vocab=1000, seq=1024, experts=8, top_k=2)
+    moe = ModelShape(layers=8, d_model=512, heads=8, ffn=1024, vocab=1000, seq=1024, experts=8, top_k=2)
     seen = list(layouts(moe, 8, 64))
     for axis in ("data", "tensor", "context", "stages", "expert"):
         assert any(getattr(layout, axis) == 8 for layout in seen), axis
@@ -105,7 +105,7 @@ def test_a_model_that_fits_nowhere_says_by_how_much_and_what_would_fit():
     with pytest.raises(ValueError, match=r"fits no layout of 8 H100 SXM.*GB over the 72.0 GB usable.*devices of the "
                                          r"same kind would hold it"):  # fmt: skip
         plan(
-            Transformer(80, 16384, 128, 53248, 128256, 8192, kv_heads=8),
+            ModelShape(80, 16384, 128, 53248, 128256, 8192, kv_heads=8),
             Cluster.published("H100 SXM", 8),
             global_batch_tokens=8192 * 8,
         )
@@ -139,7 +139,7 @@ def test_published_and_measured_clusters():
 def test_the_kits_gpt_shape_counts_its_parameters():
     gpt = pk.models.GPT(256, max_length=16, dim=16, heads=4, depth=2, mlp_dim=32, rngs=nnx.Rngs(0))
     _, params = pk.models.functional(gpt)
-    assert Transformer.from_gpt(gpt).params == sum(leaf.size for leaf in jax.tree.leaves(params))
+    assert ModelShape.from_gpt(gpt).params == sum(leaf.size for leaf in jax.tree.leaves(params))
 
 
 # --- every layout the kit can run, built and trained one step ---------------------------------------------------
@@ -160,7 +160,7 @@ def _kinds(layout: Layout) -> list[tuple]:
 
 def _runnable() -> list[Layout]:
     """Layouts of 8 devices the planner ranks and the kit can run, one for each new kind (:func:`_kinds`)."""
-    shape = Transformer.from_gpt(pk.models.GPT(256, **SMALL, rngs=nnx.Rngs(0)))
+    shape = ModelShape.from_gpt(pk.models.GPT(256, **SMALL, rngs=nnx.Rngs(0)))
     found, seen = [], set()
     for layout in layouts(shape, 8, BATCH):
         for accumulate in (1, 2) if layout.stages == 1 else (layout.microbatches,):
@@ -243,7 +243,7 @@ def test_the_plan_ranks_only_what_the_kit_builds_and_the_rest_apart():
     """Every layout plan() ranks for the kit's GPT on 1 to 16 devices is one the kit builds; a MoE model's pipelines,
     which the kit cannot build, fit but are ranked apart (plan.unbuilt), each with the reason, never first."""
     for devices in (1, 2, 4, 8, 16):
-        shape = Transformer.from_gpt(pk.models.GPT(256, **SMALL, rngs=nnx.Rngs(0)))
+        shape = ModelShape.from_gpt(pk.models.GPT(256, **SMALL, rngs=nnx.Rngs(0)))
         cluster = Cluster.published("H100 SXM", per_node=devices)
         answer = plan(shape, cluster, global_batch_tokens=BATCH * LENGTH, precision="fp32", exhaustive=True)
         assert all(unsupported(c.layout) is None for c in answer.ranked)

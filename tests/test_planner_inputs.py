@@ -10,7 +10,7 @@ import pytest
 from flax import nnx
 
 import parallelkit as pk
-from parallelkit.planner import MODELS, Cluster, Layout, Transformer, plan, state_bytes
+from parallelkit.planner import MODELS, Cluster, Layout, ModelShape, plan, state_bytes
 from parallelkit.planner.search import RESERVE, assess, divisors, layouts, weigh
 
 SHAPE = {"layers": 2, "d_model": 64, "heads": 4, "ffn": 256, "vocab": 100, "seq": 16}
@@ -26,26 +26,26 @@ def gpt2_plan():
 @pytest.mark.parametrize(
     ("shape", "match"),
     [
-        ({"kv_heads": -2}, r"Transformer\(kv_heads=-2\) is not a number of heads: give a whole number >= 1"),
-        ({"kv_heads": 2.0}, r"Transformer\(kv_heads=2.0\) is not a number of heads"),
-        ({"kv_heads": 0}, r"Transformer\(kv_heads=0\) is not a number of heads"),  # was a ZeroDivisionError
-        ({"experts": 2.5}, r"Transformer\(experts=2.5\) is not a number of experts: .* or 0 for a dense model"),
-        ({"experts": True}, r"Transformer\(experts=True\) is not a number of experts"),
-        ({"experts": -4}, r"Transformer\(experts=-4\) is not a number of experts"),  # blamed top_k
-        ({"experts": 4, "top_k": 1.5}, r"Transformer\(top_k=1.5\) is not a number of experts"),
-        ({"experts": 4, "top_k": 5}, r"Transformer\(top_k=5\) routes each token to more experts than the 4"),
-        ({"gated": "no"}, r"Transformer\(gated='no'\) is not a bool: give True or False"),
-        ({"dropout": 1}, r"Transformer\(dropout=1\) is not a bool"),
+        ({"kv_heads": -2}, r"ModelShape\(kv_heads=-2\) is not a number of heads: give a whole number >= 1"),
+        ({"kv_heads": 2.0}, r"ModelShape\(kv_heads=2.0\) is not a number of heads"),
+        ({"kv_heads": 0}, r"ModelShape\(kv_heads=0\) is not a number of heads"),  # was a ZeroDivisionError
+        ({"experts": 2.5}, r"ModelShape\(experts=2.5\) is not a number of experts: .* or 0 for a dense model"),
+        ({"experts": True}, r"ModelShape\(experts=True\) is not a number of experts"),
+        ({"experts": -4}, r"ModelShape\(experts=-4\) is not a number of experts"),  # blamed top_k
+        ({"experts": 4, "top_k": 1.5}, r"ModelShape\(top_k=1.5\) is not a number of experts"),
+        ({"experts": 4, "top_k": 5}, r"ModelShape\(top_k=5\) routes each token to more experts than the 4"),
+        ({"gated": "no"}, r"ModelShape\(gated='no'\) is not a bool: give True or False"),
+        ({"dropout": 1}, r"ModelShape\(dropout=1\) is not a bool"),
     ],
 )
 def test_a_bad_shape_names_the_argument_and_the_fix(shape, match):
     with pytest.raises(ValueError, match=match):
-        Transformer(**SHAPE | shape)
+        ModelShape(**SHAPE | shape)
 
 
 def test_top_k_on_a_dense_model_warns_that_it_is_unused():
-    with pytest.warns(UserWarning, match=r"Transformer\(top_k=2\) with experts=0: .* top_k is unused"):
-        dense = Transformer(**SHAPE, top_k=2)
+    with pytest.warns(UserWarning, match=r"ModelShape\(top_k=2\) with experts=0: .* top_k is unused"):
+        dense = ModelShape(**SHAPE, top_k=2)
     assert dense.active_params == dense.params  # counted as dense, as the warning says
 
 
@@ -112,7 +112,7 @@ def test_plan_looks_a_published_model_up_by_name(gpt2_plan):
     ("model", "cluster", "error", "match"),
     [
         ("gpt-5", H100, ValueError, r"plan\('gpt-5'\): no published model has that name\. Choose one of \["),
-        (None, H100, TypeError, r"plan\(model=None\) is not a Transformer: give pk.planner.Transformer"),
+        (None, H100, TypeError, r"plan\(model=None\) is not a ModelShape: give pk.planner.ModelShape"),
         (MODELS["gpt2-xl"], "H100 SXM", TypeError, r"plan\(cluster='H100 SXM'\) is not a planner Cluster"),
     ],
 )
@@ -141,7 +141,7 @@ def test_divisors_are_every_divisor_in_order():
     assert divisors(10**12 + 39) == (1, 10**12 + 39)  # a prime: trial division up to its square root
 
 
-def _by_trying_everything(model: Transformer, layout: Layout, batch: int) -> pk.planner.Candidate:
+def _by_trying_everything(model: ModelShape, layout: Layout, batch: int) -> pk.planner.Candidate:
     """Every recomputation with every accumulation count (a pipeline's microbatch counts from the layout's up): the
     fastest variant that fits (ties to less recomputation, then fewer steps), else the one that needs the least
     memory."""
@@ -171,7 +171,7 @@ def test_the_kits_gpt_with_a_numpy_dropout_rate_reads_as_a_shape():
     gpt = pk.models.GPT(
         256, max_length=16, dim=16, heads=4, depth=2, mlp_dim=32, dropout=np.float32(0.1), rngs=nnx.Rngs(0)
     )
-    assert Transformer.from_gpt(gpt).dropout is True  # a NumPy bool is not a flag Transformer takes
+    assert ModelShape.from_gpt(gpt).dropout is True  # a NumPy bool is not a flag ModelShape takes
 
 
 def test_the_cost_models_cluster_takes_numpy_counts_and_refuses_bools():

@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from parallelkit.planner import MODELS, Transformer, in_flight, layer_activation_bytes, state_bytes
+from parallelkit.planner import MODELS, ModelShape, in_flight, layer_activation_bytes, state_bytes
 from parallelkit.planner.layout import Layout, check, memory_per_device
 
 # Parameter counts as their authors publish them: GPT-2 XL's checkpoint (Radford et al., 2019; the
@@ -26,8 +26,8 @@ def test_flops_per_token_are_palms_count():
 
 
 def test_a_mixture_of_experts_counts_every_expert_and_computes_with_top_k():
-    dense = Transformer(2, 64, 4, 256, 100, 16)
-    moe = Transformer(2, 64, 4, 256, 100, 16, experts=8, top_k=2)
+    dense = ModelShape(2, 64, 4, 256, 100, 16)
+    moe = ModelShape(2, 64, 4, 256, 100, 16, experts=8, top_k=2)
     expert = 3 * 64 * 256
     assert moe.params == dense.params + 2 * (7 * expert + 64 * 8)  # 7 more experts and a router a layer
     assert moe.active_params == dense.params + 2 * (expert + 64 * 8)
@@ -42,7 +42,7 @@ def test_zero_stages_give_the_papers_figure_1():
 
 # The paper's GPT block: s = 2048, b = 1, h = 12288, a = 96 (GPT-3 175B), t = 8.
 S, B, H, A, T = 2048, 1, 12288, 96, 8
-GPT3 = Transformer(layers=96, d_model=H, heads=A, ffn=4 * H, vocab=51200, seq=S, gated=False)
+GPT3 = ModelShape(layers=96, d_model=H, heads=A, ffn=4 * H, vocab=51200, seq=S, gated=False)
 
 
 @pytest.mark.parametrize(
@@ -77,7 +77,7 @@ def test_a_gated_mlp_and_grouped_heads_count_their_own_arrays():
 
 def test_dropout_masks_cost_a_byte_an_entry():
     llama, s, h, a = MODELS["llama3-8b"], 8192, 4096, 32
-    with_dropout = Transformer(32, 4096, 32, 14336, 128256, 8192, kv_heads=8, dropout=True)
+    with_dropout = ModelShape(32, 4096, 32, 14336, 128256, 8192, kv_heads=8, dropout=True)
     masks = 2 * s * h + a * s * s  # the blocks' two masks; the probabilities' mask, and their dropped copy (2 bytes)
     assert layer_activation_bytes(with_dropout, 1) - layer_activation_bytes(llama, 1) == masks + 2 * a * s * s
 
@@ -103,9 +103,9 @@ def test_microbatches_in_flight_by_schedule():
 @pytest.mark.parametrize(
     ("call", "match"),
     [
-        (lambda: Transformer(2, 10, 3, 8, 8, 8), "does not split into heads=3"),
-        (lambda: Transformer(2, 8, 4, 8, 8, 8, kv_heads=3), "do not group into kv_heads=3"),
-        (lambda: Transformer(0, 8, 2, 8, 8, 8), r"layers=0"),
+        (lambda: ModelShape(2, 10, 3, 8, 8, 8), "does not split into heads=3"),
+        (lambda: ModelShape(2, 8, 4, 8, 8, 8, kv_heads=3), "do not group into kv_heads=3"),
+        (lambda: ModelShape(0, 8, 2, 8, 8, 8), r"layers=0"),
         (lambda: state_bytes(1, zero=4), "zero=4"),
         (lambda: state_bytes(1, precision="int8"), "precision='int8'"),
         (lambda: layer_activation_bytes(GPT3, 1, recompute="some"), "recompute='some'"),
@@ -153,7 +153,7 @@ def test_a_1f1b_first_stage_holds_every_layers_worth_and_gpipe_every_microbatch(
 
 
 def test_expert_weights_split_over_the_expert_axis():
-    moe = Transformer(4, 256, 4, 512, 1000, 128, experts=8, top_k=2)
+    moe = ModelShape(4, 256, 4, 512, 1000, 128, experts=8, top_k=2)
     experts = 4 * 8 * moe.expert_params
     m = memory_per_device(moe, Layout(data=2, expert=4), batch=8, precision="fp32")
     assert m.params == pytest.approx(4 * ((moe.params - experts) + experts / 4))
@@ -184,7 +184,7 @@ def test_layout_errors_and_names():
     assert layout.name == "data 2 x tensor 4 x stages 2 (SP), ZeRO-1, 1f1b m=8, remat full" and layout.devices == 16
 
 
-def _by_hand(model: Transformer, b: int, t: int = 1, sp: bool = False, c: int = 1, selective: bool = False) -> float:
+def _by_hand(model: ModelShape, b: int, t: int = 1, sp: bool = False, c: int = 1, selective: bool = False) -> float:
     """One layer's 16-bit activations written out in the paper's terms, for any published shape (ring attention)."""
     s, h, f, a, kv = model.seq / c, model.d_model, model.ffn, model.heads, model.kv_heads_ * model.head_dim
     masks = 1 if model.dropout else 0
@@ -195,11 +195,11 @@ def _by_hand(model: Transformer, b: int, t: int = 1, sp: bool = False, c: int = 
     return outer / (t if sp else 1) + (inner + scores + received) / t
 
 
-def _tensor(m: Transformer) -> int:
+def _tensor(m: ModelShape) -> int:
     return 5 if m.heads % 4 else 4  # GPT-2 XL's 25 heads split 5 ways, the Llamas' 4 ways
 
 
-def _sp(m: Transformer) -> bool:
+def _sp(m: ModelShape) -> bool:
     return m.seq % _tensor(m) == 0  # sequence parallelism where the tokens split too (not GPT-2 XL's 1024 over 5)
 
 
@@ -232,7 +232,7 @@ def test_every_layout_kind_by_hand_for_each_published_shape(name, layout, batch,
 
 
 def test_zero_splits_the_dense_state_over_the_expert_axis_too_and_the_experts_over_data():
-    moe = Transformer(4, 256, 4, 512, 1000, 128, experts=8, top_k=2)
+    moe = ModelShape(4, 256, 4, 512, 1000, 128, experts=8, top_k=2)
     experts = 4 * 8 * moe.expert_params
     m = memory_per_device(moe, Layout(data=2, expert=4, zero=3), batch=8, precision="fp32")
     assert m.params == pytest.approx(4 * ((moe.params - experts) / 8 + experts / 4 / 2))  # dense / (4 x 2)

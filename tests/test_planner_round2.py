@@ -7,14 +7,14 @@ from dataclasses import replace
 import pytest
 
 from parallelkit.measure.costmodel.links import axis_groups, shifted_round
-from parallelkit.planner import MODELS, Cluster, Layout, Transformer, check, layer_activation_bytes, plan, step_time
+from parallelkit.planner import MODELS, Cluster, Layout, ModelShape, check, layer_activation_bytes, plan, step_time
 from parallelkit.planner.layout import activations
 from parallelkit.planner.memory import weight_pass_bytes
 from parallelkit.planner.steptime import ACHIEVABLE, matmul_seconds
 
 H100 = Cluster.published("H100 SXM", per_node=8)
-SMALL = Transformer(8, 1024, 16, 4096, 32000, 2048, kv_heads=4, dropout=False, name="small")
-MOE = Transformer(4, 512, 8, 1024, 32000, 1024, experts=8, top_k=2, dropout=False, name="moe")
+SMALL = ModelShape(8, 1024, 16, 4096, 32000, 2048, kv_heads=4, dropout=False, name="small")
+MOE = ModelShape(4, 512, 8, 1024, 32000, 1024, experts=8, top_k=2, dropout=False, name="moe")
 
 
 def every_message(cluster: Cluster, size: int, stride: int, shift: int) -> tuple[bool, int]:
@@ -83,7 +83,7 @@ def test_exhaustive_that_is_not_a_bool_names_the_argument():
 
 # Schedules as the field runs them: interleaved 1F1B, every microbatch count, ZB-H1 at its price.
 
-DEEP = Transformer(16, 1024, 16, 4096, 32000, 2048, kv_heads=4, dropout=False, name="deep")
+DEEP = ModelShape(16, 1024, 16, 4096, 32000, 2048, kv_heads=4, dropout=False, name="deep")
 INTERLEAVED = Layout(data=2, stages=4, schedule="interleaved", virtual=2, microbatches=8)
 
 
@@ -132,7 +132,7 @@ def test_interleaving_holds_megatrons_warm_up_on_the_first_stage():
 
 
 def test_every_microbatch_count_from_the_stages_up_is_weighed():
-    model = Transformer(12, 512, 8, 2048, 32000, 1024, dropout=False)  # BLOOM's 12 stages, on a small scale
+    model = ModelShape(12, 512, 8, 2048, 32000, 1024, dropout=False)  # BLOOM's 12 stages, on a small scale
     cluster = Cluster.published("H100 SXM", per_node=12)
     answer = plan(model, cluster, global_batch_tokens=16 * 1024, exhaustive=True)
     pipelines = [c.layout for c in answer.ranked if c.layout.stages == 12]
@@ -165,8 +165,8 @@ def test_a_large_product_reaches_the_measured_share_and_a_thin_one_waits_for_mem
 
 def test_wide_models_run_nearer_the_peak_than_narrow_ones():
     h100 = Cluster.published("H100 SXM", per_node=8)
-    narrow = Transformer(24, 1024, 16, 4096, 32000, 2048, dropout=False)
-    wide = Transformer(24, 8192, 64, 32768, 32000, 2048, dropout=False)
+    narrow = ModelShape(24, 1024, 16, 4096, 32000, 2048, dropout=False)
+    wide = ModelShape(24, 8192, 64, 32768, 32000, 2048, dropout=False)
     layout = Layout(data=8)
     assert step_time(wide, layout, h100, 8).efficiency > step_time(narrow, layout, h100, 8).efficiency + 0.1
     split = Layout(tensor=8)  # splitting the products over 8 devices makes each thinner
@@ -174,7 +174,7 @@ def test_wide_models_run_nearer_the_peak_than_narrow_ones():
 
 
 def test_mfu_above_half_the_peak_is_reachable():
-    wide = Transformer(32, 8192, 64, 28672, 32000, 4096, kv_heads=8, dropout=False, name="wide")
+    wide = ModelShape(32, 8192, 64, 28672, 32000, 4096, kv_heads=8, dropout=False, name="wide")
     answer = plan(wide, Cluster.published("H100 SXM", per_node=8, nodes=8), global_batch_tokens=2**22)
     assert answer.ranked[0].mfu > 0.5 and answer.efficiency is None
 

@@ -138,7 +138,7 @@ def declared_and_megatron_specs(params, megatron_rules):
 @pytest.mark.parametrize("hidden", [(), (8,), (8, 6), (8, 6, 4), (8, 6, 4, 2)])
 def test_the_mlps_declared_axes_give_megatrons_alternation(hidden):
     _, params = pk.models.functional(pk.models.MLP(12, hidden, 10, rngs=nnx.Rngs(0)))
-    declared, megatron = declared_and_megatron_specs(params, pk.partition.megatron_mlp_rules(len(hidden)))
+    declared, megatron = declared_and_megatron_specs(params, pk.models.megatron_mlp_rules(len(hidden)))
     assert declared == megatron
 
 
@@ -146,13 +146,13 @@ def test_the_mlps_declared_axes_give_megatrons_alternation(hidden):
 @pytest.mark.parametrize("batch_norm", [False, True])
 def test_the_cnns_declared_axes_split_its_first_two_convolutions(channels, batch_norm):
     params = pk.models.from_nnx(pk.models.CNN((8, 8, 1), 10, channels, batch_norm=batch_norm, rngs=nnx.Rngs(0))).params
-    declared, megatron = declared_and_megatron_specs(params, pk.partition.megatron_cnn_rules())
+    declared, megatron = declared_and_megatron_specs(params, pk.models.megatron_cnn_rules())
     assert declared == megatron
 
 
 def test_the_transformers_declared_axes_split_heads_and_mlp(digits):
     _, params = pk.models.build("transformer", digits.input_shape, digits.num_classes)
-    declared, megatron = declared_and_megatron_specs(params, pk.partition.megatron_transformer_rules())
+    declared, megatron = declared_and_megatron_specs(params, pk.models.megatron_transformer_rules())
     assert declared == megatron
     assert declared["blocks"][0]["key"]["kernel"] == COLUMNS and declared["blocks"][0]["mlp_out"]["kernel"] == ROWS
 

@@ -13,8 +13,8 @@ from matplotlib.figure import Figure
 
 import parallelkit as pk
 import parallelkit.viz as viz
-from parallelkit.widgets import RaceRow, RaceStandings, StrategyRace, TimingDashboard
-from parallelkit.widgets.live import LiveTimes, race_rows, svg_polyline
+from parallelkit.viz import RaceRow, RaceStandings, StrategyRace, TimingDashboard
+from parallelkit.viz.live import LiveTimes, race_rows, svg_polyline
 
 
 class _InterruptAfter(pk.Callback):
@@ -87,7 +87,7 @@ def test_redraws_are_throttled():
 
 def test_text_mode_outside_a_notebook():
     result = run_python(
-        "import parallelkit as pk, parallelkit.widgets as w\n"
+        "import parallelkit as pk, parallelkit.viz as w\n"
         "d = w.TimingDashboard()\n"
         "assert d.mode == 'text', d.mode\n"
         "race = w.StrategyRace({'one': pk.SingleDevice()}, None, None, None, [])\n"

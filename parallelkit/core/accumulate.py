@@ -15,11 +15,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
-from .contract import Batch, PyTree, batch_size
-from .mesh import is_count
+from .contract import batch_size
 from .precision import cast_floating, is_floating
+from .types import Batch, PyTree, is_count
 
-SUPPORTED = (
+_SUPPORTED = (
     "SingleDevice, Mirrored (both backends), MultiWorkerMirrored, TensorParallel, FullySharded, Hybrid, SPMD, "
     "CentralStorage and ParameterServer (mode='sync')"
 )
@@ -50,14 +50,14 @@ def refuse_accumulation(who: str, accumulate: Any, hint: str = "") -> None:
     if check_accumulate(accumulate) > 1:
         raise NotImplementedError(
             f"{who}.step(loss_fn, accumulate={accumulate}): this strategy cannot accumulate gradients yet; "
-            f"{SUPPORTED} can. {hint}".strip()
+            f"{_SUPPORTED} can. {hint}".strip()
         )
 
 
-def check_batch(batch: Batch, accumulate: int, replicas: int) -> int:
+def _check_batch(batch: Batch, accumulate: int, replicas: int) -> int:
     """The microbatch size of one replica; a global batch that does not divide by ``accumulate x replicas`` raises.
 
-    >>> check_batch({"x": jnp.zeros((64, 3))}, 4, 8)
+    >>> _check_batch({"x": jnp.zeros((64, 3))}, 4, 8)
     2
     """
     size = batch_size(batch)
@@ -75,7 +75,7 @@ def accumulated_placement(place_batch: Callable[[Batch], Batch], accumulate: int
         return place_batch
 
     def place(batch: Batch) -> Batch:
-        check_batch(batch, accumulate, replicas)
+        _check_batch(batch, accumulate, replicas)
         return place_batch(batch)
 
     return place
@@ -90,11 +90,11 @@ def microbatches(batch: Batch, accumulate: int, replicas: int) -> Batch:
     >>> microbatches({"x": jnp.arange(8)}, 2, 2)["x"].tolist()
     [[[0, 1], [4, 5]], [[2, 3], [6, 7]]]
     """
-    check_batch(batch, accumulate, replicas)
+    _check_batch(batch, accumulate, replicas)
     return jax.tree.map(lambda x: x.reshape(replicas, accumulate, -1, *x.shape[1:]).swapaxes(0, 1), batch)
 
 
-COPIES = "parallelkit_replica_copies"  # the name the replicas' copies of the parameters carry (checkpoint_name)
+_COPIES = "parallelkit_replica_copies"  # the name the replicas' copies of the parameters carry (checkpoint_name)
 
 
 def _identity(tree: PyTree) -> PyTree:
@@ -177,7 +177,7 @@ class ReplicaCopies:
 
     The mean over the replicas of each one's loss (on its slice of the batch, with its own copy of
     the parameters, cast to ``dtype``) is differentiated as a whole. The copies are made by
-    :func:`replica_copies`, whose transpose casts each replica's gradient back to its parameter's dtype
+    :func:`_replica_copies`, whose transpose casts each replica's gradient back to its parameter's dtype
     *before* the sum over the replicas: under ``jax.jit`` with shardings that sum is the gradient's
     reduction across devices, so it runs in the parameters' dtype, leaf by leaf, and each sum is laid
     out as the strategy lays out its gradients (``place_grads``). Each replica draws with its own split
@@ -206,7 +206,7 @@ class ReplicaCopies:
 
     def __call__(self, loss: Callable, params: PyTree, batch: Batch, extras: dict) -> tuple[tuple, PyTree]:
         """``((loss, (aux, model_state)), grads)``: the replicas' means, and the gradients of the mean loss."""
-        copies = replica_copies(self.replicas, self.dtype, self.place_copies, self.place_grads)
+        copies = _replica_copies(self.replicas, self.dtype, self.place_copies, self.place_grads)
 
         def mean_loss(params, batch, **extras):
             rows = self.place_rows(jax.tree.map(lambda x: x.reshape(self.replicas, -1, *x.shape[1:]), batch))
@@ -217,13 +217,13 @@ class ReplicaCopies:
 
         # The backward pass makes the copies again rather than keep them from the forward pass (as fully
         # sharded training gathers its parameters again): kept, every device would hold all of them.
-        mean_loss = jax.checkpoint(mean_loss, policy=jax.checkpoint_policies.save_anything_except_these_names(COPIES))
+        mean_loss = jax.checkpoint(mean_loss, policy=jax.checkpoint_policies.save_anything_except_these_names(_COPIES))
 
-        check_batch(batch, 1, self.replicas)
+        _check_batch(batch, 1, self.replicas)
         return jax.value_and_grad(mean_loss, has_aux=True)(params, batch, **extras)
 
 
-def replica_copies(
+def _replica_copies(
     replicas: int, dtype: Any, place: Callable[[PyTree], PyTree] = _identity, place_sum: Callable = _identity
 ) -> Callable:
     """``copies(params)``: every floating parameter cast to ``dtype`` and repeated ``replicas`` times on a new
@@ -231,7 +231,7 @@ def replica_copies(
     dtype, then sums the copies (where a plain cast then broadcast would sum in ``dtype`` first), laid out
     by ``place_sum``.
 
-    >>> copies = replica_copies(2, jnp.bfloat16)
+    >>> copies = _replica_copies(2, jnp.bfloat16)
     >>> copies({"w": jnp.ones(3)})["w"].dtype, copies({"w": jnp.ones(3)})["w"].shape
     (dtype(bfloat16), (2, 3))
     >>> jax.grad(lambda p: copies(p)["w"].astype(jnp.float32).sum())({"w": jnp.ones(3)})["w"].tolist()
@@ -240,7 +240,7 @@ def replica_copies(
 
     def forward(params):
         copied = jax.tree.map(lambda p: jnp.broadcast_to(p, (replicas, *jnp.shape(p))), cast_floating(params, dtype))
-        return jax.tree.map(lambda c: checkpoint_name(c, COPIES), place(copied))
+        return jax.tree.map(lambda c: checkpoint_name(c, _COPIES), place(copied))
 
     @jax.custom_vjp
     def copies(params):

@@ -18,17 +18,16 @@ import jax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-DATA = "data"  # replicas: each holds a slice of the batch
-FSDP = "fsdp"  # fully sharded data parallelism: a slice of the batch and of every large weight
-STAGE = "stage"  # pipeline parallelism: each holds some of the layers
-SEQ = "seq"  # sequence parallelism: each holds a slice of the tokens
-EXPERT = "expert"  # expert parallelism: each holds some of the experts
-MODEL = "model"  # tensor parallelism: each holds a slice of the weights
+from .types import DATA as DATA  # the mesh axes' names live with the vocabulary; read here too
+from .types import EXPERT as EXPERT
+from .types import FSDP as FSDP
+from .types import MODEL as MODEL
+from .types import SEQ as SEQ
+from .types import STAGE as STAGE
+from .types import MeshAxes as MeshAxes
 
 # The logical axes the kit's models name (pk.models, attention, experts); rules may name others.
-LOGICAL = ("batch", "length", "norm_length", "embed", "heads", "mlp", "vocab", "expert", "hidden_channels")
-
-MeshAxes = str | tuple[str, ...] | None  # what one logical axis maps to: a mesh axis, several, or none
+_LOGICAL = ("batch", "length", "norm_length", "embed", "heads", "mlp", "vocab", "expert", "hidden_channels")
 
 
 def axis_names(entry: MeshAxes) -> tuple[str, ...]:
@@ -148,7 +147,7 @@ def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
     Raises:
       TypeError: ``names`` given as one string (``"batch"``) rather than a tuple of names.
       ValueError: ``names`` with a different count from ``x``'s dimensions; or, while rules
-        are active, a name that neither the rules, the kit's models (:data:`LOGICAL`) nor the
+        are active, a name that neither the rules, the kit's models (:data:`_LOGICAL`) nor the
         mesh know, which would leave its dimension to the compiler without a word.
     """
     if isinstance(names, str):
@@ -162,11 +161,11 @@ def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
     if active is None:
         return x
     mesh, rules = active
-    known = {logical for logical, _ in rules.rules} | set(LOGICAL) | set(mesh.shape)
+    known = {logical for logical, _ in rules.rules} | set(_LOGICAL) | set(mesh.shape)
     if unknown := [name for name in names if name is not None and name not in known]:
         raise ValueError(
             f"constrain(x, {tuple(names)}): no axis rule, kit model or mesh axis knows {unknown[0]!r} (the rules "
-            f"name {sorted({logical for logical, _ in rules.rules})}; the kit's models use {LOGICAL}). Check the "
+            f"name {sorted({logical for logical, _ in rules.rules})}; the kit's models use {_LOGICAL}). Check the "
             f"spelling, or give the strategy a rule for it: ({unknown[0]!r}, None) to keep it whole, or a mesh axis."
         )
     spec = rules.spec(names, unknown=P.UNCONSTRAINED)

@@ -8,9 +8,10 @@ from collections.abc import Sequence
 import jax
 from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn, Literal, Var
 
-from .contract import Batch, LossFn, PyTree, loss_with_aux
+from .contract import loss_with_aux
+from .types import Batch, LossFn, PyTree
 
-Position = tuple[int, ...]  # where an equation sits: its index, then its index in each body it is nested in
+_Position = tuple[int, ...]  # where an equation sits: its index, then its index in each body it is nested in
 
 
 def gradient_order(loss_fn: LossFn, params: PyTree, batch: Batch, **extras) -> tuple[int, ...]:
@@ -43,8 +44,8 @@ def gradient_order(loss_fn: LossFn, params: PyTree, batch: Batch, **extras) -> t
 
 
 def _first_uses(
-    jaxpr: Jaxpr, reads_data: Sequence[bool], out_uses: Sequence[Position | None], prefix: Position
-) -> list[Position | None]:
+    jaxpr: Jaxpr, reads_data: Sequence[bool], out_uses: Sequence[_Position | None], prefix: _Position
+) -> list[_Position | None]:
     """For each input of ``jaxpr``: the position of its first use (None: none), nested under ``prefix``.
 
     ``reads_data`` says which inputs depend on the batch; ``out_uses`` are the first uses of
@@ -54,9 +55,9 @@ def _first_uses(
     for eqn in jaxpr.eqns:  # forward: which values depend on the batch
         if any(isinstance(v, Var) and v in data for v in eqn.invars):
             data.update(eqn.outvars)
-    first: dict[Var, Position] = {}
+    first: dict[Var, _Position] = {}
 
-    def note(v: object, at: Position | None) -> None:
+    def note(v: object, at: _Position | None) -> None:
         if isinstance(v, Var) and not isinstance(v, Literal) and at is not None:
             first[v] = min(first.get(v, at), at)
 

@@ -18,15 +18,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from .partition import path_label
+from .types import Batch as Batch
+from .types import LossFn as LossFn
+from .types import Metrics as Metrics
+from .types import PyTree as PyTree
 
 if TYPE_CHECKING:
     from .protocol import StrategyProtocol as Strategy
-
-
-PyTree = Any
-Batch = Mapping[str, Any]
-LossFn = Callable[[PyTree, Batch], Any]  # -> loss, or (loss, aux dict)
-Metrics = dict[str, jax.Array]
 
 
 def batch_size(batch: Batch) -> int:
@@ -176,14 +174,14 @@ def loss_with_aux(loss_fn: LossFn) -> Callable[..., tuple[jax.Array, tuple[dict,
                     "(loss, aux, new_model_state); pk.models.classifier_loss does."
                 )
             loss, aux, new_state = out
-            return check_loss_value(loss), (aux, new_state)
+            return _check_loss_value(loss), (aux, new_state)
         loss, aux = out if isinstance(out, tuple) else (out, {})
-        return check_loss_value(loss), (aux, None)
+        return _check_loss_value(loss), (aux, None)
 
     return wrapped
 
 
-def check_loss_value(loss: Any) -> Any:
+def _check_loss_value(loss: Any) -> Any:
     """``loss`` if it is one floating number; a clear error for a vector of losses or an integer (while tracing)."""
     shape, dtype = jnp.shape(loss), jnp.result_type(loss)
     if shape != ():

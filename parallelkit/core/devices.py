@@ -333,7 +333,7 @@ def first_devices(
         total = len(jax.devices())
         instead = spell(total // group) if total % group == 0 else f"{sizes} = {total}"
         warnings.warn(
-            f"{who or spell(replicas)} runs on {count} of the {total} devices, so {device_list(idle)} stay idle. "
+            f"{who or spell(replicas)} runs on {count} of the {total} devices, so {_device_list(idle)} stay idle. "
             f"Pass devices=jax.devices()[:{count}] to say that this is meant (and silence this warning), "
             f"or use every device ({instead}).",
             DeviceSubsetWarning,
@@ -354,7 +354,7 @@ def warn_if_shared(parts: int, devices: Sequence[jax.Device], who: str, what: st
     shared = devices[: min(parts - n, n)]
     held = ", ".join(map(str, range(0, parts, n)))
     warnings.warn(
-        f"{who} places {parts} {what} on {n} devices in turn, so {what} share {device_list(shared)} "
+        f"{who} places {parts} {what} on {n} devices in turn, so {what} share {_device_list(shared)} "
         f"(device {shared[0].id} holds {what} {held}). Pass devices= to say that this is meant "
         f"(and silence this warning), or use at most {n} {what}.",
         DeviceSubsetWarning,
@@ -362,10 +362,10 @@ def warn_if_shared(parts: int, devices: Sequence[jax.Device], who: str, what: st
     )
 
 
-def device_list(devices: Sequence[jax.Device], most: int = 8) -> str:
+def _device_list(devices: Sequence[jax.Device], most: int = 8) -> str:
     """Devices by platform and id, for a message: ``'cpu devices 6, 7'`` (the first ``most``, then a count).
 
-    >>> device_list(jax.devices()[:1])
+    >>> _device_list(jax.devices()[:1])
     'cpu device 0'
     """
     ids = ", ".join(str(d.id) for d in devices[:most])

@@ -17,32 +17,16 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from .axes import DATA, EXPERT, FSDP, MODEL, SEQ, STAGE
 from .devices import DeviceCountError, resolve_devices
+from .types import DATA, EXPERT, FSDP, MODEL, SEQ, STAGE
+from .types import is_count as is_count  # the vocabulary's checks, read here too
+from .types import is_number as is_number
 
 _Args = ParamSpec("_Args")
 _Result = TypeVar("_Result")
 
 # Outer to inner: model-parallel groups get neighbouring devices. Other names follow these, in the order given.
 AXES = (DATA, FSDP, STAGE, SEQ, EXPERT, MODEL)
-
-
-def is_count(size: object, least: int = 1) -> bool:
-    """Whether ``size`` is a whole number >= ``least`` (an axis size, a device or element count); a bool is not.
-
-    NumPy integers count as whole numbers.
-
-    >>> is_count(2), is_count(np.int64(2)), is_count(0), is_count(2.0), is_count(True)
-    (True, True, False, False, False)
-    >>> is_count(0, least=0), is_count(False, least=0), is_count(-1, least=0)
-    (True, False, False)
-    """
-    return isinstance(size, int | np.integer) and not isinstance(size, bool) and bool(size >= least)
-
-
-def is_number(x: object) -> bool:
-    """Whether ``x`` is a real number (NumPy scalars too); a bool is not."""
-    return isinstance(x, int | float | np.integer | np.floating) and not isinstance(x, bool)
 
 
 def make_mesh(

@@ -16,40 +16,38 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from .mesh import is_number
+from .types import PyTree, is_number
 
-PyTree = Any
-
-DEFAULT_PERIOD = 2000  # finite steps in a row before a dynamic scale doubles (jmp, Keras)
-INITIAL_SCALE = 2.0**15  # where a dynamic scale starts (Keras's default)
-FACTOR = 2.0  # a dynamic scale doubles or halves
+_DEFAULT_PERIOD = 2000  # finite steps in a row before a dynamic scale doubles (jmp, Keras)
+_INITIAL_SCALE = 2.0**15  # where a dynamic scale starts (Keras's default)
+_FACTOR = 2.0  # a dynamic scale doubles or halves
 MIN_SCALE = 1.0  # a dynamic scale never halves below this (jmp's min_loss_scale)
 
-FLOATING = ("float16", "bfloat16", "float32", "float64")
-FLOAT32_MAX = float(np.finfo(np.float32).max)  # a scale is float32: larger is infinite
+_FLOATING = ("float16", "bfloat16", "float32", "float64")
+_FLOAT32_MAX = float(np.finfo(np.float32).max)  # a scale is float32: larger is infinite
 
 
 class PrecisionWarning(UserWarning):
     """A precision policy that runs, but is unlikely to train as meant (float16 without a loss scale)."""
 
 
-def floating_dtype(name: Any, what: str) -> jnp.dtype:
+def _floating_dtype(name: Any, what: str) -> jnp.dtype:
     """``name`` as one of the floating dtypes a policy can train in; a clear error for any other.
 
     ``None`` is refused (``jnp.dtype(None)`` is float64), and so are the float8 formats (no
     update can be kept in them) and float64 while JAX's 64-bit mode is off (JAX would compute
     in float32 without a word).
 
-    >>> floating_dtype("bfloat16", "compute")
+    >>> _floating_dtype("bfloat16", "compute")
     dtype(bfloat16)
     """
     try:
         dtype = None if name is None else jnp.dtype(name)
     except TypeError as err:
-        raise ValueError(f"Precision({what}={name!r}): unknown dtype; use one of {FLOATING}.") from err
-    if dtype is None or dtype.name not in FLOATING:
+        raise ValueError(f"Precision({what}={name!r}): unknown dtype; use one of {_FLOATING}.") from err
+    if dtype is None or dtype.name not in _FLOATING:
         kind = "not a dtype" if dtype is None else f"{dtype} is not a floating dtype a step can train in"
-        raise ValueError(f"Precision({what}={name!r}): {kind}; use one of {FLOATING}.")
+        raise ValueError(f"Precision({what}={name!r}): {kind}; use one of {_FLOATING}.")
     if dtype.name == "float64" and not jax.config.read("jax_enable_x64"):
         raise ValueError(
             f"Precision({what}='float64'): JAX's 64-bit mode is off, so it would compute in float32. Turn it on "
@@ -95,11 +93,11 @@ class Precision:
     params: str = "float32"
     compute: str = "bfloat16"
     loss_scale: float | str | None = None
-    period: int = DEFAULT_PERIOD
-    initial_scale: float = INITIAL_SCALE
+    period: int = _DEFAULT_PERIOD
+    initial_scale: float = _INITIAL_SCALE
 
     def __post_init__(self) -> None:
-        params, compute = floating_dtype(self.params, "params"), floating_dtype(self.compute, "compute")
+        params, compute = _floating_dtype(self.params, "params"), _floating_dtype(self.compute, "compute")
         object.__setattr__(self, "params", params.name)
         object.__setattr__(self, "compute", compute.name)
         scale = self.loss_scale
@@ -116,7 +114,7 @@ class Precision:
         if not _positive(self.initial_scale):
             raise ValueError(
                 f"Precision(initial_scale={self.initial_scale!r}): use a finite number > 0 that float32 holds "
-                f"(at most {FLOAT32_MAX:.4g}; the default is {INITIAL_SCALE:g})."
+                f"(at most {_FLOAT32_MAX:.4g}; the default is {_INITIAL_SCALE:g})."
             )
         object.__setattr__(self, "initial_scale", float(self.initial_scale))
         if params.name == "float16" and scale is not None:
@@ -141,7 +139,7 @@ class Precision:
         return cls("float32", "bfloat16")
 
     @classmethod
-    def fp16(cls, period: int = DEFAULT_PERIOD, initial_scale: float = INITIAL_SCALE) -> Precision:
+    def fp16(cls, period: int = _DEFAULT_PERIOD, initial_scale: float = _INITIAL_SCALE) -> Precision:
         """float32 master copy, float16 passes, dynamic loss scaling (float16 overflows past 65504)."""
         return cls("float32", "float16", "dynamic", period, initial_scale)
 
@@ -174,7 +172,7 @@ class Precision:
 
 def _positive(x: Any) -> bool:
     """A number (NumPy scalars too) > 0 that float32 holds."""
-    return is_number(x) and math.isfinite(x) and 0 < x <= FLOAT32_MAX
+    return is_number(x) and math.isfinite(x) and 0 < x <= _FLOAT32_MAX
 
 
 def cast_floating(tree: PyTree, dtype: jnp.dtype) -> PyTree:
@@ -249,9 +247,9 @@ def next_scale(precision: Precision, state: LossScaleState | None, finite: jax.A
         return None
     good = state.good_steps + 1
     grow = good >= precision.period
-    doubled = state.scale * FACTOR
+    doubled = state.scale * _FACTOR
     grown = jnp.where(grow & jnp.isfinite(doubled), doubled, state.scale)
-    scale = jnp.where(finite, grown, jnp.maximum(state.scale / FACTOR, MIN_SCALE))
+    scale = jnp.where(finite, grown, jnp.maximum(state.scale / _FACTOR, MIN_SCALE))
     good_steps = jnp.where(finite & ~grow, good, 0).astype(state.good_steps.dtype)
     return LossScaleState(scale.astype(state.scale.dtype), good_steps)
 

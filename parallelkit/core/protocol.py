@@ -8,10 +8,10 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 import jax
 import optax
 
-from .contract import Batch, LossFn, PyTree
 from .placement import LeafPlacement
 from .reports import ExpectedCollective, Sizes, StepTraffic
 from .state import TrainState
+from .types import Batch, LossFn, PyTree
 
 if TYPE_CHECKING:
     from .precision import Precision

@@ -8,7 +8,7 @@ import numpy as np
 import optax
 from flax import struct
 
-from .contract import PyTree
+from .types import PyTree
 
 
 @struct.dataclass(kw_only=True)

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from .accumulate import Accumulation, ReplicaCopies
-from .contract import Batch, LossFn, LossInputError, Metrics, PyTree, batch_size, explain_input_error, loss_with_aux
+from .contract import LossInputError, batch_size, explain_input_error, loss_with_aux
 from .mesh import outside_callers_mesh
 from .precision import (
     Precision,
@@ -26,6 +26,7 @@ from .precision import (
 )
 from .skipped import StepWatch
 from .state import TrainState
+from .types import Batch, LossFn, Metrics, PyTree
 
 if TYPE_CHECKING:
     from .protocol import StrategyProtocol as Strategy

@@ -10,10 +10,10 @@ from pathlib import Path
 
 import nbformat
 
-NEEDS = re.compile(r"\*\*You need:\*\*(?P<needs>[^\n]*)")
-GOAL = re.compile(r"\*\*You will be able to:\*\*\s*(?P<goal>[^\n]+)")
-NEXT = re.compile(r"\*\*Next:\*\*\s*\[[^\]]*\]\((?P<next>\d\d_\w+)\.ipynb\)")
-LINKED = re.compile(r"\]\((\d\d_\w+)\.ipynb\)")
+_NEEDS = re.compile(r"\*\*You need:\*\*(?P<needs>[^\n]*)")
+_GOAL = re.compile(r"\*\*You will be able to:\*\*\s*(?P<goal>[^\n]+)")
+_NEXT = re.compile(r"\*\*Next:\*\*\s*\[[^\]]*\]\((?P<next>\d\d_\w+)\.ipynb\)")
+_LINKED = re.compile(r"\]\((\d\d_\w+)\.ipynb\)")
 
 
 @dataclass(frozen=True)
@@ -39,15 +39,15 @@ def lesson(path: Path) -> Lesson:
     """
     nb = nbformat.read(path, as_version=4)
     cells = [cell.source for cell in nb.cells if cell.cell_type == "markdown"]
-    opening = next((source for source in cells if NEEDS.search(source) and GOAL.search(source)), None)
+    opening = next((source for source in cells if _NEEDS.search(source) and _GOAL.search(source)), None)
     if opening is None:
         raise ValueError(f"{path.name} has no opening cell with **You need:** and **You will be able to:**")
-    following = NEXT.search(cells[-1])
+    following = _NEXT.search(cells[-1])
     return Lesson(
         stem=path.stem,
         title=title(nb, default=path.stem),
-        goal=GOAL.search(opening).group("goal").strip(),
-        needs=tuple(LINKED.findall(NEEDS.search(opening).group("needs"))),
+        goal=_GOAL.search(opening).group("goal").strip(),
+        needs=tuple(_LINKED.findall(_NEEDS.search(opening).group("needs"))),
         next=following.group("next") if following else None,
     )
 

@@ -21,7 +21,7 @@ LEARNING_RATE = 0.01  # plain SGD, for every strategy and its SingleDevice refer
 
 
 @dataclass(frozen=True)
-class BenchRow:
+class _BenchRow:
     strategy: str
     devices: int
     processes: int
@@ -116,10 +116,10 @@ def _extras(strategy, loss, params, batch) -> tuple[float | None, int | None]:
     return moved, memory
 
 
-def _row(name: str, n: int, processes: int, run, extras) -> BenchRow:
+def _row(name: str, n: int, processes: int, run, extras) -> _BenchRow:
     """A row of one :class:`~parallelkit.run.compare.Run`; ``extras``: what :func:`_extras` found."""
     times = run.times
-    return BenchRow(
+    return _BenchRow(
         name, n, processes, times.batch_size, times.first_step_seconds, times.median * 1e3,
         times.percentile(10) * 1e3, times.percentile(90) * 1e3, times.samples_per_second, None, *extras,
         run.max_param_diff, run.equals_reference,

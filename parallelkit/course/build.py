@@ -46,7 +46,7 @@ DOCS = (  # the reference pages of docs/: the course's list, then the README's t
 )
 REFERENCES = (ROOT / "README.md", *(ROOT / "docs" / name for name in DOCS))  # Markdown pages, after the notebooks'
 API = "api"  # the folder of the API reference pdoc writes beside the pages
-SOLUTION = "solution"  # the tag of an exercise's solution cell, hidden until the learner opens it
+_SOLUTION = "solution"  # the tag of an exercise's solution cell, hidden until the learner opens it
 
 
 def execute(path: Path, workdir: Path, timeout: int = 600) -> nbformat.NotebookNode:
@@ -209,7 +209,7 @@ def render(nb: nbformat.NotebookNode, title: str = "parallelkit") -> str:
     from nbconvert import HTMLExporter
 
     exporter = HTMLExporter(template_name="lab", mathjax_url="", require_js_url="", jquery_url="")
-    page = hide_solutions(snapshot_widgets(copy.deepcopy(nb)))  # the caller's notebook stays as it is
+    page = _hide_solutions(snapshot_widgets(copy.deepcopy(nb)))  # the caller's notebook stays as it is
     body, _ = exporter.from_notebook_node(page, resources={"metadata": {"name": title}})
     for reference in REFERENCES:
         linked = rf'href="(?:\.\./)?(?:docs/)?{re.escape(reference.name)}(#[^"]*)?"'
@@ -218,7 +218,7 @@ def render(nb: nbformat.NotebookNode, title: str = "parallelkit") -> str:
     return re.sub(r"<script src=\"\">\s*</script>", "", body)  # the loaders of scripts no page here needs
 
 
-def hide_solutions(nb: nbformat.NotebookNode) -> nbformat.NotebookNode:
+def _hide_solutions(nb: nbformat.NotebookNode) -> nbformat.NotebookNode:
     """Put each solution cell's code in a closed ``<details>`` before the cell, which keeps only its outputs.
 
     Returns ``nb``, changed in place.
@@ -229,7 +229,7 @@ def hide_solutions(nb: nbformat.NotebookNode) -> nbformat.NotebookNode:
 
     cells = []
     for cell in nb.cells:
-        if cell.cell_type == "code" and SOLUTION in cell.metadata.get("tags", []):
+        if cell.cell_type == "code" and _SOLUTION in cell.metadata.get("tags", []):
             code = highlight(cell.source, PythonLexer(), HtmlFormatter(cssclass="highlight hl-ipython3"))
             code = code.strip().replace("\n", "&#10;")  # one line: a blank line would end Markdown's HTML block
             shown = f"<details class='pk-solution'><summary>Solution (open it after trying)</summary>{code}</details>"

@@ -12,7 +12,7 @@ import jax
 import numpy as np
 
 from ..core.devices import accelerator_count, device_summary, simulate_devices
-from ..core.mesh import is_count, is_number
+from ..core.types import is_count, is_number
 from ..measure.inspect import COLLECTIVES, parse_collectives
 
 MODELS = ("mlp", "cnn", "transformer")  # the names pk.models.build knows

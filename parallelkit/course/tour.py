@@ -53,7 +53,7 @@ MEANT_TO_DIFFER: Set[str] = _Tour(only_meant_to_differ=True).keys()
 
 
 @dataclass(frozen=True)
-class TourRow:
+class _TourRow:
     strategy: str
     devices: int
     compile_s: float
@@ -64,7 +64,7 @@ class TourRow:
     meant_to_equal: bool = True  # False: differs from SingleDevice by design (async)
 
     @classmethod
-    def of(cls, run: Run) -> TourRow:
+    def of(cls, run: Run) -> _TourRow:
         """The row of one run of :func:`~parallelkit.run.compare.run_side_by_side`."""
         return cls(
             run.name,
@@ -85,7 +85,7 @@ def run_tour(
     learning_rate: float = 1e-3,
     devices: int | None = None,
     strategies: Sequence[str] | None = None,
-) -> list[TourRow]:
+) -> list[_TourRow]:
     """Train ``model`` on the digits data with every strategy of the tour; the first row is the reference.
 
     ``strategies``: names of catalog entries to run instead, in that order (the first is the reference).
@@ -102,7 +102,7 @@ def run_tour(
         lambda: data.batches(dataset, batch_size, steps=steps),
         meant_to_differ={entry.name for entry in chosen if entry.meant_to_differ},
     )
-    return [TourRow.of(run) for run in runs.values()]
+    return [_TourRow.of(run) for run in runs.values()]
 
 
 def results_table(results: Mapping[str, FitResult], reference: str = "SingleDevice") -> str:
@@ -111,10 +111,10 @@ def results_table(results: Mapping[str, FitResult], reference: str = "SingleDevi
         raise ValueError(f"No run named {reference!r} to compare with: the runs are {list(results)}.")
     expected = results[reference].params
     runs = [Run(name, r, r.history.times, *compare(r.params, expected)) for name, r in results.items()]
-    return format_table([TourRow.of(run) for run in runs])
+    return format_table([_TourRow.of(run) for run in runs])
 
 
-def format_table(rows: list[TourRow]) -> str:
+def format_table(rows: list[_TourRow]) -> str:
     """The rows as a fixed-width text table."""
     header = (
         f"{'strategy':<20}{'devices':>8}{'compile s':>11}{'step ms':>10}{'samples/s':>12}{'loss':>9}{'max |dp|':>11}"
@@ -128,7 +128,7 @@ def format_table(rows: list[TourRow]) -> str:
     return "\n".join(lines)
 
 
-def main(model: str, steps: int, batch_size: int, json_path: str | None = None) -> list[TourRow]:
+def main(model: str, steps: int, batch_size: int, json_path: str | None = None) -> list[_TourRow]:
     summary = device_summary()
     print(f"parallelkit tour on {summary}; {model}, {steps} steps, global batch {batch_size}")
     rows = run_tour(model, steps, batch_size)

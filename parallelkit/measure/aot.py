@@ -11,16 +11,17 @@ from typing import TYPE_CHECKING, Any
 import jax
 import optax
 
-from ..core.contract import Batch, LossFn, PyTree, batch_size
+from ..core.contract import batch_size
 from ..core.devices import quiet_libtpu
 from ..core.precision import Precision
 from ..core.step import Placed
+from ..core.types import Batch, LossFn, PyTree
 from .inspect import Collective, parse_collectives
 
 if TYPE_CHECKING:
     from ..core.protocol import StrategyProtocol as Strategy
 
-GENERATIONS = ("v4", "v5e", "v5p", "v6e")  # the TPU generations whose topologies libtpu describes
+_GENERATIONS = ("v4", "v5e", "v5p", "v6e")  # the TPU generations whose topologies libtpu describes
 _TOPOLOGY = re.compile(r"^(?P<generation>[a-z0-9]+):(?P<shape>\d+(?:x\d+){1,2})$")
 INSTALL = 'pip install "parallelkit[tpu]"'
 
@@ -42,7 +43,7 @@ class DeviceMemory:
 
 
 @dataclass(frozen=True)
-class CompiledStep:
+class _CompiledStep:
     """A step compiled for a target machine: what it holds, sends and computes there, and its program."""
 
     target: str  # the devices, e.g. "16 TPU v5 lite"
@@ -103,7 +104,7 @@ def compile(  # noqa: A001 (pk.aot.compile, as jax's .compile: the name says wha
     batch: Batch,
     *,
     precision: Precision | None = None,
-) -> CompiledStep:
+) -> _CompiledStep:
     """Compile ``strategy.step(loss_fn)`` for the devices it was built on, from shapes: nothing is allocated.
 
     Conceptually, this is::
@@ -124,7 +125,7 @@ def compile(  # noqa: A001 (pk.aot.compile, as jax's .compile: the name says wha
       precision: as for ``strategy.step``.
 
     Returns:
-      The :class:`CompiledStep`: memory per device, collectives, FLOPs and the program's text.
+      The :class:`_CompiledStep`: memory per device, collectives, FLOPs and the program's text.
 
     Raises:
       TypeError: a strategy that does not lay its state and batch out with shardings (pmap, the off-device
@@ -148,13 +149,13 @@ def compile(  # noqa: A001 (pk.aot.compile, as jax's .compile: the name says wha
     return _report(strategy, compiled.compile())
 
 
-def _report(strategy: Strategy, compiled: Any) -> CompiledStep:
-    """The :class:`CompiledStep` of a compiled program."""
+def _report(strategy: Strategy, compiled: Any) -> _CompiledStep:
+    """The :class:`_CompiledStep` of a compiled program."""
     stats, cost = compiled.memory_analysis(), compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, list | tuple) else cost  # one dict per program in some JAX versions
     hlo = compiled.as_text()
     kind = strategy.devices[0].device_kind
-    return CompiledStep(
+    return _CompiledStep(
         target=f"{len(strategy.devices)} {kind}",
         memory=DeviceMemory(
             arguments=int(stats.argument_size_in_bytes),
@@ -172,10 +173,10 @@ def _report(strategy: Strategy, compiled: Any) -> CompiledStep:
 def _check_topology(topology: object) -> str:
     """The generation of a topology name, or a ValueError that names it and the shapes to pass."""
     m = _TOPOLOGY.match(topology) if isinstance(topology, str) else None
-    if not m or m.group("generation") not in GENERATIONS:
+    if not m or m.group("generation") not in _GENERATIONS:
         raise ValueError(
             f"pk.aot.devices got topology={topology!r}, which names no TPU topology it knows. Pass a generation "
-            f"among {', '.join(GENERATIONS)} and a shape of chips, such as 'v5e:4x4' or 'v5p:4x4x4'."
+            f"among {', '.join(_GENERATIONS)} and a shape of chips, such as 'v5e:4x4' or 'v5p:4x4x4'."
         )
     return m.group("generation")
 

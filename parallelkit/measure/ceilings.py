@@ -88,7 +88,7 @@ def memory_bandwidth(device: jax.Device, elements: int, repeats: int = 5) -> Mea
     return Measured(2 * 4 * elements / seconds, "B/s", method)
 
 
-def allreduce_times(devices: Sequence[jax.Device], sizes: Sequence[int], repeats: int = 5) -> list[float]:
+def _allreduce_times(devices: Sequence[jax.Device], sizes: Sequence[int], repeats: int = 5) -> list[float]:
     """Median seconds of a ``psum`` over ``devices`` of each float32 buffer size (elements per device)."""
     mesh = Mesh(np.asarray(devices), (_AXIS,))
     sharding = NamedSharding(mesh, P(_AXIS))
@@ -100,12 +100,12 @@ def allreduce_times(devices: Sequence[jax.Device], sizes: Sequence[int], repeats
     return times
 
 
-def allreduce_figures(
+def _allreduce_figures(
     devices: Sequence[jax.Device], sizes: Sequence[int], repeats: int = 5
 ) -> tuple[Measured, Measured]:
     """(latency, bandwidth) of the alpha-beta model fitted to ``psum`` times over ``devices``."""
     nbytes = [4 * s for s in sizes]
-    alpha, beta = fit_alpha_beta(nbytes, allreduce_times(devices, sizes, repeats))
+    alpha, beta = fit_alpha_beta(nbytes, _allreduce_times(devices, sizes, repeats))
     if alpha <= 0 or beta <= 0:
         raise RuntimeError(
             f"All-reduce times over {len(devices)} devices do not fit t = alpha + beta x bytes with alpha, beta > 0 "
@@ -119,7 +119,7 @@ def allreduce_figures(
     return Measured(alpha, "s", method), Measured(1.0 / beta, "B/s", method)
 
 
-def machine_key(devices: Sequence[jax.Device], quick: bool) -> str:
+def _machine_key(devices: Sequence[jax.Device], quick: bool) -> str:
     """A file-name-safe key for these devices on this machine, JAX version and mode."""
     first = devices[0]
     raw = f"{first.platform}-{first.device_kind}-{len(devices)}dev-jax{jax.__version__}-{'quick' if quick else 'full'}"
@@ -162,14 +162,14 @@ def measure_ceilings(
     devices = list(jax.devices() if devices is None else devices)
     if not devices:
         raise ValueError("measure_ceilings(devices=[]): pass at least one device, or None for all of them.")
-    key = machine_key(devices, quick)
+    key = _machine_key(devices, quick)
     path = Path(directory or cache_dir()) / f"ceilings-{key}.json"
     if cache and not refresh and (found := _load(path)) is not None:
         return found
     n, elements, sizes = (
         (512, 2**24, [2**k for k in range(10, 21, 2)]) if quick else (2048, 2**26, [2**k for k in range(10, 25, 2)])
     )
-    latency, bandwidth = allreduce_figures(devices, sizes) if len(devices) > 1 else (None, None)
+    latency, bandwidth = _allreduce_figures(devices, sizes) if len(devices) > 1 else (None, None)
     result = Ceilings(
         key=key,
         matmul_f32=matmul_flops(devices[0], n, jnp.float32),

@@ -11,11 +11,11 @@ Conceptually, for ``n`` replicas and a global batch ``b``::
     before[i] = grad(loss_fn)(params, b[i * len(b) // n : (i + 1) * len(b) // n])
     after[i] = mean(before)  # what every replica holds once the all-reduce is done
 
-:func:`ring_allreduce` replays the same average as a ring all-reduce, recording
+:func:`ring_allreduce_trace` replays the same average as a ring all-reduce, recording
 every chunk that moves, for a step-through figure.
 
 >>> import numpy as np
->>> ring = ring_allreduce(np.arange(6.0).reshape(3, 2))  # 3 replicas, 2 numbers each
+>>> ring = ring_allreduce_trace(np.arange(6.0).reshape(3, 2))  # 3 replicas, 2 numbers each
 >>> ring.result[0].tolist(), len(ring.steps)
 ([2.0, 3.0], 4)
 """
@@ -32,11 +32,12 @@ import numpy as np
 import optax
 from jax.sharding import PartitionSpec as P
 
-from ..core.axes import DATA
-from ..core.contract import Batch, LossFn, PyTree, check_divisible, loss_with_aux
+from ..core.contract import check_divisible, loss_with_aux
 from ..core.mesh import make_mesh
 from ..core.partition import path_label
+from ..core.renamed import renamed
 from ..core.state import TrainState
+from ..core.types import DATA, Batch, LossFn, PyTree
 
 if TYPE_CHECKING:
     from ..core.protocol import StrategyProtocol as Strategy
@@ -146,7 +147,7 @@ def trace_gradients(
 
 
 @dataclass(frozen=True)
-class Transfer:
+class _Transfer:
     """One chunk sent from ``src`` to its ring neighbour ``dst`` in one ring step."""
 
     src: int
@@ -156,9 +157,9 @@ class Transfer:
 
 
 @dataclass(frozen=True)
-class RingStep:
+class _RingStep:
     phase: str  # "reduce-scatter" (dst adds what it receives) or "all-gather" (dst keeps it)
-    transfers: tuple[Transfer, ...]
+    transfers: tuple[_Transfer, ...]
     buffers: np.ndarray  # [replicas, elements]: every replica's buffer after this step
     contributions: np.ndarray  # [replicas, chunks]: how many replicas' gradients each chunk holds
 
@@ -169,7 +170,7 @@ class RingTrace:
 
     inputs: np.ndarray  # [replicas, elements]
     bounds: tuple[int, ...]  # chunk c is elements bounds[c]:bounds[c+1]
-    steps: tuple[RingStep, ...]
+    steps: tuple[_RingStep, ...]
     result: np.ndarray  # [replicas, elements]: the mean, on every replica
 
     def bytes_sent(self, itemsize: int = 4) -> np.ndarray:
@@ -181,7 +182,7 @@ class RingTrace:
         return sent
 
 
-def ring_allreduce(inputs: np.ndarray) -> RingTrace:
+def ring_allreduce_trace(inputs: np.ndarray) -> RingTrace:
     """Average ``inputs[i]`` (replica i's flattened gradient) over replicas with a ring.
 
     Each vector is cut into ``n`` chunks. Reduce-scatter: in each of ``n - 1`` steps,
@@ -200,7 +201,7 @@ def ring_allreduce(inputs: np.ndarray) -> RingTrace:
         for s in range(n - 1):
             # reduce-scatter step s: replica i sends chunk (i - s); all-gather: chunk (i + 1 - s)
             sends = [(i, (i - s + (phase == "all-gather")) % n) for i in range(n)]
-            transfers = tuple(Transfer(i, (i + 1) % n, c, buffers[i, chunk[c]].copy()) for i, c in sends)
+            transfers = tuple(_Transfer(i, (i + 1) % n, c, buffers[i, chunk[c]].copy()) for i, c in sends)
             new, new_counts = buffers.copy(), counts.copy()
             for t in transfers:
                 if phase == "reduce-scatter":
@@ -210,5 +211,8 @@ def ring_allreduce(inputs: np.ndarray) -> RingTrace:
                     new[t.dst, chunk[t.chunk]] = t.values
                     new_counts[t.dst, t.chunk] = counts[t.src, t.chunk]
             buffers, counts = new, new_counts
-            steps.append(RingStep(phase, transfers, buffers.copy(), counts.copy()))
+            steps.append(_RingStep(phase, transfers, buffers.copy(), counts.copy()))
     return RingTrace(inputs, bounds, tuple(steps), buffers / n)
+
+
+__getattr__ = renamed(__name__, {"ring_allreduce": f"{__name__}:ring_allreduce_trace"})  # a trace, not the all-reduce

@@ -305,7 +305,7 @@ def collectives(step, *args) -> list[Collective]:
 
 
 _LAID_OUT = re.compile(r"([a-z][a-z0-9]*)\[([0-9,]*)\]\{([^}]*)\}")
-HOST_MEMORY_SPACE = "S(5)"  # XLA's memory space of host memory (pinned_host) in a layout
+_HOST_MEMORY_SPACE = "S(5)"  # XLA's memory space of host memory (pinned_host) in a layout
 
 
 def host_memory_bytes(hlo_text: str) -> tuple[int, int]:
@@ -331,14 +331,14 @@ def host_memory_bytes(hlo_text: str) -> tuple[int, int]:
     args, results = hlo_text[start:end].split(")->", 1)
 
     def host(part: str) -> int:
-        arrays = [(dtype, dims) for dtype, dims, layout in _LAID_OUT.findall(part) if HOST_MEMORY_SPACE in layout]
+        arrays = [(dtype, dims) for dtype, dims, layout in _LAID_OUT.findall(part) if _HOST_MEMORY_SPACE in layout]
         return sum(_arrays(f"{dtype}[{dims}]")[0][2] for dtype, dims in arrays)
 
     return host(args), host(results)
 
 
 @dataclass(frozen=True)
-class MemoryUse:
+class _MemoryUse:
     """Bytes one device needs for one call of a compiled program: XLA's estimate, made at compile time."""
 
     argument: int  # inputs: parameters, optimizer state, the batch slice
@@ -352,7 +352,7 @@ class MemoryUse:
         return self.argument + self.output + self.temp - self.alias
 
 
-def memory_per_device(step, *args) -> MemoryUse:
+def memory_per_device(step, *args) -> _MemoryUse:
     """What one device will hold while ``step(*args)`` runs, as the compiler estimates it.
 
     Read from ``compiled.memory_analysis()``: the sizes of the buffers XLA planned for the
@@ -361,11 +361,11 @@ def memory_per_device(step, *args) -> MemoryUse:
     ``jax.Device.memory_stats()`` (``bytes_in_use``, ``peak_bytes_in_use``), which GPU and
     TPU backends report and the CPU backend does not (it returns ``None``). On the CPU
     backend XLA's ``peak_memory_in_bytes`` is argument + output - alias and leaves out the
-    temporaries, so :attr:`MemoryUse.total` adds them back.
+    temporaries, so :attr:`_MemoryUse.total` adds them back.
     """
     check_step_call("pk.inspect.memory_per_device", step, args[0] if args else None)
     stats = step.lower(*args).compile().memory_analysis()
-    return MemoryUse(
+    return _MemoryUse(
         argument=int(stats.argument_size_in_bytes),
         output=int(stats.output_size_in_bytes),
         temp=int(stats.temp_size_in_bytes),

@@ -154,7 +154,7 @@ def _event(plane_name: str, name: str, start_ns: float, duration_ns: float, stat
     return None
 
 
-def read_trace(xplane_path: str | Path) -> list[Event]:
+def _read_trace(xplane_path: str | Path) -> list[Event]:
     """The device operations and host transfers of a trace, times from its first event.
 
     Args:
@@ -228,7 +228,7 @@ def profile(
     xplanes = sorted(run.glob("*.xplane.pb"))
     if not xplanes:
         raise RuntimeError(f"The profiler wrote no *.xplane.pb file in {run}: check that jax.profiler works here.")
-    events = [e for path in xplanes for e in read_trace(path)]
+    events = [e for path in xplanes for e in _read_trace(path)]
     summary = TraceSummary(
         trace_path=run / "perfetto_trace.json.gz", steps=steps, events=tuple(events), devices=device_times(events)
     )

@@ -11,7 +11,7 @@ import jax
 import numpy as np
 
 from ..core.backward import gradient_order
-from ..core.contract import Batch, LossFn, batch_size, loss_with_aux, tree_bytes
+from ..core.contract import batch_size, loss_with_aux, tree_bytes
 from ..core.reports import D2D as D2D
 from ..core.reports import D2H as D2H
 from ..core.reports import H2D as H2D
@@ -21,6 +21,7 @@ from ..core.reports import Flow as Flow
 from ..core.reports import Sizes as Sizes
 from ..core.reports import StepTraffic as StepTraffic
 from ..core.reports import gradient_all_reduce as gradient_all_reduce
+from ..core.types import Batch, LossFn
 from .inspect import Collective, collectives, sent_bytes, summarize
 
 if TYPE_CHECKING:

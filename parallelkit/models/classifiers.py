@@ -56,6 +56,28 @@ class MLP(nnx.Module):
             x = run(layer, x)
         return apply_layer(self.head, x)
 
+    def as_layers(self) -> Layers:
+        """This MLP as layers for :class:`~parallelkit.Pipeline` (:func:`as_layers`): its Dense layers, ReLU after
+        each hidden one, the first flattening ``batch["x"]``; as layers, ``remat`` is not applied."""
+        linears = [*self.hidden, self.head]
+        parts = [graph_and_params(layer) for layer in linears]
+
+        def dense_layer(i: int):
+            graphdef = parts[i][0]
+            hidden = i < len(linears) - 1
+
+            def apply(params: dict, x):
+                if i == 0:
+                    x = x["x"].reshape(x["x"].shape[0], -1)
+                y = nnx.merge(graphdef, nnx.State(params))(x)
+                return jax.nn.relu(y) if hidden else y
+
+            return apply
+
+        for linear, (_, params) in zip(linears, parts, strict=True):  # each layer's declared axes, for declared_axes
+            record_axes(params, param_axes(linear))
+        return Layers([dense_layer(i) for i in range(len(linears))], [params for _, params in parts])
+
 
 class CNN(nnx.Module):
     """Two 3x3 conv-ReLU-avgpool blocks, then a Dense classifier (NHWC input); BatchNorm after each conv on request.
@@ -194,6 +216,17 @@ class Transformer(nnx.Module):
             )
         return self.remat or block_policy(layout)
 
+    def as_layers(self) -> Layers:
+        """This transformer as layers for :class:`~parallelkit.Pipeline` (:func:`as_layers`): the embedding with
+        the positions, each block, and the final norm with the head. As layers it runs without dropout and
+        ``remat`` is not applied; its blocks recompute as the active :func:`~parallelkit.models.recomputation` says."""
+        return stack_layers(
+            self,
+            lambda embed, position, x: embed(x.reshape(x.shape[0], x.shape[1], -1)) + position[None],
+            lambda block, x: block(x, self.heads, 0.0, None),
+            lambda x: x.mean(axis=1),
+        )
+
 
 class _Block(nnx.Module):
     def __init__(self, dim: int, heads: int, mlp_dim: int, *, rngs: nnx.Rngs):
@@ -330,55 +363,23 @@ class Layers(NamedTuple):
 
 def as_layers(module: Any) -> Layers:
     """The kit's :class:`MLP`, :class:`Transformer` or :class:`~parallelkit.models.GPT` as a list of layers,
-    each with its own parameters.
+    each with its own parameters: ``module.as_layers()``, for a model that has that method.
 
     The first layer takes a batch ``{"x", ...}`` and reads ``batch["x"]``; each later layer
     takes the previous one's output; the last gives the logits, for :func:`cross_entropy`.
-    The MLP's layers are its Dense layers (ReLU after each hidden one); the transformer's
-    are the embedding (with the position embedding), each block, and the final norm with
-    the head. As layers, the transformer runs without dropout and neither model applies its ``remat``
-    option; the transformer's blocks (and the GPT's) recompute as the active
-    :func:`~parallelkit.models.recomputation` says. Composed in order
-    (:func:`parallelkit.strategies.pipeline.sequential_loss`) they compute the module's own logits.
+    Composed in order (:func:`parallelkit.strategies.pipeline.sequential_loss`) they compute the
+    module's own logits. Each model's method says what its layers are (:meth:`MLP.as_layers`,
+    :meth:`Transformer.as_layers`, :meth:`parallelkit.models.GPT.as_layers`).
 
     >>> layers, params = as_layers(MLP(4, (8,), 2, rngs=nnx.Rngs(0)))
     >>> len(layers), sorted(params[0])
     (2, ['bias', 'kernel'])
 
-    A module with an ``as_layers()`` method of its own (the GPT: :meth:`parallelkit.models.GPT.as_layers`)
-    gives its layers itself.
-
     Raises:
-      TypeError: any other module (write its layers as functions instead).
+      TypeError: a module without an ``as_layers()`` method (write its layers as functions instead).
     """
     if callable(getattr(module, "as_layers", None)):
         return module.as_layers()
-    if isinstance(module, MLP):
-        linears = [*module.hidden, module.head]
-        parts = [graph_and_params(layer) for layer in linears]
-
-        def dense_layer(i: int):
-            graphdef = parts[i][0]
-            hidden = i < len(linears) - 1
-
-            def apply(params: dict, x):
-                if i == 0:
-                    x = x["x"].reshape(x["x"].shape[0], -1)
-                y = nnx.merge(graphdef, nnx.State(params))(x)
-                return jax.nn.relu(y) if hidden else y
-
-            return apply
-
-        for linear, (_, params) in zip(linears, parts, strict=True):  # each layer's declared axes, for declared_axes
-            record_axes(params, param_axes(linear))
-        return Layers([dense_layer(i) for i in range(len(linears))], [params for _, params in parts])
-    if isinstance(module, Transformer):
-        return stack_layers(
-            module,
-            lambda embed, position, x: embed(x.reshape(x.shape[0], x.shape[1], -1)) + position[None],
-            lambda block, x: block(x, module.heads, 0.0, None),
-            lambda x: x.mean(axis=1),
-        )
     raise TypeError(
         f"as_layers knows the kit's MLP, Transformer and GPT, not {type(module).__name__}: write the model as a list "
         "of functions apply_i(params_i, x) -> y with a list of their parameters."

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from ..core.axes import constrain
-from ..core.mesh import is_count
+from ..core.types import is_count
 from .classifiers import Layers, cross_entropy, feed_forward, project_heads, stack_layers
 from .functional import with_axes
 from .layers import attention
@@ -20,7 +20,7 @@ from .layers.sequence import RESIDUAL, scatter_rows
 from .recompute import recompute_block
 
 _INIT = nnx.initializers.normal(0.02)  # GPT-2's initialisation of every weight matrix and embedding
-LOAD_BALANCING = 0.01  # the weight of the load-balancing loss (the Switch Transformer's alpha)
+_LOAD_BALANCING = 0.01  # the weight of the load-balancing loss (the Switch Transformer's alpha)
 
 
 class GPT(nnx.Module):
@@ -144,7 +144,7 @@ class GPT(nnx.Module):
         logits = constrain(apply_layer(self.head, self.norm(x)), ("batch", "norm_length", "vocab"))
         if self.routing is None:
             return logits
-        return logits, {name: jnp.stack([aux[name] for aux in layers]) for name in MOE_METRICS}
+        return logits, {name: jnp.stack([aux[name] for aux in layers]) for name in _MOE_METRICS}
 
     def as_layers(self) -> Layers:
         """This GPT as layers for :class:`~parallelkit.Pipeline` (:func:`~parallelkit.models.as_layers`).
@@ -169,7 +169,7 @@ class GPT(nnx.Module):
 
 
 # What the MoE GPT reports of each MoE layer: pk.experts.moe_layer's aux
-MOE_METRICS = ("load_balancing_loss", "router_z_loss", "dropped_fraction", "tokens_per_expert", "kept_per_expert")
+_MOE_METRICS = ("load_balancing_loss", "router_z_loss", "dropped_fraction", "tokens_per_expert", "kept_per_expert")
 
 
 class _CausalBlock(nnx.Module):
@@ -221,7 +221,7 @@ class _Experts(nnx.Module):
         return {name: getattr(self, name)[...] for name in ("router", "w_in", "w_out", "b_in", "b_out")}
 
 
-def lm_loss(apply: Callable[..., Any], *, load_balancing: float = LOAD_BALANCING) -> Callable[..., Any]:
+def lm_loss(apply: Callable[..., Any], *, load_balancing: float = _LOAD_BALANCING) -> Callable[..., Any]:
     """``loss_fn(params, batch, **extras)``: mean next-token cross-entropy of a language model, with metrics.
 
     The batch is ``{"x": tokens, "y": targets}``, both integer ``(batch, length)``, where

@@ -23,10 +23,10 @@ RECOMPUTE = ("none", "selective", "full")  # a layout's recomputation, for every
 _RECOMPUTATION: contextvars.ContextVar[str] = contextvars.ContextVar("recomputation", default="none")
 
 
-def checkpoint_policy(name: str) -> Callable[..., bool]:
+def _checkpoint_policy(name: str) -> Callable[..., bool]:
     """The ``jax.checkpoint_policies`` function called ``name``.
 
-    >>> checkpoint_policy("dots_saveable") is jax.checkpoint_policies.dots_saveable
+    >>> _checkpoint_policy("dots_saveable") is jax.checkpoint_policies.dots_saveable
     True
 
     Raises:
@@ -55,7 +55,7 @@ def remat_policy(remat: bool | str) -> str | None:
         raise ValueError(
             f"remat must be False, True or a policy name ({', '.join(map(repr, POLICIES))}), not {remat!r}."
         )
-    checkpoint_policy(remat)
+    _checkpoint_policy(remat)
     return remat
 
 
@@ -79,7 +79,7 @@ def remat(fn: Callable[..., Any], policy: str = "nothing_saveable") -> Callable[
     Raises:
       ValueError: an unknown policy name, listing the known ones.
     """
-    saveable = checkpoint_policy(policy)
+    saveable = _checkpoint_policy(policy)
     if isinstance(fn, nnx.Module):
         return functools.partial(nnx.remat(lambda module, *args: module(*args), policy=saveable), fn)
     return nnx.remat(fn, policy=saveable)
@@ -127,7 +127,7 @@ def block_policy(name: str) -> str | None:
     """The policy (a name of :data:`POLICIES`) a transformer block runs under for recomputation ``name``.
 
     ``"nothing_saveable"`` for ``"full"``; None (the block is not wrapped) for ``"none"`` and for
-    ``"selective"``, which recomputes inside attention only (:func:`scores_policy`).
+    ``"selective"``, which recomputes inside attention only (:func:`_scores_policy`).
 
     >>> block_policy("none"), block_policy("selective"), block_policy("full")
     (None, None, 'nothing_saveable')
@@ -139,14 +139,14 @@ def block_policy(name: str) -> str | None:
     return "nothing_saveable" if name == "full" else None
 
 
-def scores_policy(name: str) -> str | None:
+def _scores_policy(name: str) -> str | None:
     """The policy (a name of :data:`POLICIES`) attention's scores and softmax run under for recomputation ``name``.
 
     ``"nothing_saveable"`` for ``"selective"``: from the queries, keys and values, the backward pass
     computes the scores and probabilities again. None (not wrapped) for ``"none"`` and for ``"full"``,
     whose block recomputes them already (:func:`block_policy`).
 
-    >>> scores_policy("none"), scores_policy("selective"), scores_policy("full")
+    >>> _scores_policy("none"), _scores_policy("selective"), _scores_policy("full")
     (None, 'nothing_saveable', None)
 
     Raises:
@@ -165,8 +165,8 @@ def recompute_block(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def recompute_scores(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """``fn``, attention's scores and softmax, wrapped as the active recomputation says (:func:`scores_policy`).
+    """``fn``, attention's scores and softmax, wrapped as the active recomputation says (:func:`_scores_policy`).
 
     Read when ``fn``'s caller is traced. ``fn`` takes arrays (None for an absent one), as for :func:`remat`.
     """
-    return maybe_remat(fn, scores_policy(active_recomputation()))
+    return maybe_remat(fn, _scores_policy(active_recomputation()))

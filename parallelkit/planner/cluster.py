@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import jax
 
-from ..core.mesh import is_count, is_number
+from ..core.types import is_count, is_number
 from ..measure import costmodel
 from ..measure.ceilings import measure_ceilings
 from ..measure.costmodel import Link
@@ -17,7 +17,7 @@ from ..measure.hardware import PUBLISHED
 
 # NCCL's per-hop latencies for its "Simple" protocol (NVIDIA/nccl src/graph/tuning.cc): NVLink
 # 3.4 us, network about 10 us; the same figures as the cost model's link presets.
-INSIDE_LATENCY_US, NETWORK_LATENCY_US = 3.4, 10.0
+_INSIDE_LATENCY_US, _NETWORK_LATENCY_US = 3.4, 10.0
 # The training precisions the planner times: bf16 and fp32 mixed precision, and FP8 as Transformer Engine runs it
 # (its matrix products in FP8, the rest in bf16: :mod:`.steptime`, :data:`.memory.STATE_BYTES`).
 PRECISIONS = ("bf16", "fp32", "fp8")
@@ -99,8 +99,8 @@ class Cluster(costmodel.Cluster):
         machine too, for the plans that ask what more machines would do). The float32
         rate is TensorFloat-32's where the chip has it (JAX's default for float32 products on
         those GPUs), else plain float32's; the FP8 rate is the chip's dense FP8 peak, None where it
-        has none. Latencies: :data:`INSIDE_LATENCY_US`,
-        :data:`NETWORK_LATENCY_US` (an assumption for every chip).
+        has none. Latencies: :data:`_INSIDE_LATENCY_US`,
+        :data:`_NETWORK_LATENCY_US` (an assumption for every chip).
 
         >>> two = Cluster.published("H100 SXM", per_node=8, nodes=2)
         >>> two.devices, two.inside.GBps, two.network.GBps, two.memory_bytes / 1e9
@@ -111,8 +111,8 @@ class Cluster(costmodel.Cluster):
         per_node, nodes = whole(per_node, "Cluster.published", "per_node"), whole(nodes, "Cluster.published", "nodes")
         c = PUBLISHED[chip]
         source = ", ".join(c.sources)
-        inside = Link(c.link_name, c.axis_link_bytes_per_s / 1e9, INSIDE_LATENCY_US, source)
-        network = Link(f"{per_node} x network", per_node * c.network_bytes_per_s / 1e9, NETWORK_LATENCY_US, source)
+        inside = Link(c.link_name, c.axis_link_bytes_per_s / 1e9, _INSIDE_LATENCY_US, source)
+        network = Link(f"{per_node} x network", per_node * c.network_bytes_per_s / 1e9, _NETWORK_LATENCY_US, source)
         fp32 = c.tf32_flops or c.fp32_flops or c.bf16_flops
         return cls(nodes, per_node, inside, network, c.bf16_flops, fp32, c.memory_bytes, chip, c.hbm_bytes_per_s,
                    c.fp8_flops)  # fmt: skip
@@ -140,7 +140,7 @@ class Cluster(costmodel.Cluster):
             inside = Link("none (one device)", 1.0, 0.0, "one device: nothing to send")
         share = n if devices[0].platform == "cpu" else 1
         flops = ceilings.matmul_bf16.value / share, ceilings.matmul_f32.value / share
-        return cls(1, n, inside, None, *flops, device_memory(devices[0], n), devices[0].device_kind)
+        return cls(1, n, inside, None, *flops, _device_memory(devices[0], n), devices[0].device_kind)
 
 
 def whole(count: object, call: str, argument: str) -> int:
@@ -152,7 +152,7 @@ def whole(count: object, call: str, argument: str) -> int:
     return int(count)
 
 
-def device_memory(device: jax.Device, sharing: int) -> float:
+def _device_memory(device: jax.Device, sharing: int) -> float:
     """``device``'s memory: its allocator's limit, or the host's physical memory over ``sharing`` devices."""
     stats = device.memory_stats() if hasattr(device, "memory_stats") else None
     if stats and stats.get("bytes_limit"):

@@ -7,7 +7,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..core.mesh import is_count
+from ..core.types import is_count
 from .build import kit_strategy
 from .memory import (
     CONTEXT_METHODS,
@@ -22,7 +22,7 @@ from .memory import (
     weight_pass_bytes,
     weight_passes_pending,
 )
-from .model import Transformer
+from .model import ModelShape
 
 
 @dataclass(frozen=True)
@@ -130,7 +130,7 @@ class Layout:
         return ", ".join([shown, *extras])
 
 
-def check(model: Transformer, layout: Layout, batch: int) -> str | None:
+def check(model: ModelShape, layout: Layout, batch: int) -> str | None:
     """Why ``layout`` cannot train ``model`` on a global batch of ``batch`` sequences; None when it can."""
     if batch % (layout.replicas * layout.microbatches):
         return (f"the batch of {batch} sequences does not split into {layout.replicas} replicas x "
@@ -172,7 +172,7 @@ class Activations:
         return self.layers * (self.in_flight * self.per_layer + self.pending * self.per_pending) + self.rebuilt
 
 
-def activations(model: Transformer, layout: Layout, batch: int, *, precision: str = "bf16") -> Activations:
+def activations(model: ModelShape, layout: Layout, batch: int, *, precision: str = "bf16") -> Activations:
     """The activations of the device that holds the most: the first pipeline stage's, or the last's with the logits.
 
     One layer's (:func:`.memory.layer_activation_bytes`) for a microbatch of ``batch / (replicas
@@ -208,7 +208,7 @@ def activations(model: Transformer, layout: Layout, batch: int, *, precision: st
 
 
 def memory_per_device(
-    model: Transformer, layout: Layout, batch: int, *, precision: str = "bf16", optimizer: str = "adam"
+    model: ModelShape, layout: Layout, batch: int, *, precision: str = "bf16", optimizer: str = "adam"
 ) -> Memory:
     """The bytes one device holds while ``layout`` trains ``model`` on ``batch`` sequences a step.
 

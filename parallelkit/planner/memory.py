@@ -35,12 +35,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..core.mesh import is_count
+from ..core.types import is_count
 from ..models.layers.attention import METHODS
 from ..models.recompute import RECOMPUTE
 from ..strategies.fully_sharded import zero_state_bytes
 from ..strategies.pipeline.strategy import SCHEDULES as PIPELINE_SCHEDULES
-from .model import Transformer
+from .model import ModelShape
 
 # Bytes per parameter of (parameters, gradients, optimizer state), by precision and optimizer.
 # FP8 training as Transformer Engine runs it by default keeps bf16 mixed precision's state: the weights stay in 16
@@ -124,7 +124,7 @@ def state_bytes(
 
 
 def layer_activation_bytes(
-    model: Transformer,
+    model: ModelShape,
     micro_batch: int,
     *,
     tensor: int = 1,
@@ -146,7 +146,7 @@ def layer_activation_bytes(
     received; under ``"ulysses"`` it holds ``a/c`` heads of ``s x s``. An MoE layer keeps the
     MLP's arrays for each of a token's ``top_k`` experts.
 
-    >>> gpt = Transformer(layers=1, d_model=4096, heads=32, ffn=16384, vocab=1, seq=2048, gated=False)
+    >>> gpt = ModelShape(layers=1, d_model=4096, heads=32, ffn=16384, vocab=1, seq=2048, gated=False)
     >>> s, b, h, a = 2048, 1, 4096, 32  # the paper's s b h (34 + 5 a s / h), its 4h GELU block
     >>> layer_activation_bytes(gpt, b) == s * b * h * (34 + 5 * a * s / h)
     True
@@ -216,7 +216,7 @@ def weight_passes_pending(schedule: str, stages: int, microbatches: int, stage: 
 
 
 def weight_pass_bytes(
-    model: Transformer,
+    model: ModelShape,
     micro_batch: int,
     *,
     tensor: int = 1,
@@ -232,7 +232,7 @@ def weight_pass_bytes(
     only with sequence parallelism (row-parallel: reduced, or reduce-scattered with it). ``context`` splits the
     tokens.
 
-    >>> m = Transformer(layers=1, d_model=8, heads=2, ffn=32, vocab=1, seq=4, gated=False)
+    >>> m = ModelShape(layers=1, d_model=8, heads=2, ffn=32, vocab=1, seq=4, gated=False)
     >>> weight_pass_bytes(m, 1) == 2 * 4 * (8 + 2 * 8 + 32 + 2 * 8)  # q, k, v; up; two outputs of h
     True
     """

@@ -1,6 +1,6 @@
 """A transformer described by its shape: what the planner needs to know of a model, and published shapes.
 
-:class:`Transformer` counts its parameters exactly from its shape (embeddings, attention with
+:class:`ModelShape` counts its parameters exactly from its shape (embeddings, attention with
 grouped key-value heads, a plain or gated MLP, norms, biases where the model has them), and its
 training FLOPs per token as PaLM counts them (``6 N`` plus attention:
 :func:`parallelkit.measure.flops.dense_training_flops`). :data:`MODELS` holds published shapes,
@@ -14,12 +14,12 @@ import warnings
 from dataclasses import dataclass
 from typing import Any
 
-from ..core.mesh import is_count
+from ..core.types import is_count
 from ..measure.flops import dense_training_flops
 
 
 @dataclass(frozen=True)
-class Transformer:
+class ModelShape:
     """A decoder-only transformer's shape.
 
     Args:
@@ -41,7 +41,7 @@ class Transformer:
         ``heads`` that do not divide ``d_model``, ``kv_heads`` that do not divide ``heads``, or
         ``top_k`` above ``experts``.
 
-    >>> tiny = Transformer(layers=2, d_model=8, heads=2, ffn=32, vocab=16, seq=4)
+    >>> tiny = ModelShape(layers=2, d_model=8, heads=2, ffn=32, vocab=16, seq=4)
     >>> tiny.layer_params, tiny.embedding_params, tiny.params  # 4 x 8 x 8 + 3 x 8 x 32 + 2 x 8; 2 x 16 x 8 + 8
     (1040, 264, 2344)
     """
@@ -67,28 +67,28 @@ class Transformer:
         for field in ("layers", "d_model", "heads", "ffn", "vocab", "seq"):
             value = getattr(self, field)
             if not is_count(value):
-                raise ValueError(f"Transformer({field}={value!r}): a whole number >= 1.")
+                raise ValueError(f"ModelShape({field}={value!r}): a whole number >= 1.")
         if self.kv_heads is not None and not is_count(self.kv_heads):
-            raise ValueError(f"Transformer(kv_heads={self.kv_heads!r}) is not a number of heads: give a whole number "
+            raise ValueError(f"ModelShape(kv_heads={self.kv_heads!r}) is not a number of heads: give a whole number "
                              f">= 1 that divides heads={self.heads}, or None for one per query head.")  # fmt: skip
         if not is_count(self.experts, least=0):
-            raise ValueError(f"Transformer(experts={self.experts!r}) is not a number of experts: give a whole number "
+            raise ValueError(f"ModelShape(experts={self.experts!r}) is not a number of experts: give a whole number "
                              ">= 1 for a mixture of experts, or 0 for a dense model.")  # fmt: skip
         if not is_count(self.top_k):
-            raise ValueError(f"Transformer(top_k={self.top_k!r}) is not a number of experts: give the whole number "
+            raise ValueError(f"ModelShape(top_k={self.top_k!r}) is not a number of experts: give the whole number "
                              "(>= 1) of experts each token is routed to.")  # fmt: skip
         for flag in ("gated", "tied", "bias", "key_bias", "positions", "dropout"):
             if not isinstance(getattr(self, flag), bool):
-                raise ValueError(f"Transformer({flag}={getattr(self, flag)!r}) is not a bool: give True or False.")
+                raise ValueError(f"ModelShape({flag}={getattr(self, flag)!r}) is not a bool: give True or False.")
         if self.d_model % self.heads:
-            raise ValueError(f"Transformer: d_model={self.d_model} does not split into heads={self.heads}.")
+            raise ValueError(f"ModelShape: d_model={self.d_model} does not split into heads={self.heads}.")
         if self.heads % self.kv_heads_:
-            raise ValueError(f"Transformer: heads={self.heads} do not group into kv_heads={self.kv_heads}.")
+            raise ValueError(f"ModelShape: heads={self.heads} do not group into kv_heads={self.kv_heads}.")
         if self.experts and self.top_k > self.experts:
-            raise ValueError(f"Transformer(top_k={self.top_k}) routes each token to more experts than the "
+            raise ValueError(f"ModelShape(top_k={self.top_k}) routes each token to more experts than the "
                              f"{self.experts} there are: choose top_k from 1 to {self.experts}.")  # fmt: skip
         if not self.experts and self.top_k != 1:
-            warnings.warn(f"Transformer(top_k={self.top_k}) with experts=0: a dense model routes no tokens, so "
+            warnings.warn(f"ModelShape(top_k={self.top_k}) with experts=0: a dense model routes no tokens, so "
                           "top_k is unused. Give experts= for a mixture of experts, or leave top_k at 1.",
                           stacklevel=3)  # fmt: skip
 
@@ -161,13 +161,13 @@ class Transformer:
         return self.params - unused
 
     @classmethod
-    def from_gpt(cls, gpt: Any, name: str = "") -> Transformer:
+    def from_gpt(cls, gpt: Any, name: str = "") -> ModelShape:
         """The shape of the kit's :class:`parallelkit.models.GPT` (a GELU MLP, biases but the key's,
         learned positions, an untied head), trained on sequences of its ``max_length``.
 
         >>> from flax import nnx; import parallelkit as pk
         >>> gpt = pk.models.GPT(256, max_length=32, dim=16, heads=2, depth=2, mlp_dim=64, rngs=nnx.Rngs(0))
-        >>> Transformer.from_gpt(gpt).params == pk.models.param_bytes(pk.models.functional(gpt)[1]) // 4
+        >>> ModelShape.from_gpt(gpt).params == pk.models.param_bytes(pk.models.functional(gpt)[1]) // 4
         True
         """
         block = gpt.blocks[0]
@@ -188,9 +188,9 @@ class Transformer:
 # Published shapes. Llama 3: Meta's model cards and config.json (rotary positions, SwiGLU, untied,
 # no biases, grouped-query attention). GPT-2 XL: Radford et al. (2019) and its config.json (learned
 # positions, GELU MLP of 4 x d_model, tied head, biases, dropout 0.1); Llama 3 trains without dropout.
-MODELS: dict[str, Transformer] = {
-    "gpt2-xl": Transformer(48, 1600, 25, 6400, 50257, 1024, gated=False, tied=True, bias=True, positions=True,
+MODELS: dict[str, ModelShape] = {
+    "gpt2-xl": ModelShape(48, 1600, 25, 6400, 50257, 1024, gated=False, tied=True, bias=True, positions=True,
                            name="GPT-2 XL"),
-    "llama3-8b": Transformer(32, 4096, 32, 14336, 128256, 8192, kv_heads=8, dropout=False, name="Llama 3 8B"),
-    "llama3-70b": Transformer(80, 8192, 64, 28672, 128256, 8192, kv_heads=8, dropout=False, name="Llama 3 70B"),
+    "llama3-8b": ModelShape(32, 4096, 32, 14336, 128256, 8192, kv_heads=8, dropout=False, name="Llama 3 8B"),
+    "llama3-70b": ModelShape(80, 8192, 64, 28672, 128256, 8192, kv_heads=8, dropout=False, name="Llama 3 70B"),
 }  # fmt: skip

@@ -15,12 +15,12 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from fractions import Fraction
 
-from ..core.mesh import is_count, is_number
+from ..core.types import is_count, is_number
 from .build import unsupported
 from .cluster import Cluster
 from .layout import Layout, activations
 from .memory import STATE_BYTES
-from .model import MODELS, Transformer
+from .model import MODELS, ModelShape
 from .search import RESERVE, TOP, Candidate, assess, layouts, search, simpler_first, weigh
 from .steptime import OVERLAP
 
@@ -31,7 +31,7 @@ class Plan:
     fit), and ``unbuilt``: layouts that fit but the kit cannot build (:func:`.build.unsupported` says why), ranked
     apart, fastest first, never among ``ranked``."""
 
-    model: Transformer
+    model: ModelShape
     cluster: Cluster
     batch: int  # sequences asked for
     precision: str
@@ -165,7 +165,7 @@ def _base(layout: Layout) -> Layout:
 
 
 def plan(
-    model: Transformer | str,
+    model: ModelShape | str,
     cluster: Cluster,
     *,
     global_batch_tokens: int,
@@ -178,7 +178,7 @@ def plan(
 ) -> Plan:
     """Rank every layout of ``cluster``'s devices that trains ``model`` on ``global_batch_tokens`` tokens a step.
 
-    ``model``: a :class:`Transformer`, or the name of a published one (a key of :data:`.model.MODELS`).
+    ``model``: a :class:`ModelShape`, or the name of a published one (a key of :data:`.model.MODELS`).
     The batch is ``global_batch_tokens / model.seq`` sequences (rounded); a layout whose replicas
     do not split it evenly takes the largest batch below it that they do (MFU compares them
     fairly). ``efficiency``: None for each matrix product's share of the peak (a roofline:
@@ -229,20 +229,20 @@ def _is_share(efficiency: object) -> bool:
     return efficiency is None or (is_number(efficiency) and 0 < efficiency <= 1)
 
 
-def _model(model: object) -> Transformer:
+def _model(model: object) -> ModelShape:
     """``model``, or the published shape it names (:data:`.model.MODELS`)."""
-    if isinstance(model, Transformer):
+    if isinstance(model, ModelShape):
         return model
     if isinstance(model, str):
         if model not in MODELS:
             raise ValueError(f"plan({model!r}): no published model has that name. Choose one of {sorted(MODELS)}, "
-                             "or describe it: pk.planner.Transformer(layers=..., d_model=..., ...).")  # fmt: skip
+                             "or describe it: pk.planner.ModelShape(layers=..., d_model=..., ...).")  # fmt: skip
         return MODELS[model]
-    raise TypeError(f"plan(model={model!r}) is not a Transformer: give pk.planner.Transformer(...), "
-                    f"Transformer.from_gpt(gpt), or a published model's name, one of {sorted(MODELS)}.")  # fmt: skip
+    raise TypeError(f"plan(model={model!r}) is not a ModelShape: give pk.planner.ModelShape(...), "
+                    f"ModelShape.from_gpt(gpt), or a published model's name, one of {sorted(MODELS)}.")  # fmt: skip
 
 
-def _nothing_fits(model: Transformer, cluster: Cluster, batch: int, rejected, **options) -> str:
+def _nothing_fits(model: ModelShape, cluster: Cluster, batch: int, rejected, **options) -> str:
     """What a user can change when no layout fits: by how much the closest misses, and what would fit."""
     said = f"{model.name or 'The model'} fits no layout of {cluster.name} with {batch} sequences a step"
     if not rejected:
@@ -264,5 +264,5 @@ def _nothing_fits(model: Transformer, cluster: Cluster, batch: int, rejected, **
     return f"{said}. The closest {closest.rejected}; {why}. {hint}; {tried}."
 
 
-def _fits_on(model: Transformer, cluster: Cluster, batch: int, **options) -> bool:
+def _fits_on(model: ModelShape, cluster: Cluster, batch: int, **options) -> bool:
     return any(weigh(model, each, cluster, batch, **options).fits for each in layouts(model, cluster.devices, batch))

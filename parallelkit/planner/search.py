@@ -6,7 +6,7 @@ without sequence parallelism, each context method, each pipeline schedule (inter
 with each number of chunks that splits a stage's layers). For each it weighs recomputation off,
 selective and full, and gradient accumulation over more microbatches when the batch does not
 fit (the fewest that fit, of the counts that split a replica's sequences evenly), a pipeline
-at every such count from its stages up (:func:`pipeline_counts`: :func:`weigh`), and keeps the
+at every such count from its stages up (:func:`_pipeline_counts`: :func:`weigh`), and keeps the
 fastest variant that fits in ``(1 - reserve)`` of a device's memory; a layout with none that fits is
 kept as rejected, with by how much it misses. The rest are ranked by model FLOPs utilisation
 (MFU: the model's FLOPs a second, over the devices' peak): the same order as tokens a second;
@@ -27,7 +27,7 @@ from .build import unsupported
 from .cluster import Cluster
 from .layout import Layout, check, memory_per_device
 from .memory import CONTEXT_METHODS, ELEMENT_BYTES, SCHEDULES, Memory
-from .model import Transformer
+from .model import ModelShape
 from .steptime import StepTime, bubble_share, gradient_seconds, step_time
 
 TOP = (
@@ -62,21 +62,21 @@ def simpler_first(layout: Layout, memory_bytes: float) -> tuple[int, int, float]
 
 @functools.lru_cache(maxsize=256)
 def divisors(n: int) -> tuple[int, ...]:
-    """Every divisor of ``n``, ascending, built from its prime factors (:func:`prime_factors`).
+    """Every divisor of ``n``, ascending, built from its prime factors (:func:`_prime_factors`).
 
     >>> divisors(12), len(divisors(10**15))
     ((1, 2, 3, 4, 6, 12), 256)
     """
     found = [1]
-    for prime, power in prime_factors(n).items():
+    for prime, power in _prime_factors(n).items():
         found = [d * prime**k for d in found for k in range(power + 1)]
     return tuple(sorted(found))
 
 
-def prime_factors(n: int) -> dict[int, int]:
+def _prime_factors(n: int) -> dict[int, int]:
     """``n``'s prime factors and their powers, by trial division: at most about ``sqrt(n) / 2`` divisions.
 
-    >>> prime_factors(360), prime_factors(10**12 + 39)  # the second is a prime
+    >>> _prime_factors(360), _prime_factors(10**12 + 39)  # the second is a prime
     ({2: 3, 3: 2, 5: 1}, {1000000000039: 1})
     """
     factors: dict[int, int] = {}
@@ -91,7 +91,7 @@ def prime_factors(n: int) -> dict[int, int]:
     return factors
 
 
-def meshes(model: Transformer, devices: int) -> Iterator[dict[str, int]]:
+def meshes(model: ModelShape, devices: int) -> Iterator[dict[str, int]]:
     """Every ``(tensor, expert, context, stages, data)`` whose product is ``devices`` that the model splits into."""
     for tensor in divisors(devices):
         for expert in divisors(devices // tensor):
@@ -103,13 +103,13 @@ def meshes(model: Transformer, devices: int) -> Iterator[dict[str, int]]:
                         yield mesh
 
 
-def layouts(model: Transformer, devices: int, batch: int) -> Iterator[Layout]:
+def layouts(model: ModelShape, devices: int, batch: int) -> Iterator[Layout]:
     """Every layout :func:`plan` weighs, before recomputation and accumulation are chosen."""
     for mesh in meshes(model, devices):
-        yield from mesh_layouts(model, mesh, batch)
+        yield from _mesh_layouts(model, mesh, batch)
 
 
-def mesh_layouts(model: Transformer, mesh: dict[str, int], batch: int) -> Iterator[Layout]:
+def _mesh_layouts(model: ModelShape, mesh: dict[str, int], batch: int) -> Iterator[Layout]:
     """The layouts of one mesh (axis sizes) that :func:`plan` weighs: each ZeRO stage, sequence parallelism,
     context method and pipeline schedule; none when the mesh has more replicas than ``batch`` sequences."""
     replicas, layers = mesh["data"] * mesh["expert"], model.layers
@@ -129,27 +129,27 @@ def mesh_layouts(model: Transformer, mesh: dict[str, int], batch: int) -> Iterat
 def schedules(layers: int, stages: int, per_replica: int) -> Iterator[tuple[str, int, int]]:
     """(schedule, virtual, fewest microbatches) of each pipeline schedule :func:`plan` weighs for ``stages`` stages
     of ``layers`` layers: interleaved 1F1B with every number of chunks (2 or more) that splits a stage's layers
-    evenly; none without microbatch counts (:func:`pipeline_counts`)."""
+    evenly; none without microbatch counts (:func:`_pipeline_counts`)."""
     for schedule in SCHEDULES:
         chunks = [v for v in divisors(layers // stages) if v > 1 and layers % stages == 0]
         for virtual in chunks if schedule == "interleaved" else [1]:
-            if counts := pipeline_counts(stages, virtual, per_replica):
+            if counts := _pipeline_counts(stages, virtual, per_replica):
                 yield schedule, virtual, counts[0]
 
 
-def pipeline_counts(stages: int, virtual: int, per_replica: int) -> tuple[int, ...]:
+def _pipeline_counts(stages: int, virtual: int, per_replica: int) -> tuple[int, ...]:
     """The microbatch counts a pipeline of ``stages`` is weighed at: every divisor of a replica's sequences from
     ``stages`` up (fewer leave a stage idle for most of the step), multiples of ``stages`` under interleaved
     1F1B (``virtual > 1``, as Megatron-LM's schedule requires).
 
-    >>> pipeline_counts(12, 1, 256), pipeline_counts(4, 2, 48)  # BLOOM's 12 stages, 256 sequences a replica
+    >>> _pipeline_counts(12, 1, 256), _pipeline_counts(4, 2, 48)  # BLOOM's 12 stages, 256 sequences a replica
     ((16, 32, 64, 128, 256), (4, 8, 12, 16, 24, 48))
     """
     return tuple(m for m in divisors(per_replica) if m >= stages and (virtual == 1 or m % stages == 0))
 
 
-def ceilings(model: Transformer, group: Sequence[Layout], cluster: Cluster, batch: int, **options) -> list[float]:
-    """The highest MFU each layout of ``group`` (the layouts of one mesh: :func:`mesh_layouts`) could reach.
+def ceilings(model: ModelShape, group: Sequence[Layout], cluster: Cluster, batch: int, **options) -> list[float]:
+    """The highest MFU each layout of ``group`` (the layouts of one mesh: :func:`_mesh_layouts`) could reach.
 
     Its step time is at least the one this adds up, so its MFU is at most this, whatever :func:`weigh` then
     chooses (recomputation, accumulation). Each part is one that no such variant goes below:
@@ -157,7 +157,7 @@ def ceilings(model: Transformer, group: Sequence[Layout], cluster: Cluster, batc
     - compute without recomputation, at the layout's microbatches (recomputation only adds FLOPs; more
       microbatches make each matrix product smaller, which never raises its efficiency);
     - the layout's pipeline bubble share of that compute (:func:`.steptime.bubble_share`) at its most
-      microbatches (:func:`pipeline_counts`);
+      microbatches (:func:`_pipeline_counts`);
     - the tensor, context (the layout's method) and expert collectives at the layout's microbatches (its
       fewest: one without a pipeline): ``m`` collectives of ``1/m`` the bytes each take longer as ``m`` grows
       (each round is a latency plus bytes over a bandwidth, :meth:`~parallelkit.measure.costmodel.Link.seconds`);
@@ -178,7 +178,7 @@ def ceilings(model: Transformer, group: Sequence[Layout], cluster: Cluster, batc
     for layout in group:
         t = timed[layout.context_method, layout.microbatches]
         parts = t.communication
-        most = pipeline_counts(layout.stages, layout.virtual, batch // layout.replicas)[-1] if layout.stages > 1 else 1
+        most = _pipeline_counts(layout.stages, layout.virtual, batch // layout.replicas)[-1] if layout.stages > 1 else 1
         seconds = t.compute * (1 + bubble_share(layout) * layout.microbatches / most)
         seconds += sum(parts.get(k, 0.0) for k in ("tensor", "context", "experts"))
         if overlap == "none" and "gradients" in parts:
@@ -192,7 +192,7 @@ def ceilings(model: Transformer, group: Sequence[Layout], cluster: Cluster, batc
 
 
 def search(
-    model: Transformer, cluster: Cluster, batch: int, *, top: int | None = TOP, **options
+    model: ModelShape, cluster: Cluster, batch: int, *, top: int | None = TOP, **options
 ) -> tuple[list[Candidate], int]:
     """Every layout's verdict that could rank among the ``top`` best MFUs (all of them when ``top`` is None),
     in :func:`layouts`'s order, and how many layouts were not weighed.
@@ -202,7 +202,7 @@ def search(
     among them, it and every one after it is left: none could reach the first ``top`` (a tie could: ties are
     weighed). The first ``top`` of the ranking are then exactly those of the search that weighs everything.
     """
-    found = [layout for mesh in meshes(model, cluster.devices) for layout in mesh_layouts(model, mesh, batch)]
+    found = [layout for mesh in meshes(model, cluster.devices) for layout in _mesh_layouts(model, mesh, batch)]
     order = range(len(found))
     if top is not None:
         bounds, start = [], 0
@@ -229,7 +229,7 @@ def _mesh(layout: Layout) -> tuple[int, ...]:
 
 
 def assess(
-    model: Transformer, layout: Layout, cluster: Cluster, batch: int, *, precision: str, optimizer: str,
+    model: ModelShape, layout: Layout, cluster: Cluster, batch: int, *, precision: str, optimizer: str,
     efficiency: float, overlap: str, reserve: float,
 ) -> Candidate:  # fmt: skip
     """``layout`` exactly as given: its memory, and its step time and MFU when it fits in the memory kept free."""
@@ -239,7 +239,7 @@ def assess(
     memory = memory_per_device(model, layout, used, precision=precision, optimizer=optimizer)
     budget = (1 - reserve) * cluster.memory_bytes
     if memory.total > budget:
-        return Candidate(layout, used, memory, rejected=too_large(memory, budget))
+        return Candidate(layout, used, memory, rejected=_too_large(memory, budget))
     time = step_time(model, layout, cluster, used, precision=precision, efficiency=efficiency, overlap=overlap)
     per_device = model.flops_per_token() * used * model.seq / cluster.devices
     return Candidate(
@@ -247,18 +247,18 @@ def assess(
     )
 
 
-def too_large(memory: Memory, budget: float, smallest: str = "") -> str:
+def _too_large(memory: Memory, budget: float, smallest: str = "") -> str:
     """Why a layout is rejected for its memory; ``smallest``: the variant named, when it is the smallest tried."""
     at = f" even at its smallest ({smallest})" if smallest else ""
     return f"needs {memory.total / 1e9:.1f} GB a device{at}: {(memory.total - budget) / 1e9:.1f} GB over the " \
            f"{budget / 1e9:.1f} GB usable"  # fmt: skip
 
 
-def weigh(model: Transformer, layout: Layout, cluster: Cluster, batch: int, **options) -> Candidate:
+def weigh(model: ModelShape, layout: Layout, cluster: Cluster, batch: int, **options) -> Candidate:
     """The fastest variant of ``layout`` (recomputation, accumulation) that fits (:func:`assess`), or why none does.
 
     More accumulation steps and more recomputation only add time, so each recomputation is weighed with the
-    fewest steps that fit (:func:`fewest_that_fit`) and the fastest of these wins (ties to less recomputation);
+    fewest steps that fit (:func:`_fewest_that_fit`) and the fastest of these wins (ties to less recomputation);
     once one fits with the fewest steps of all, more recomputation is not weighed. Selective recomputation is
     weighed before none: without recomputation a layer keeps the same arrays and the attention scores too, so it
     needs at least as many steps, and is not weighed where selective never fits. The variant that needs the least
@@ -271,7 +271,7 @@ def weigh(model: Transformer, layout: Layout, cluster: Cluster, batch: int, **op
         counts = divisors(per_replica)
     else:
         counts = tuple(
-            m for m in pipeline_counts(layout.stages, layout.virtual, per_replica) if m >= layout.microbatches
+            m for m in _pipeline_counts(layout.stages, layout.virtual, per_replica) if m >= layout.microbatches
         )
 
     def trial(microbatches: int, variant: Layout) -> Candidate:
@@ -281,7 +281,7 @@ def weigh(model: Transformer, layout: Layout, cluster: Cluster, batch: int, **op
 
     def fewest(recompute: str, least: int = counts[0]) -> Candidate:
         variant = layout if recompute == layout.recompute else replace(layout, recompute=recompute)
-        return fewest_that_fit(counts[counts.index(least) :], functools.partial(trial, variant=variant))
+        return _fewest_that_fit(counts[counts.index(least) :], functools.partial(trial, variant=variant))
 
     timing = {name: options[name] for name in ("precision", "efficiency", "overlap")}
 
@@ -309,10 +309,10 @@ def rejection(smallest: Candidate, layout: Layout, batch: int, budget: float) ->
     """``layout`` rejected, by ``smallest``: its variant that needs the least memory, which does not fit either."""
     if not smallest.memory.total:  # it cannot split the batch or the model at all
         return Candidate(layout, batch, Memory(0, 0, 0, 0), rejected=smallest.rejected or "cannot split")
-    return replace(smallest, rejected=too_large(smallest.memory, budget, smallest.layout.name))
+    return replace(smallest, rejected=_too_large(smallest.memory, budget, smallest.layout.name))
 
 
-def fewest_that_fit(counts: Sequence[int], verdict: Callable[[int], Candidate]) -> Candidate:
+def _fewest_that_fit(counts: Sequence[int], verdict: Callable[[int], Candidate]) -> Candidate:
     """The verdict for the fewest of ``counts`` (ascending accumulation steps) that fits; when none does, the
     verdict for the most (the least memory).
 

@@ -2,7 +2,7 @@
 
 The assumptions, all of them (each a parameter or a line here):
 
-- **Compute** is the model's training FLOPs (:meth:`.model.Transformer.flops_per_token`: ``6 N``
+- **Compute** is the model's training FLOPs (:meth:`.model.ModelShape.flops_per_token`: ``6 N``
   plus attention, the count of the MFU figures) spread evenly over the devices, at the
   efficiency of one layer's matrix products on one device (:func:`matmul_efficiency`), or at
   ``efficiency`` of one device's peak (:meth:`.cluster.Cluster.peak_flops`) when a number is
@@ -34,7 +34,7 @@ The assumptions, all of them (each a parameter or a line here):
 - **The other operations** (norms, activations, dropout, residual additions) move, at the
   memory's bandwidth, the arrays Korthikanti et al. count a layer keeps (without the attention's
   scores: a fused attention never writes them): written forward, read and their gradients
-  written backward, written again by a recomputed forward (:func:`elementwise_seconds`).
+  written backward, written again by a recomputed forward (:func:`_elementwise_seconds`).
 - **The mesh**: ``tensor`` is the innermost axis (neighbouring devices), then ``expert``,
   ``context``, ``data``, and ``stages`` outermost, so tensor groups stay inside a machine
   whenever they fit in one. Each collective is timed by the cost model along its axis
@@ -70,12 +70,12 @@ import functools
 import math
 from dataclasses import dataclass, field
 
-from ..core.mesh import is_number
+from ..core.types import is_number
 from ..measure.costmodel import axis_seconds
 from .cluster import Cluster
 from .layout import Layout
 from .memory import ELEMENT_BYTES, layer_activation_bytes
-from .model import Transformer
+from .model import ModelShape
 
 OVERLAP = ("none", "full")
 # The share of the peak a large matrix product reaches: the best of a brute-force search over shapes of BF16 matmuls
@@ -83,12 +83,12 @@ OVERLAP = ("none", "full")
 # comparison table": H100 SXM 794.5 of 989 TFLOP/s, A100 SXM 271.2 of 312). A chip this dict does not hold (the TPUs,
 # the B200) takes the H100's share, and FP8 products the bf16 share of the FP8 peak: assumptions.
 ACHIEVABLE = {"H100 SXM": 794.5 / 989, "A100 SXM 80GB": 271.2 / 312}
-ACHIEVABLE_ELSE = ACHIEVABLE["H100 SXM"]
+_ACHIEVABLE_ELSE = ACHIEVABLE["H100 SXM"]
 # FP8's scaling cost, bytes per element of a product's input: Transformer Engine's default delayed scaling reads the
 # bf16 tensor once (2 bytes) and writes its FP8 copy (1 byte); its current scaling reads it once more for the amax
 # (https://nvidia.github.io/TransformerEngine/features/low_precision_training/fp8_delayed_scaling/fp8_delayed_scaling.html).
 FP8_CAST_BYTES = 2 + 1
-MESH_ORDER = ("tensor", "expert", "context", "data", "stages")  # innermost first
+_MESH_ORDER = ("tensor", "expert", "context", "data", "stages")  # innermost first
 
 
 @dataclass(frozen=True)
@@ -137,16 +137,16 @@ def bubble_share(layout: Layout) -> float:
 
 
 def strides(layout: Layout) -> dict[str, int]:
-    """How many devices apart neighbours along each axis are (:data:`MESH_ORDER`, innermost first)."""
+    """How many devices apart neighbours along each axis are (:data:`_MESH_ORDER`, innermost first)."""
     out, stride = {}, 1
-    for axis in MESH_ORDER:
+    for axis in _MESH_ORDER:
         out[axis] = stride
         stride *= getattr(layout, axis)
     return out
 
 
 def step_time(
-    model: Transformer,
+    model: ModelShape,
     layout: Layout,
     cluster: Cluster,
     batch: int,
@@ -185,7 +185,7 @@ def step_time(
     if efficiency is None:
         micro = batch // (layout.replicas * m)
         products = flops / (matmul_efficiency(model, layout, cluster, micro, precision) * cluster.peak_flops(precision))
-        compute = products + elementwise_seconds(model, layout, cluster, micro, precision)
+        compute = products + _elementwise_seconds(model, layout, cluster, micro, precision)
         efficiency = flops / (compute * cluster.peak_flops(precision))
     else:
         compute = flops / (efficiency * cluster.peak_flops(precision))
@@ -239,7 +239,7 @@ def matmul_seconds(m: float, k: float, n: float, cluster: Cluster, precision: st
     >>> round(2 * 8192**3 / fp8 / 1979e12, 3)
     0.684
     """
-    flops = 2 * m * k * n / (ACHIEVABLE.get(cluster.chip, ACHIEVABLE_ELSE) * cluster.peak_flops(precision))
+    flops = 2 * m * k * n / (ACHIEVABLE.get(cluster.chip, _ACHIEVABLE_ELSE) * cluster.peak_flops(precision))
     if cluster.hbm_bytes_per_s is None:
         return flops
     if precision != "fp8":
@@ -249,7 +249,7 @@ def matmul_seconds(m: float, k: float, n: float, cluster: Cluster, precision: st
     return cast + max(flops, (inputs + ELEMENT_BYTES["bf16"] * m * n) / cluster.hbm_bytes_per_s)
 
 
-def elementwise_seconds(model: Transformer, layout: Layout, cluster: Cluster, micro: int, precision: str) -> float:
+def _elementwise_seconds(model: ModelShape, layout: Layout, cluster: Cluster, micro: int, precision: str) -> float:
     """What the operations besides the matrix products take on one device in one step: the arrays Korthikanti et
     al. count a layer keeps (:func:`.memory.layer_activation_bytes` without the attention's scores, which a fused
     attention never writes) written once by the forward pass and read once and their gradients written once by the
@@ -258,7 +258,7 @@ def elementwise_seconds(model: Transformer, layout: Layout, cluster: Cluster, mi
 
     >>> h100 = Cluster.published("H100 SXM", per_node=1)
     >>> from parallelkit.planner import MODELS, layer_activation_bytes
-    >>> seconds = elementwise_seconds(MODELS["llama3-8b"], Layout(), h100, 1, "bf16")
+    >>> seconds = _elementwise_seconds(MODELS["llama3-8b"], Layout(), h100, 1, "bf16")
     >>> seconds == 32 * 3 * layer_activation_bytes(MODELS["llama3-8b"], 1, recompute="selective") / 3.35e12
     True
     """
@@ -272,7 +272,7 @@ def elementwise_seconds(model: Transformer, layout: Layout, cluster: Cluster, mi
     return layers * layout.microbatches * passes * arrays / cluster.hbm_bytes_per_s
 
 
-def matmul_efficiency(model: Transformer, layout: Layout, cluster: Cluster, micro: int, precision: str) -> float:
+def matmul_efficiency(model: ModelShape, layout: Layout, cluster: Cluster, micro: int, precision: str) -> float:
     """The share of one device's peak that one layer's matrix products reach on a microbatch of ``micro`` sequences:
     their FLOPs over the peak times their time (:func:`matmul_seconds`), shapes as the module's assumptions say."""
     ulysses = layout.context_method == "ulysses" and layout.context > 1
@@ -281,7 +281,7 @@ def matmul_efficiency(model: Transformer, layout: Layout, cluster: Cluster, micr
 
 @functools.lru_cache(maxsize=65536)  # the planner asks for the same shapes for many layouts
 def _matmul_efficiency(
-    model: Transformer, cluster: Cluster, precision: str, t: int, context: int, ulysses: bool, expert: int, micro: int
+    model: ModelShape, cluster: Cluster, precision: str, t: int, context: int, ulysses: bool, expert: int, micro: int
 ) -> float:
     h, f = model.d_model, model.ffn
     tokens = micro * model.seq / context
@@ -307,10 +307,10 @@ def _matmul_efficiency(
     return flops / (seconds * cluster.peak_flops(precision))
 
 
-def gradient_seconds(model: Transformer, layout: Layout, cluster: Cluster, element_bytes: int) -> float:
+def gradient_seconds(model: ModelShape, layout: Layout, cluster: Cluster, element_bytes: int) -> float:
     """The gradients' (and ZeRO-3's parameters') collectives over the axes where the same parameters repeat.
 
-    The dense parameters repeat over ``expert x context x data`` (contiguous in :data:`MESH_ORDER`,
+    The dense parameters repeat over ``expert x context x data`` (contiguous in :data:`_MESH_ORDER`,
     neighbours ``tensor`` apart); the experts' over ``context x data``.
     """
     apart = strides(layout)

@@ -10,7 +10,7 @@ A callback sees the run through four hooks, in this order::
 ``fit`` puts its own callbacks first, then the user's: :class:`NonFiniteCheck` (stop on
 a NaN or infinite loss), :class:`SkippedStepsCheck` (with a loss scale: stop a run whose every
 step is skipped), then :class:`Checkpointing` (save every K steps, at the end and
-on an error). Live views (``pk.widgets.TimingDashboard``,
+on an error). Live views (``pk.viz.TimingDashboard``,
 ``pk.distributed.ReportProgress``) are callbacks of the same kind.
 
 >>> class Losses(Callback):
@@ -26,19 +26,21 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import jax
 import numpy as np
-import optax
 
-from ..core.contract import PyTree
 from ..core.precision import LossScaleState, Precision
 from ..core.skipped import ADVICE, NonFiniteGradientsError, SkippedSteps
-from ..core.state import TrainState
 from ..core.step import loss_and_grads
+from ..core.types import PyTree
 from ..measure.timing import StepTimes
 from ..strategies.base import Strategy
 from .checkpoint import Checkpoints
+
+if TYPE_CHECKING:
+    from ..core.state import TrainState
 
 
 @dataclass(frozen=True)
@@ -235,37 +237,3 @@ class Checkpointing(Callback):
 
     def on_train_end(self, history: History, interrupted: bool) -> None:
         self._save(len(history.records), force=True)  # the final state too, whatever its step
-
-
-def restore_or_check(
-    ckpt: Checkpoints,
-    resume: bool,
-    strategy: Strategy,
-    params: PyTree,
-    tx: optax.GradientTransformation,
-    model_state: PyTree = None,
-    rng: int | jax.Array | None = None,
-) -> tuple[TrainState, int, int] | None:
-    """With ``resume``: (restored state, batches it had consumed, its step). Without: None, if the directory is new.
-
-    Raises:
-      ValueError: the strategy cannot be checkpointed, or, without ``resume``, the
-        directory already holds another run's checkpoints.
-      FileNotFoundError: ``resume`` but the directory holds no checkpoint.
-    """
-    if refusal := strategy.checkpoint_refusal():
-        raise ValueError(refusal)
-    if not resume:
-        if ckpt.steps():
-            raise ValueError(
-                f"{ckpt.directory} already holds checkpoints (steps {ckpt.steps()}) of an earlier run. "
-                "Pass resume=True to continue that run, or give an empty checkpoint_dir for a new one."
-            )
-        return None
-    if ckpt.latest_step() is None:
-        raise FileNotFoundError(
-            f"resume=True, but {ckpt.directory} holds no checkpoint yet. Start the run without resume "
-            f"(it saves every {ckpt.every} steps), or point checkpoint_dir at the interrupted run's."
-        )
-    restored = ckpt.restore(strategy, params, tx, model_state=model_state, rng=rng)
-    return restored.state, restored.batches, restored.step

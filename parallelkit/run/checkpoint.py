@@ -1,27 +1,21 @@
 """Checkpoints with orbax: save every K steps, keep the last N, restore onto any strategy's placement.
 
-A checkpoint holds a :class:`~parallelkit.TrainState`'s ``step``, ``params`` and
-``opt_state`` (and its PRNG key and model state, when it has them) at their
-*logical* shapes (what the single-device program sees), plus how many batches the
-run had consumed. Restoring takes the same arguments as
-``strategy.init(params, tx)`` and gives the same placement, only with the saved
-values; so a checkpoint written by ``Mirrored`` on 4 devices restores onto
-``Mirrored`` on 2, or onto ``SingleDevice``. Conceptually::
+Holds :class:`Checkpoints` (one run's directory), :func:`save`, :func:`restore` and
+:func:`latest_step`, and :func:`restore_or_check`, how ``fit`` resumes a run or refuses to
+overwrite another's. A checkpoint holds a :class:`~parallelkit.TrainState`'s ``step``,
+``params`` and ``opt_state`` (and its PRNG key and model state, when it has them) at their
+*logical* shapes, plus how many batches the run had consumed; restoring takes
+``strategy.init``'s arguments and gives its placement with the saved values::
 
     state = strategy.init(params, tx)                  # where every leaf should live
     state = load(directory, like=state)                # orbax reads each shard into place
 
-Arrays placed by ``jax.jit`` shardings (``SingleDevice``, ``Mirrored(backend="jit")``,
-``MultiWorkerMirrored``, ``CentralStorage``, ``ParameterServer``) are written and read
-shard by shard, by the process that holds them: on a cluster every process calls
-``save`` and ``restore``, and the directory must be one that all of them see (a
-shared file system); the state must then span every process (``MultiWorkerMirrored``),
-since a state that each process keeps on its own devices has no single owner to save it.
-``Mirrored(backend="pmap")`` keeps one stacked copy per device;
-its state is saved as one host copy and placed again on restore.
-
-``orbax-checkpoint`` is imported when a checkpoint is first used, not by
-``import parallelkit``.
+So a checkpoint written by ``Mirrored`` on 4 devices restores onto ``Mirrored`` on 2, or onto
+``SingleDevice``. Arrays placed by ``jax.jit`` shardings are written and read shard by shard,
+by the process that holds them: on a cluster every process calls ``save`` and ``restore`` on a
+directory all of them see, and the state must span every process (``MultiWorkerMirrored``).
+``Mirrored(backend="pmap")``'s state is saved as one host copy and placed again on restore.
+``orbax-checkpoint`` is imported when a checkpoint is first used, not by ``import parallelkit``.
 """
 
 from __future__ import annotations
@@ -35,11 +29,10 @@ import jax
 import numpy as np
 import optax
 
-from ..core.contract import PyTree
-from ..core.mesh import is_count
 from ..core.partition import path_label
 from ..core.precision import LossScaleState
 from ..core.state import TrainState
+from ..core.types import PyTree, is_count
 from ..strategies.base import Strategy
 
 if TYPE_CHECKING:
@@ -47,11 +40,11 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-STATE, META = "state", "meta"  # the two items of every checkpoint
+_STATE, _META = "state", "meta"  # the two items of every checkpoint
 
 
 @dataclass(frozen=True)
-class Restored:
+class _Restored:
     """A restored, placed state; the step it was saved at; how many batches the run had consumed then."""
 
     state: TrainState
@@ -135,7 +128,7 @@ class Checkpoints:
                 enable_async_checkpointing=False,  # a saved step is on disk before the next step starts
                 create=True,
             )
-            handlers = {STATE: ocp.StandardCheckpointHandler(), META: ocp.JsonCheckpointHandler()}
+            handlers = {_STATE: ocp.StandardCheckpointHandler(), _META: ocp.JsonCheckpointHandler()}
             self._manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
         return self._manager
 
@@ -188,7 +181,7 @@ class Checkpoints:
         if not _is_logical(strategy, tree):  # pmap's stacked copies: save one host copy
             tree = jax.device_get(strategy.unreplicate(tree))
         meta = {"step": step, "batches": step if batches is None else int(batches), "strategy": repr(strategy)}
-        args = ocp.args.Composite(**{STATE: ocp.args.StandardSave(tree), META: ocp.args.JsonSave(meta)})
+        args = ocp.args.Composite(**{_STATE: ocp.args.StandardSave(tree), _META: ocp.args.JsonSave(meta)})
         saved = self.manager.save(step, args=args, force=True)
         self.manager.wait_until_finished()
         return bool(saved)
@@ -202,7 +195,7 @@ class Checkpoints:
         *,
         model_state: PyTree = None,
         rng: int | jax.Array | None = None,
-    ) -> Restored:
+    ) -> _Restored:
         """Restore a checkpoint (the newest by default) onto ``strategy``'s placement.
 
         Conceptually, ``strategy.init(params, tx)`` with the saved values: ``params``
@@ -237,12 +230,12 @@ class Checkpoints:
             target = jax.tree.map(np.asarray, strategy.unreplicate(placed))
         del template, placed
         self._check_fits(step, target, strategy)
-        args = ocp.args.Composite(**{STATE: ocp.args.StandardRestore(target), META: ocp.args.JsonRestore()})
+        args = ocp.args.Composite(**{_STATE: ocp.args.StandardRestore(target), _META: ocp.args.JsonRestore()})
         try:
             out = self.manager.restore(step, args=args)
         except (ValueError, KeyError, TypeError) as err:
             raise self._does_not_fit(step, strategy, f"{type(err).__name__}: {err}") from err
-        tree, meta = out[STATE], out[META]
+        tree, meta = out[_STATE], out[_META]
         extras = {"rng": tree.get("rng"), "model_state": tree.get("model_state")}
         scale = None if "loss_scale" not in tree else LossScaleState(**tree["loss_scale"])
         if logical:
@@ -255,11 +248,11 @@ class Checkpoints:
             if scale is not None:
                 state = state.replace(loss_scale=_like_step(state, scale))
         log.info("Restored step %d from %s onto %r.", step, self.directory, strategy)
-        return Restored(state, step, int(meta["batches"]))
+        return _Restored(state, step, int(meta["batches"]))
 
     def _saved_tree(self, step: int) -> PyTree:
         """The metadata of the state saved at ``step``: its tree of leaves' shapes and dtypes."""
-        metadata = self.manager.item_metadata(step)[STATE]
+        metadata = self.manager.item_metadata(step)[_STATE]
         return getattr(metadata, "tree", metadata)  # a TreeMetadata, or the tree itself
 
     def _check_fits(self, step: int, target: PyTree, strategy: Strategy) -> None:
@@ -293,6 +286,40 @@ class Checkpoints:
 
     def __repr__(self) -> str:
         return f"Checkpoints({str(self.directory)!r}, every={self.every}, keep={self.keep})"
+
+
+def restore_or_check(
+    ckpt: Checkpoints,
+    resume: bool,
+    strategy: Strategy,
+    params: PyTree,
+    tx: optax.GradientTransformation,
+    model_state: PyTree = None,
+    rng: int | jax.Array | None = None,
+) -> tuple[TrainState, int, int] | None:
+    """With ``resume``: (restored state, batches it had consumed, its step). Without: None, if the directory is new.
+
+    Raises:
+      ValueError: the strategy cannot be checkpointed, or, without ``resume``, the
+        directory already holds another run's checkpoints.
+      FileNotFoundError: ``resume`` but the directory holds no checkpoint.
+    """
+    if refusal := strategy.checkpoint_refusal():
+        raise ValueError(refusal)
+    if not resume:
+        if ckpt.steps():
+            raise ValueError(
+                f"{ckpt.directory} already holds checkpoints (steps {ckpt.steps()}) of an earlier run. "
+                "Pass resume=True to continue that run, or give an empty checkpoint_dir for a new one."
+            )
+        return None
+    if ckpt.latest_step() is None:
+        raise FileNotFoundError(
+            f"resume=True, but {ckpt.directory} holds no checkpoint yet. Start the run without resume "
+            f"(it saves every {ckpt.every} steps), or point checkpoint_dir at the interrupted run's."
+        )
+    restored = ckpt.restore(strategy, params, tx, model_state=model_state, rng=rng)
+    return restored.state, restored.batches, restored.step
 
 
 def save(directory: str | Path, state: TrainState, strategy: Strategy) -> None:

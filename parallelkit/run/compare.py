@@ -12,9 +12,9 @@ import jax
 import numpy as np
 import optax
 
-from ..core.contract import Batch, LossFn, PyTree, batch_size
-from ..core.mesh import is_count
+from ..core.contract import batch_size
 from ..core.protocol import StrategyProtocol
+from ..core.types import Batch, LossFn, PyTree, is_count
 from ..measure.timing import StepTimes
 from .callbacks import Callback, History
 from .training import FitResult, fit

@@ -14,8 +14,9 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from ..core.contract import Batch, batch_size
+from ..core.contract import batch_size
 from ..core.step import Placed
+from ..core.types import Batch
 
 if TYPE_CHECKING:
     from ..strategies.base import Strategy

@@ -16,13 +16,13 @@ import jax
 import numpy as np
 import optax
 
-from ..core.contract import Batch, LossFn, PyTree, batch_size
+from ..core.contract import batch_size
 from ..core.devices import device_summary
-from ..core.mesh import is_count
 from ..core.precision import Precision, PrecisionWarning
 from ..core.skipped import NonFiniteGradientsError
 from ..core.state import TrainState
 from ..core.step import DONATED_STATE, Placed, Step, is_deleted
+from ..core.types import Batch, LossFn, PyTree, is_count
 from ..data import Dataset
 from ..strategies.base import Strategy
 from .callbacks import (
@@ -35,9 +35,8 @@ from .callbacks import (
     SkippedStepsCheck,
     StepRecord,
     nonfinite_gradients,
-    restore_or_check,
 )
-from .checkpoint import Checkpoints, host_step
+from .checkpoint import Checkpoints, host_step, restore_or_check
 from .prefetch import prefetch as prefetch_batches
 from .signals import InterruptsDeferred
 

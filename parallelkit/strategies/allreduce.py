@@ -48,7 +48,7 @@ from ..measure.costmodel.links import Round, allreduce_rounds
 from ..measure.costmodel.links import ring_pairs as ring_pairs
 from ..measure.inspect import Collective
 
-Axis = str | tuple[str, ...]
+_Axis = str | tuple[str, ...]
 
 
 @dataclass(frozen=True)
@@ -71,13 +71,13 @@ class Cost:
         return self.rounds * alpha + self.wire_bytes / bandwidth
 
 
-def rounds_cost(rounds: list[Round], n: int) -> Cost:
+def _rounds_cost(rounds: list[Round], n: int) -> Cost:
     """The :class:`Cost` of an all-reduce given as the cost model's rounds over ``n`` devices.
 
     Each round is one latency; its bytes in sequence are the busiest device's, sent or
     received (links are full duplex); ``sent`` adds up each device's messages.
 
-    >>> rounds_cost(allreduce_rounds("reduce_to_one", 3, 8.0), 3)
+    >>> _rounds_cost(allreduce_rounds("reduce_to_one", 3, 8.0), 3)
     Cost(rounds=4, wire_bytes=32.0, sent=(16.0, 8.0, 8.0))
     """
     sent, wire = [0.0] * n, 0.0
@@ -97,7 +97,7 @@ def ring_cost(n: int, nbytes: float) -> Cost:
     >>> ring_cost(4, 400).seconds(alpha=1e-6, bandwidth=1e9)  # 6 x 1 us + 600 B / 1 GB/s
     6.6e-06
     """
-    return rounds_cost(allreduce_rounds("ring", n, nbytes), n)
+    return _rounds_cost(allreduce_rounds("ring", n, nbytes), n)
 
 
 def tree_cost(n: int, nbytes: float) -> Cost:
@@ -106,7 +106,7 @@ def tree_cost(n: int, nbytes: float) -> Cost:
     The bytes equal the ring's, ``2(n-1)/n x nbytes``; the latencies drop from ``2(n-1)`` to ``2 log2 n``.
     """
     _check_power_of_two(n)
-    return rounds_cost(allreduce_rounds("tree", n, nbytes), n)
+    return _rounds_cost(allreduce_rounds("tree", n, nbytes), n)
 
 
 def reduce_to_one_cost(n: int, nbytes: float) -> Cost:
@@ -114,7 +114,7 @@ def reduce_to_one_cost(n: int, nbytes: float) -> Cost:
 
     Device 0 sends the sum to the ``n-1`` others; each other device sends its array once.
     """
-    return rounds_cost(allreduce_rounds("reduce_to_one", n, nbytes), n)
+    return _rounds_cost(allreduce_rounds("reduce_to_one", n, nbytes), n)
 
 
 def hierarchical_cost(inner: int, outer: int, nbytes: float) -> dict[str, Cost]:
@@ -141,7 +141,7 @@ def hierarchical_cost(inner: int, outer: int, nbytes: float) -> dict[str, Cost]:
     by_link: dict[str, list[Round]] = {"inner": [], "outer": []}
     for r in rounds:  # a round that crosses a group boundary runs on the slow links
         by_link["outer" if any(s // inner != t // inner for s, t, _ in r) else "inner"].append(r)
-    return {link: rounds_cost(found, n) for link, found in by_link.items()}
+    return {link: _rounds_cost(found, n) for link, found in by_link.items()}
 
 
 def _check_power_of_two(n: int) -> None:
@@ -160,7 +160,7 @@ def _flat(x: jax.Array, multiple: int) -> tuple[jax.Array, Callable[[jax.Array],
     return padded, lambda y: y[: flat.size].reshape(x.shape)
 
 
-def _position(axis: Axis, rings: Sequence[Sequence[int]]) -> jax.Array:
+def _position(axis: _Axis, rings: Sequence[Sequence[int]]) -> jax.Array:
     """This device's place in its own ring (rings are lists of linear mesh positions)."""
     table = [0] * sum(len(r) for r in rings)
     for ring in rings:
@@ -169,7 +169,7 @@ def _position(axis: Axis, rings: Sequence[Sequence[int]]) -> jax.Array:
     return jnp.asarray(table)[lax.axis_index(axis)]
 
 
-def _reduce_scatter(chunks: jax.Array, axis: Axis, rings: Sequence[Sequence[int]]) -> tuple[jax.Array, jax.Array]:
+def _reduce_scatter(chunks: jax.Array, axis: _Axis, rings: Sequence[Sequence[int]]) -> tuple[jax.Array, jax.Array]:
     """Ring reduce-scatter of ``chunks`` (g rows): the device at place ``p`` ends with row ``(p+1) % g`` summed.
 
     Round ``s``: send row ``p - s`` to the next device, add the row that arrives into row ``p - s - 1``.
@@ -183,7 +183,7 @@ def _reduce_scatter(chunks: jax.Array, axis: Axis, rings: Sequence[Sequence[int]
     return chunks[(p + 1) % g], p
 
 
-def _all_gather(row: jax.Array, p: jax.Array, axis: Axis, rings: Sequence[Sequence[int]]) -> jax.Array:
+def _all_gather(row: jax.Array, p: jax.Array, axis: _Axis, rings: Sequence[Sequence[int]]) -> jax.Array:
     """Ring all-gather: the device at place ``p`` holds row ``(p+1) % g``; every device ends with all ``g`` rows."""
     g = len(rings[0])
     to_next = ring_pairs(rings)
@@ -193,14 +193,14 @@ def _all_gather(row: jax.Array, p: jax.Array, axis: Axis, rings: Sequence[Sequen
     return rows
 
 
-def _ring(x: jax.Array, axis: Axis, rings: Sequence[Sequence[int]]) -> jax.Array:
+def _ring(x: jax.Array, axis: _Axis, rings: Sequence[Sequence[int]]) -> jax.Array:
     g = len(rings[0])
     flat, back = _flat(x, g)
     row, p = _reduce_scatter(flat.reshape(g, -1), axis, rings)
     return back(_all_gather(row, p, axis, rings).reshape(-1))
 
 
-def ring_allreduce(x: jax.Array, axis: Axis) -> jax.Array:
+def ring_allreduce(x: jax.Array, axis: _Axis) -> jax.Array:
     """``lax.psum(x, axis)`` as a ring: a reduce-scatter, then an all-gather (cost: :func:`ring_cost`).
 
     The array is cut into ``n`` chunks (padded with zeros to a multiple of ``n``
@@ -212,7 +212,7 @@ def ring_allreduce(x: jax.Array, axis: Axis) -> jax.Array:
     return _ring(x, axis, [list(range(n))])
 
 
-def tree_allreduce(x: jax.Array, axis: Axis) -> jax.Array:
+def tree_allreduce(x: jax.Array, axis: _Axis) -> jax.Array:
     """``lax.psum(x, axis)`` by recursive halving and doubling (cost: :func:`tree_cost`).
 
     Halving: partners ``n/2`` apart swap halves, each keeping (and summing) the half
@@ -236,7 +236,7 @@ def tree_allreduce(x: jax.Array, axis: Axis) -> jax.Array:
     return back(part)
 
 
-def reduce_to_one_allreduce(x: jax.Array, axis: Axis) -> jax.Array:
+def reduce_to_one_allreduce(x: jax.Array, axis: _Axis) -> jax.Array:
     """``lax.psum(x, axis)`` through device 0 (cost: :func:`reduce_to_one_cost`).
 
     Devices ``1 .. n-1`` send their arrays to device 0 one at a time; device 0 adds
@@ -254,7 +254,7 @@ def reduce_to_one_allreduce(x: jax.Array, axis: Axis) -> jax.Array:
     return jnp.where(me == 0, total, received)
 
 
-def _hierarchical(x: jax.Array, axis: Axis, inner: int, outer: int) -> jax.Array:
+def _hierarchical(x: jax.Array, axis: _Axis, inner: int, outer: int) -> jax.Array:
     """Groups are blocks of ``inner`` consecutive positions along ``axis`` (``outer`` blocks)."""
     groups = [[o * inner + i for i in range(inner)] for o in range(outer)]
     across = [[o * inner + i for o in range(outer)] for i in range(inner)]
@@ -303,7 +303,7 @@ class AllReduce:
         if self.group is not None and not (isinstance(self.group, int) and self.group >= 1):
             raise ValueError(f"AllReduce(group={self.group!r}): a group is a whole number of devices >= 1.")
 
-    def __call__(self, x: jax.Array, axis: Axis) -> jax.Array:
+    def __call__(self, x: jax.Array, axis: _Axis) -> jax.Array:
         """The sum of ``x`` over ``axis``, by this algorithm (inside ``shard_map`` or ``pmap``)."""
         if self.algorithm == "psum":
             return lax.psum(x, axis)
@@ -363,7 +363,7 @@ def bucket_plan(nbytes: Sequence[int], bucket_bytes: int | None, order: Sequence
     return buckets
 
 
-def mean_tree(tree, axis: Axis, allreduce: AllReduce | None = None, buckets: Sequence[Sequence[int]] | None = None):
+def mean_tree(tree, axis: _Axis, allreduce: AllReduce | None = None, buckets: Sequence[Sequence[int]] | None = None):
     """The mean over ``axis`` of every leaf of ``tree``, one float32 all-reduce per bucket.
 
     ``buckets`` lists which leaves (indices in ``jax.tree.leaves(tree)``) travel together, in

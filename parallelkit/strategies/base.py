@@ -10,17 +10,16 @@ import jax
 import numpy as np
 import optax
 
-from ..core.contract import Batch, LossFn, PyTree
 from ..core.devices import resolve_devices
 from ..core.placement import LeafPlacement
 from ..core.precision import Precision
 from ..core.reports import ExpectedCollective, Sizes, StepTraffic
 from ..core.state import TrainState
 from ..core.step import Step
-from ..measure.traffic import compiled_traffic
+from ..core.types import Batch, LossFn, PyTree
 
 # Where Explicit mode runs: the strategies whose step is one jax.jit over a mesh (pk.SPMD and its presets).
-EXPLICIT_STRATEGIES = (
+_EXPLICIT_STRATEGIES = (
     "pk.SPMD and its presets (SingleDevice, Mirrored with backend='jit', MultiWorkerMirrored, FullySharded, "
     "TensorParallel, Hybrid, ContextParallel, ExpertParallel)"
 )
@@ -44,7 +43,7 @@ def refuse_explicit(who: str, explicit: object, why: str) -> None:
         raise ValueError(f"{who}(explicit={explicit!r}): explicit is a bool, and {who} runs only explicit=False.")
     raise ValueError(
         f"{who}(explicit=True): Explicit mode is not supported here. {why} Explicit mode runs in "
-        f"{EXPLICIT_STRATEGIES}: use one of those, or leave explicit=False."
+        f"{_EXPLICIT_STRATEGIES}: use one of those, or leave explicit=False."
     )
 
 
@@ -119,6 +118,8 @@ class Strategy(abc.ABC):
         outside one program (central storage, parameter servers) measure those copies.
         It compiles (or pulls and computes once) but does not train: ``state`` is left as it is.
         """
+        from ..measure.traffic import compiled_traffic  # loaded when asked: training needs no traffic accounting
+
         return compiled_traffic(self, loss_fn, state, batch)
 
     def expected_collectives(self, sizes: Sizes) -> Sequence[ExpectedCollective] | None:

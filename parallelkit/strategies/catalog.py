@@ -88,10 +88,10 @@ def entries(*, tour: bool | None = None, bench: bool | None = None) -> list[Entr
 
 def reference() -> Entry:
     """The entry every other is compared with: SingleDevice, the single-device program."""
-    return get(REFERENCE)
+    return get(_REFERENCE)
 
 
-REFERENCE = "SingleDevice"
+_REFERENCE = "SingleDevice"
 
 
 def _built_in() -> None:

@@ -13,12 +13,10 @@ from collections.abc import Mapping, Sequence
 import jax
 
 from ..core import partition
-from ..core.axes import DATA, SEQ
-from ..core.contract import Batch, LossFn, PyTree
 from ..core.devices import DeviceCountError, first_devices
-from ..core.mesh import is_count
 from ..core.reports import StepTraffic
 from ..core.state import TrainState
+from ..core.types import DATA, SEQ, Batch, LossFn, PyTree, is_count
 from ..measure.traffic import compiled_traffic
 from ..models.layers import attention
 from .parallel import LENGTH as LENGTH

@@ -9,14 +9,12 @@ import jax
 import numpy as np
 
 from ..core.accumulate import Accumulation, check_accumulate
-from ..core.axes import DATA
 from ..core.backward import gradient_order
-from ..core.contract import Batch, LossFn, PyTree
-from ..core.mesh import is_count
 from ..core.precision import Precision, check_precision
 from ..core.reports import ExpectedCollective, Sizes, gradient_all_reduce
 from ..core.state import TrainState
 from ..core.step import train_step
+from ..core.types import DATA, Batch, LossFn, PyTree, is_count
 from ..measure import traffic
 from .allreduce import AllReduce, bucket_plan, mean_tree
 
@@ -26,7 +24,7 @@ def parse_sync(
 ) -> tuple[AllReduce | None, int | None]:
     """How the gradients of ``pk.Mirrored`` over ``replicas`` devices meet, checked: ``allreduce`` as an
     :class:`~parallelkit.strategies.allreduce.AllReduce` (None: the compiler's), and ``bucket_bytes``
-    (:func:`check_bucket_bytes`).
+    (:func:`_check_bucket_bytes`).
 
     Raises:
       TypeError: an ``allreduce`` that is neither a name nor an ``AllReduce``.
@@ -40,10 +38,10 @@ def parse_sync(
             f"Mirrored(allreduce={chosen!r}) groups {chosen.group} devices, which does not divide "
             f"{replicas} devices: choose a group size that does."
         )
-    return chosen, check_bucket_bytes(bucket_bytes)
+    return chosen, _check_bucket_bytes(bucket_bytes)
 
 
-def check_bucket_bytes(bucket_bytes: int | None, caller: str = "Mirrored") -> int | None:
+def _check_bucket_bytes(bucket_bytes: int | None, caller: str = "Mirrored") -> int | None:
     """``bucket_bytes`` as a Python int, or None (one all-reduce); ``caller`` names the call in the error.
 
     Raises:
@@ -59,7 +57,7 @@ def check_bucket_bytes(bucket_bytes: int | None, caller: str = "Mirrored") -> in
     return int(bucket_bytes)
 
 
-def replica_sync(allreduce: AllReduce | None, bucket_bytes: int | None = None, order: Sequence[int] = ()) -> Callable:
+def _replica_sync(allreduce: AllReduce | None, bucket_bytes: int | None = None, order: Sequence[int] = ()) -> Callable:
     """How gradients, metrics and model state meet inside a per-device program (``pmap``, ``shard_map``):
     ``lax.pmean``, one hand-written all-reduce, or one all-reduce per gradient bucket, the buckets
     filled in ``order`` (the gradient leaves in the order the backward pass produces them)."""
@@ -95,13 +93,13 @@ def replica_step(
     extra = {} if check_accumulate(accumulate) == 1 else {"accumulate": Accumulation(accumulate)}
     if check_precision(precision) is not None:
         extra["precision"] = precision
-    step = functools.partial(train_step, loss_fn, replica_key=own_key, **extra)
+    step = functools.partial(train_step, loss_fn, replica_key=_own_key, **extra)
     if bucket_bytes is None:
-        return functools.partial(step, sync=replica_sync(allreduce))
+        return functools.partial(step, sync=_replica_sync(allreduce))
 
     def bucketed(state: TrainState, batch: Batch) -> tuple[TrainState, dict]:
         order = gradient_order(loss_fn, state.params, batch, **_loss_extras(state))
-        return step(state, batch, sync=replica_sync(allreduce, bucket_bytes, order))
+        return step(state, batch, sync=_replica_sync(allreduce, bucket_bytes, order))
 
     return bucketed
 
@@ -132,7 +130,7 @@ def gradient_buckets(
       ValueError: a ``bucket_bytes`` that is not None or a whole number >= 1, parameters that hold
         no arrays, or an ``order`` that does not name each leaf once.
     """
-    bucket_bytes = check_bucket_bytes(bucket_bytes, "gradient_buckets")
+    bucket_bytes = _check_bucket_bytes(bucket_bytes, "gradient_buckets")
     nbytes = [4 * int(np.size(x)) for x in jax.tree.leaves(params)]
     if not nbytes:
         raise ValueError(
@@ -143,7 +141,7 @@ def gradient_buckets(
     return [sizes[0] + metric_bytes, *sizes[1:]]
 
 
-def own_key(key: jax.Array) -> jax.Array:
+def _own_key(key: jax.Array) -> jax.Array:
     """Each replica its own key (dropout masks differ between replicas, as under pmap)."""
     return jax.random.fold_in(key, jax.lax.axis_index(DATA))
 

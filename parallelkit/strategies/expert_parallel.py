@@ -13,10 +13,8 @@ from collections.abc import Sequence
 import jax
 
 from ..core import partition
-from ..core.axes import DATA, EXPERT
-from ..core.contract import PyTree
 from ..core.devices import first_devices
-from ..core.mesh import is_count
+from ..core.types import DATA, EXPERT, PyTree, is_count
 from .parallel import EXPERT_RULES as EXPERT_RULES
 from .parallel import Parallel
 from .spmd import EXPLICIT

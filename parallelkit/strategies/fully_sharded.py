@@ -11,10 +11,9 @@ import jax
 from jax.sharding import PartitionSpec as P
 
 from ..core import partition
-from ..core.axes import DATA
-from ..core.contract import PyTree
 from ..core.devices import resolve_devices
 from ..core.reports import ExpectedCollective, Sizes, gradient_all_reduce
+from ..core.types import DATA, PyTree
 from .parallel import Parallel
 from .spmd import EXPLICIT
 

@@ -7,10 +7,8 @@ from collections.abc import Sequence
 import jax
 
 from ..core import partition
-from ..core.axes import DATA, MODEL
-from ..core.contract import PyTree
 from ..core.devices import first_devices
-from ..core.mesh import is_count
+from ..core.types import DATA, MODEL, PyTree, is_count
 from .parallel import Parallel
 from .spmd import EXPLICIT
 from .tensor import hybrid_hint, model_specs

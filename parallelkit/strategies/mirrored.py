@@ -8,12 +8,11 @@ import jax
 from jax.sharding import PartitionSpec as P
 
 from ..core.accumulate import accumulated_placement
-from ..core.axes import DATA
-from ..core.contract import LossFn
 from ..core.devices import resolve_devices
 from ..core.mesh import make_mesh
 from ..core.precision import Precision
 from ..core.step import Step
+from ..core.types import DATA, LossFn
 from . import data_parallel
 from .allreduce import AllReduce
 from .pmap import MirroredPmap

@@ -7,14 +7,15 @@ from collections.abc import Sequence
 import jax
 import numpy as np
 
-from ..core.contract import Batch, PyTree, check_divisible
+from ..core.contract import check_divisible
 from ..core.devices import resolve_devices
 from ..core.mesh import make_mesh
 from ..core.reports import ExpectedCollective, Sizes
+from ..core.types import Batch, PyTree
 from . import data_parallel
 from .spmd import BATCH_ON_DATA, EXPLICIT, SPMD
 
-FEEDS = ("global", "local")
+_FEEDS = ("global", "local")
 
 
 class MultiWorkerMirrored(SPMD):
@@ -38,8 +39,8 @@ class MultiWorkerMirrored(SPMD):
     """
 
     def __init__(self, devices: Sequence[jax.Device] | None = None, batch: str = "global", *, explicit: bool = False):
-        if batch not in FEEDS:
-            raise ValueError(f"MultiWorkerMirrored(batch={batch!r}): choose one of {FEEDS}.")
+        if batch not in _FEEDS:
+            raise ValueError(f"MultiWorkerMirrored(batch={batch!r}): choose one of {_FEEDS}.")
         # Devices in process order, so each process's rows of the batch are one contiguous block.
         chosen = sorted(resolve_devices(devices), key=lambda d: (d.process_index, d.id))
         super().__init__(make_mesh(chosen, data=len(chosen), explicit=explicit), rules=BATCH_ON_DATA)

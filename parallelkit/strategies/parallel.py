@@ -26,11 +26,11 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from ..core import partition
-from ..core.axes import DATA, EXPERT, MODEL, SEQ, AxisRules, axis_names, context_method
-from ..core.contract import Batch, PyTree
+from ..core.axes import AxisRules, axis_names, context_method
 from ..core.devices import resolve_devices
-from ..core.mesh import is_count, make_mesh
+from ..core.mesh import make_mesh
 from ..core.state import TrainState
+from ..core.types import DATA, EXPERT, MODEL, SEQ, Batch, PyTree, is_count
 from ..measure.groups import axis_traffic
 from ..models import declared_axes
 from ..models.layers import attention

@@ -12,12 +12,12 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from ..core.accumulate import accumulated_placement
-from ..core.axes import DATA
-from ..core.contract import Batch, LossFn, PyTree, check_divisible
+from ..core.contract import check_divisible
 from ..core.mesh import make_mesh, outside_callers_mesh
 from ..core.precision import Precision
 from ..core.state import TrainState, create_state
 from ..core.step import Step
+from ..core.types import DATA, Batch, LossFn, PyTree
 from . import data_parallel
 from .allreduce import AllReduce
 from .base import Strategy

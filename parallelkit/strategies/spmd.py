@@ -22,12 +22,13 @@ from jax.sharding import PartitionSpec as P
 
 from ..core import partition
 from ..core.accumulate import Accumulation, ReplicaCopies, accumulated_placement, check_accumulate
-from ..core.axes import DATA, AxisRules, MeshAxes, active_rules, axis_names
-from ..core.contract import Batch, LossFn, PyTree, put_batch
+from ..core.axes import AxisRules, active_rules, axis_names
+from ..core.contract import put_batch
 from ..core.mesh import is_explicit, outside_callers_mesh
 from ..core.precision import Precision, check_precision
 from ..core.state import TrainState, create_state, prng_key
 from ..core.step import Step, train_step
+from ..core.types import DATA, Batch, LossFn, MeshAxes, PyTree
 from .base import Strategy
 
 BATCH = "batch"  # the logical name of every batch leaf's leading axis
@@ -175,7 +176,7 @@ class SPMD(Strategy):
         parameter sharded over them, as ZeRO-3's are, is gathered whole on each replica first)."""
         batch_axes = set(axis_names(self.batch_sharding.spec[0]))
         specs = self.partition_specs(params)
-        return jax.tree.map(lambda spec: P(*without_axes(spec, batch_axes)), specs, is_leaf=lambda x: isinstance(x, P))
+        return jax.tree.map(lambda spec: P(*_without_axes(spec, batch_axes)), specs, is_leaf=lambda x: isinstance(x, P))
 
     def state_shardings(
         self,
@@ -390,7 +391,7 @@ class _CompiledOnFirstCall:
         rows = partition.shardings(
             mesh,
             jax.tree.map(
-                lambda spec: P(axes, *without_axes(spec, group)),
+                lambda spec: P(axes, *_without_axes(spec, group)),
                 self.strategy.partition_specs(params),
                 is_leaf=lambda x: isinstance(x, P),
             ),
@@ -453,10 +454,10 @@ class _CompiledOnFirstCall:
             raise
 
 
-def without_axes(spec: P, axes: set[str]) -> tuple:
+def _without_axes(spec: P, axes: set[str]) -> tuple:
     """``spec``'s entries with ``axes`` taken out (a dimension they alone split becomes replicated).
 
-    >>> without_axes(P("data", ("data", "model"), None), {"data"})
+    >>> _without_axes(P("data", ("data", "model"), None), {"data"})
     (None, 'model', None)
     """
     entries = []

@@ -8,11 +8,10 @@ import jax
 from jax.sharding import Mesh
 
 from ..core import partition
-from ..core.axes import MODEL, AxisRules
-from ..core.contract import PyTree
+from ..core.axes import AxisRules
 from ..core.devices import first_devices
-from ..core.mesh import is_count
 from ..core.reports import ExpectedCollective, Sizes
+from ..core.types import MODEL, PyTree, is_count
 from ..models import declared_axes
 from .parallel import SEQUENCE_PARALLEL as SEQUENCE_PARALLEL
 from .parallel import TENSOR_AXES, Parallel, undeclared_axes_error

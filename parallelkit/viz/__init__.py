@@ -1,30 +1,60 @@
-"""Figures from plain data, by topic: each function takes what the library measures and returns a
-``matplotlib.figure.Figure``; a topic's live widget sits beside its figure (:class:`StrategyRace`,
-:class:`PipelineExplorer`, :class:`GradSyncExplorer`, also found as ``pk.widgets.*``).
+"""The views, by topic: figures from plain data, and the live views that redraw them.
 
-Import it on its own (``import parallelkit.viz``): ``import parallelkit`` stays free of
-matplotlib, so it is fast and headless-safe.
+Each ``*_figure`` function takes what the library measures and returns a
+``matplotlib.figure.Figure``; a topic's live view sits beside its figure (:class:`StrategyRace`,
+:class:`PipelineExplorer`, :class:`GradSyncExplorer`), and the timing views beside the data they
+show (:class:`TimingDashboard` over :mod:`.live`'s :class:`LiveTimes`). Every name loads its module
+when first asked for, so the timing views import no matplotlib until something draws, and
+``import parallelkit`` imports neither matplotlib nor ipywidgets.
+
+>>> import parallelkit as pk
+>>> pk.viz.TimingDashboard.__module__
+'parallelkit.viz.dashboard'
 """
 
-from .bench import bench_figure as bench_figure
-from .experts import alltoall_figure as alltoall_figure
-from .experts import routing_figure as routing_figure
-from .gradsync import GradSyncExplorer as GradSyncExplorer
-from .gradsync import gradient_sync_figure as gradient_sync_figure
-from .gradsync import ring_figure as ring_figure
-from .gradsync import spread_figure as spread_figure
-from .memory import memory_figure as memory_figure
-from .pipeline import PipelineExplorer as PipelineExplorer
-from .pipeline import pipeline_gantt_figure as pipeline_gantt_figure
-from .placement import collectives_figure as collectives_figure
-from .placement import format_bytes as format_bytes
-from .placement import held_fractions as held_fractions
-from .placement import leaf_label as leaf_label
-from .placement import memory_kinds as memory_kinds
-from .placement import mesh_figure as mesh_figure
-from .placement import partition_figure as partition_figure
-from .placement import placement_figure as placement_figure
-from .placement import slice_label as slice_label
-from .race import StrategyRace as StrategyRace
-from .race import race_figure as race_figure
-from .trace import trace_figure as trace_figure
+from importlib import import_module
+from typing import Any
+
+HOMES = {  # each public name to the module it lives in
+    "bench_figure": "bench",
+    "TimingDashboard": "dashboard",
+    "in_notebook": "dashboard",
+    "alltoall_figure": "experts",
+    "routing_figure": "experts",
+    "GradSyncExplorer": "gradsync",
+    "gradient_sync_figure": "gradsync",
+    "ring_figure": "gradsync",
+    "spread_figure": "gradsync",
+    "LiveTimes": "live",
+    "RaceRow": "live",
+    "RaceStandings": "live",
+    "TimingSummary": "live",
+    "memory_figure": "memory",
+    "PipelineExplorer": "pipeline",
+    "pipeline_gantt_figure": "pipeline",
+    "collectives_figure": "placement",
+    "format_bytes": "placement",
+    "held_fractions": "placement",
+    "leaf_label": "placement",
+    "memory_kinds": "placement",
+    "mesh_figure": "placement",
+    "partition_figure": "placement",
+    "placement_figure": "placement",
+    "slice_label": "placement",
+    "StrategyRace": "race",
+    "race_figure": "race",
+    "trace_figure": "trace",
+}
+__all__ = sorted(HOMES)
+
+
+def __getattr__(name: str) -> Any:
+    if name in HOMES:
+        return getattr(import_module(f"{__name__}.{HOMES[name]}"), name)
+    if name in HOMES.values():  # a module itself, before anything imported it
+        return import_module(f"{__name__}.{name}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *HOMES])

@@ -8,7 +8,7 @@ import numpy as np
 from matplotlib.figure import Figure
 
 from ..measure.gradsync import GradSync, RingTrace
-from ..widgets.dashboard import Explorer
+from .dashboard import Explorer
 from .placement import png
 
 _CMAP = "RdBu_r"  # gradients are signed: red positive, blue negative, white zero
@@ -93,7 +93,7 @@ def ring_figure(ring: RingTrace, step: int | None = None) -> Figure:
     with an arrow for every chunk sent to the next replica.
 
     Args:
-      ring: from :func:`parallelkit.measure.gradsync.ring_allreduce`.
+      ring: from :func:`parallelkit.measure.gradsync.ring_allreduce_trace`.
       step: draw only this step (0-based); all steps by default.
 
     Returns:

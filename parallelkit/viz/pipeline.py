@@ -16,15 +16,16 @@ import optax
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 
-from ..core.contract import Batch, batch_size
+from ..core.contract import batch_size
+from ..core.types import Batch
 from ..strategies.pipeline import Pipeline, Timeline
 from ..strategies.pipeline.schedules import Slot, bubble_fraction, makespan
 from ..strategies.pipeline.stages import HeadLoss, Layer
-from ..widgets.dashboard import Explorer
+from .dashboard import Explorer
 from .placement import png
 
 COLORS = {"forward": "tab:blue", "backward": "tab:orange", "weight": "tab:green"}
-HATCHES = ("", "//", "..", "xx")  # a stage's chunks of layers (an interleaved schedule's), told apart
+_HATCHES = ("", "//", "..", "xx")  # a stage's chunks of layers (an interleaved schedule's), told apart
 
 
 def pipeline_gantt_figure(schedule: Sequence[Slot], title: str = "", *, measured: bool = False) -> Figure:
@@ -52,7 +53,7 @@ def pipeline_gantt_figure(schedule: Sequence[Slot], title: str = "", *, measured
     ax = fig.add_subplot()
     for s in schedule:
         ax.barh(s.stage, s.end - s.start, left=s.start, height=0.8, color=COLORS[s.kind], edgecolor="white",
-                hatch=HATCHES[s.chunk % len(HATCHES)])  # fmt: skip
+                hatch=_HATCHES[s.chunk % len(_HATCHES)])  # fmt: skip
         ax.text((s.start + s.end) / 2, s.stage, str(s.microbatch), ha="center", va="center", fontsize=7, color="white")
     ax.set_yticks(range(stages), [f"stage {s}" for s in range(stages)], fontsize=8)
     ax.invert_yaxis()  # stage 0 on top, as the data flows down
@@ -72,7 +73,7 @@ def pipeline_gantt_figure(schedule: Sequence[Slot], title: str = "", *, measured
     return fig
 
 
-def measured_summary(pipe: Pipeline, timeline: Timeline) -> str:
+def _measured_summary(pipe: Pipeline, timeline: Timeline) -> str:
     """One line: the measured bubble beside GPipe's formula, and the most microbatches each stage held."""
     p, m = pipe.stages, pipe.microbatches
     return (
@@ -87,7 +88,7 @@ class PipelineExplorer(Explorer):
     Every redraw builds a :class:`~parallelkit.Pipeline` on the first ``stages`` devices,
     runs one step to compile and a second to measure, and draws the second step's
     timeline with :func:`parallelkit.viz.pipeline_gantt_figure`. Outside a notebook,
-    displaying it prints :func:`measured_summary` for the current choice instead.
+    displaying it prints :func:`_measured_summary` for the current choice instead.
     """
 
     def __init__(
@@ -126,7 +127,7 @@ class PipelineExplorer(Explorer):
 
         def redraw(_=None):
             pipe, timeline = self.run(stages.value, micro.value, schedule.value)
-            label.value = measured_summary(pipe, timeline)
+            label.value = _measured_summary(pipe, timeline)
             image.value = png(pipeline_gantt_figure(timeline.slots, measured=True))
 
         for control in (stages, micro, schedule):
@@ -135,4 +136,4 @@ class PipelineExplorer(Explorer):
         return w.VBox([w.HBox([stages, micro]), schedule, label, image]).add_class("pk-pipeline")
 
     def _text(self) -> str:
-        return measured_summary(*self.run(min(2, self.max_stages), self.microbatch_choices[-1], "gpipe"))
+        return _measured_summary(*self.run(min(2, self.max_stages), self.microbatch_choices[-1], "gpipe"))

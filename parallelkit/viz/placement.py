@@ -17,7 +17,7 @@ from ..strategies import LeafPlacement
 from ..strategies.offdevice.partition import Partition
 
 _CMAP = "Blues"  # 0 (white) = holds nothing, 1 (dark) = holds a full copy
-HOST_MEMORY_KINDS = ("pinned_host", "unpinned_host")  # host RAM beside a device, not the device's own memory
+_HOST_MEMORY_KINDS = ("pinned_host", "unpinned_host")  # host RAM beside a device, not the device's own memory
 _HOST_HATCH = "////"
 _KEY = re.compile(r"\[['\"]?([^'\"\]]*)['\"]?\]|\.([A-Za-z_]\w*)")
 
@@ -122,7 +122,7 @@ def placement_figure(rows: Sequence[LeafPlacement], devices: Sequence[int] | Non
     image = ax.imshow(fractions, cmap=_CMAP, vmin=0.0, vmax=1.0, aspect="auto")
     kinds = memory_kinds(rows, devices)
     for i, j in zip(*np.nonzero(fractions), strict=True):
-        host = kinds[i, j] in HOST_MEMORY_KINDS
+        host = kinds[i, j] in _HOST_MEMORY_KINDS
         if host:
             ax.add_patch(
                 Rectangle((j - 0.5, i - 0.5), 1, 1, fill=False, hatch=_HOST_HATCH, edgecolor="tab:orange", lw=0)
@@ -152,7 +152,7 @@ def placement_figure(rows: Sequence[LeafPlacement], devices: Sequence[int] | Non
     ax.tick_params(which="minor", length=0)
     colorbar = fig.colorbar(image, ax=ax, shrink=0.8, ticks=[0, 0.5, 1])
     colorbar.set_label("fraction of the leaf held")
-    host_kinds = sorted({k for k in kinds.ravel() if k in HOST_MEMORY_KINDS})
+    host_kinds = sorted({k for k in kinds.ravel() if k in _HOST_MEMORY_KINDS})
     if host_kinds:
         swatch = Patch(facecolor="white", edgecolor="tab:orange", hatch=_HOST_HATCH)
         fig.legend([swatch], [f"host memory ({', '.join(host_kinds)})"], loc="outside lower center", fontsize=8)

@@ -11,13 +11,12 @@ import numpy as np
 import optax
 from matplotlib.figure import Figure
 
-from ..core.contract import Batch, LossFn, PyTree
-from ..core.devices import device_summary
+from ..core.types import Batch, LossFn, PyTree
 from ..run.compare import Run, fresh_batches, run_side_by_side
 from ..run.training import Callback, FitResult, History, RunInfo, StepRecord
 from ..strategies import Strategy
-from ..widgets.dashboard import LiveView
-from ..widgets.live import LiveTimes, RaceStandings, format_race, number_or_dash, race_rows
+from .dashboard import LiveView
+from .live import LiveTimes, RaceStandings, format_race, number_or_dash, race_rows, simulated_note
 from .placement import annotate_bar, png
 
 _REFERENCE, _OTHER = "0.55", "tab:blue"
@@ -87,7 +86,7 @@ def race_figure(standings: RaceStandings, title: str = "") -> Figure:
     for ax in axes:
         ax.set_xticks(x, [f"{r.name}\n{r.devices} dev" for r in rows], fontsize=7)
         ax.tick_params(axis="y", labelsize=7)
-    note = f" · simulated CPU devices, {device_summary().simulation}" if standings.simulated else ""
+    note = f" · {simulated_note()}" if standings.simulated else ""
     state = " · interrupted" if standings.interrupted else ""
     fig.suptitle(f"{title or 'strategy race'}{note}{state}", fontsize=10)
     return fig
@@ -260,7 +259,7 @@ class _RaceWidgets:
         running = f" · running <b>{s.running}</b>" if s.running else ""
         done = all(r.finished for r in s.rows)
         state = " · <b style='color:#c00'>interrupted</b>" if s.interrupted else (" · done" if done else running)
-        simulated = f" · simulated CPU devices, {device_summary().simulation}" if s.simulated else ""
+        simulated = f" · {simulated_note()}" if s.simulated else ""
         self.header.value = f"<b>strategy race</b> (reference: {s.reference}){simulated}{state}"
         head = "".join(
             f"<th style='padding:0 8px'>{h}</th>"

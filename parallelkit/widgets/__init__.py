@@ -1,34 +1,24 @@
-"""Live views for notebooks: thin ipywidgets over the plain data in :mod:`parallelkit.widgets.live`.
+"""The views' old home, kept for one release: ``parallelkit.widgets`` is now :mod:`parallelkit.viz`.
 
-Import it on its own (``pk.widgets`` loads on first use): ``import parallelkit`` stays free of
-ipywidgets. Every view falls back to text outside a notebook. The timing views live here; the
-views that draw a figure live beside it, by topic, in :mod:`parallelkit.viz` (the race, the
-pipeline, the gradients' synchronisation), and are found here by name too, loaded when first
-asked for so that the timing views do not import matplotlib.
+Importing it warns once (a ``DeprecationWarning``); every name, and the modules
+``parallelkit.widgets.dashboard`` and ``parallelkit.widgets.live``, are :mod:`parallelkit.viz`'s.
 """
 
-from importlib import import_module
+import sys
 from typing import Any
 
-from .dashboard import TimingDashboard as TimingDashboard
-from .dashboard import in_notebook as in_notebook
-from .live import LiveTimes as LiveTimes
-from .live import RaceRow as RaceRow
-from .live import RaceStandings as RaceStandings
-from .live import TimingSummary as TimingSummary
+from .. import viz
+from ..core.renamed import moved_module
+from ..viz import dashboard as dashboard
+from ..viz import live as live
 
-BESIDE_THEIR_FIGURES = {
-    "StrategyRace": "parallelkit.viz.race",
-    "PipelineExplorer": "parallelkit.viz.pipeline",
-    "GradSyncExplorer": "parallelkit.viz.gradsync",
-}
+moved_module(__name__, viz.__name__)
+sys.modules[f"{__name__}.dashboard"], sys.modules[f"{__name__}.live"] = dashboard, live
 
 
 def __getattr__(name: str) -> Any:
-    if name in BESIDE_THEIR_FIGURES:
-        return getattr(import_module(BESIDE_THEIR_FIGURES[name]), name)
-    raise AttributeError(f"module 'parallelkit.widgets' has no attribute {name!r}")
+    return getattr(viz, name)
 
 
 def __dir__() -> list[str]:
-    return sorted([*globals(), *BESIDE_THEIR_FIGURES])
+    return sorted({*globals(), *dir(viz)})

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ...core.mesh import is_count
+from ...core.types import is_count
 
 ALGORITHMS = ("psum", "ring", "tree", "reduce_to_one", "hierarchical")  # the all-reduces the kit runs and times
 

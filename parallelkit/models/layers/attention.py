@@ -20,11 +20,11 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from ...core import axes
-from ...core.axes import SEQ, MeshAxes
+from ...core.types import SEQ, MeshAxes
 from ..recompute import recompute_scores
 
 METHODS = ("allgather", "ring", "ring_zigzag", "ulysses")
-DEFAULT_METHOD = "allgather"  # what attend uses when no method block is open
+_DEFAULT_METHOD = "allgather"  # what attend uses when no method block is open
 NAMES = ("batch", "length", "heads", None)  # the logical axes of q, k, v and the output
 
 Block = tuple[jax.Array, jax.Array, jax.Array]  # online softmax state: row max, row sum, unnormalised output
@@ -298,7 +298,7 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = True) -> 
                     "splits it over one: map 'length' to a single mesh axis."
                 )
             _check_arrays(q, k, v)
-            name = axes.active_context_method() or DEFAULT_METHOD
+            name = axes.active_context_method() or _DEFAULT_METHOD
             return _shard_mapped(q, k, v, mesh=mesh, spec=spec, method=name, causal=causal)
     return dense(q, k, v, causal=causal)
 

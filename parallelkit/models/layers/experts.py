@@ -19,19 +19,18 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from ...core import axes
-from ...core.axes import EXPERT, MeshAxes
-from ...core.mesh import is_count, is_number
+from ...core.types import EXPERT, MeshAxes, is_count, is_number
 
-Params = Mapping[str, jax.Array]
+_Params = Mapping[str, jax.Array]
 # name -> the logical names of its axes; every leaf but the router has the experts on its leading axis
-SHAPES = {
+_SHAPES = {
     "router": ("dim", "experts"),
     "w_in": ("experts", "dim", "hidden"),
     "w_out": ("experts", "hidden", "dim"),
     "b_in": ("experts", "hidden"),
     "b_out": ("experts", "dim"),
 }
-REQUIRED = ("router", "w_in", "w_out")
+_REQUIRED = ("router", "w_in", "w_out")
 
 
 def init_moe_params(
@@ -94,7 +93,7 @@ def dispatch_bytes(
 
 
 def moe_layer(
-    x: jax.Array, params: Params, *, top_k: int = 2, capacity_factor: float = 1.25, groups: int = 1
+    x: jax.Array, params: _Params, *, top_k: int = 2, capacity_factor: float = 1.25, groups: int = 1
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """A mixture-of-experts feed-forward layer: each token goes to its ``top_k`` experts, within their capacity.
 
@@ -160,7 +159,7 @@ def moe_layer(
 
 def expert_parallel(
     x: jax.Array,
-    params: Params,
+    params: _Params,
     *,
     mesh: Mesh,
     axis: MeshAxes = EXPERT,
@@ -214,11 +213,11 @@ def expert_parallel(
             f"pass groups={mesh.size} (and the same groups to the single-device run it should equal)."
         )
 
-    def exchange(dispatched: jax.Array, local: Params) -> jax.Array:
+    def exchange(dispatched: jax.Array, local: _Params) -> jax.Array:
         mine = jax.lax.all_to_all(dispatched, axis, 0, 1, tiled=True)  # each expert's slots to its device
         return jax.lax.all_to_all(_experts(mine, local), axis, 1, 0, tiled=True)  # the results back
 
-    def body(group: jax.Array, local: Params) -> tuple[jax.Array, dict[str, jax.Array]]:
+    def body(group: jax.Array, local: _Params) -> tuple[jax.Array, dict[str, jax.Array]]:
         y, sums = _moe_groups(group, local, top_k, cap, exchange)
         return y, jax.lax.psum(sums, tuple(mesh.axis_names))
 
@@ -269,24 +268,24 @@ def check_routing(experts: int, top_k: int, capacity_factor: float) -> None:
         )
 
 
-def _check(x: jax.Array, params: Params, top_k: int, capacity_factor: float, groups: int) -> tuple[int, int, int, int]:
+def _check(x: jax.Array, params: _Params, top_k: int, capacity_factor: float, groups: int) -> tuple[int, int, int, int]:
     """``(tokens, dim, experts, a group's capacity)``, or a ValueError saying what is wrong with the arguments."""
-    missing = [name for name in REQUIRED if name not in params]
-    unknown = [name for name in params if name not in SHAPES]
+    missing = [name for name in _REQUIRED if name not in params]
+    unknown = [name for name in params if name not in _SHAPES]
     if missing or unknown:
         raise ValueError(
-            f"moe_layer params need {list(REQUIRED)} and may add 'b_in', 'b_out'; missing {missing}, unknown "
+            f"moe_layer params need {list(_REQUIRED)} and may add 'b_in', 'b_out'; missing {missing}, unknown "
             f"{unknown}. Build them with pk.experts.init_moe_params."
         )
     dim, experts = params["router"].shape
     hidden = params["w_in"].shape[-1]
     sizes = {"dim": dim, "experts": experts, "hidden": hidden}
     for name, leaf in params.items():
-        expected = tuple(sizes[n] for n in SHAPES[name])
+        expected = tuple(sizes[n] for n in _SHAPES[name])
         if tuple(leaf.shape) != expected:
             raise ValueError(
                 f"params[{name!r}] has shape {tuple(leaf.shape)}, but the router {(dim, experts)} and w_in's hidden "
-                f"width {hidden} make it {expected} ({', '.join(SHAPES[name])})."
+                f"width {hidden} make it {expected} ({', '.join(_SHAPES[name])})."
             )
     if x.ndim not in (2, 3) or x.shape[-1] != dim:
         raise ValueError(
@@ -330,7 +329,7 @@ def _route(group: jax.Array, router: jax.Array, top_k: int, cap: int):
 
 
 def _moe_groups(
-    group: jax.Array, params: Params, top_k: int, cap: int, apply: Callable[[jax.Array, Params], jax.Array]
+    group: jax.Array, params: _Params, top_k: int, cap: int, apply: Callable[[jax.Array, _Params], jax.Array]
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Route groups ``(g, s, dim)``, run ``apply`` on the dispatched ``(E, g, cap, dim)``, combine."""
     dispatch, combine, sums = _route(group, params["router"], top_k, cap)
@@ -339,7 +338,7 @@ def _moe_groups(
     return jnp.einsum("gsec,egcd->gsd", combine, out).astype(group.dtype), sums
 
 
-def _experts(tokens: jax.Array, params: Params) -> jax.Array:
+def _experts(tokens: jax.Array, params: _Params) -> jax.Array:
     """Each expert's feed-forward network on its slots: ``(e, g, cap, dim)`` with ``e`` the experts of ``params``."""
     h = jnp.einsum("egcd,edh->egch", tokens, params["w_in"])
     if "b_in" in params:

@@ -24,7 +24,7 @@ ENV_READY_FILE = "PK_READY_FILE"
 ENV_LAUNCHER_PID = "PK_LAUNCHER_PID"  # each child exits when this process is gone
 
 # TF_CONFIG task types that become JAX processes, in process-id order.
-TF_ROLES = ("chief", "worker", "ps")
+_TF_ROLES = ("chief", "worker", "ps")
 
 # Environment variables by which JAX's own cluster detection recognises a cluster.
 # Kubernetes sets KUBERNETES_SERVICE_HOST in *every* pod (a JupyterHub notebook too),
@@ -94,12 +94,12 @@ def _check_position(process_id: int, num_processes: int, where: str) -> None:
 def _from_task_lists(
     cluster: Mapping[str, Sequence[str]], role: str, index: int, where: str, source: str, local_devices: int | None
 ) -> ClusterSpec:
-    unknown = sorted(set(cluster) - set(TF_ROLES))
+    unknown = sorted(set(cluster) - set(_TF_ROLES))
     if unknown:
-        log.warning("Ignoring TF task types %s: only %s become JAX processes.", unknown, TF_ROLES)
-    if role not in TF_ROLES:
-        raise ClusterError(f"job_name/task type {role!r} is not one of {TF_ROLES}, so it has no JAX process id.")
-    tasks = [(r, i, host) for r in TF_ROLES for i, host in enumerate(_hosts(cluster.get(r)))]
+        log.warning("Ignoring TF task types %s: only %s become JAX processes.", unknown, _TF_ROLES)
+    if role not in _TF_ROLES:
+        raise ClusterError(f"job_name/task type {role!r} is not one of {_TF_ROLES}, so it has no JAX process id.")
+    tasks = [(r, i, host) for r in _TF_ROLES for i, host in enumerate(_hosts(cluster.get(r)))]
     if not tasks:
         raise ClusterError(f"The cluster from {where} lists no chief, worker or ps hosts.")
     hosts = [host for _, _, host in tasks]
@@ -206,7 +206,7 @@ def resolve_cluster(
     return ClusterSpec(None, 1, 0, "single", local_devices=local_devices)
 
 
-def split_address(address: str) -> tuple[str, int]:
+def _split_address(address: str) -> tuple[str, int]:
     """``"host:port"`` as ``(host, port)``; IPv6 hosts in brackets (``[::1]:1234``)."""
     host, sep, port = address.rpartition(":")
     if not sep or not port.isdigit():
@@ -223,7 +223,7 @@ def check_coordinator(spec: ClusterSpec, timeout: float) -> None:
     Raises:
       ClusterError: the name does not resolve, or nothing listens there, within ``timeout`` seconds.
     """
-    host, port = split_address(spec.coordinator_address)
+    host, port = _split_address(spec.coordinator_address)
     deadline = time.monotonic() + timeout
     while True:  # a new pod's DNS record (Kubernetes headless service) may appear a little late
         try:

@@ -34,8 +34,8 @@ from .cluster import (
     ClusterError,
 )
 
-TAIL_LINES = 40
-PLATFORMS = ("cpu", "gpu")
+_TAIL_LINES = 40
+_PLATFORMS = ("cpu", "gpu")
 _STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGHUP") if hasattr(signal, name))
 
 
@@ -61,7 +61,7 @@ class ProcessReport:
     started: bool = False  # reached pk.distributed.initialize()
     joined: bool = False  # came out of it: the cluster formed
     killed_by_launcher: bool = False
-    tail: deque = field(default_factory=lambda: deque(maxlen=TAIL_LINES))
+    tail: deque = field(default_factory=lambda: deque(maxlen=_TAIL_LINES))
 
     @property
     def output(self) -> str:
@@ -82,7 +82,7 @@ def _signal_name(code: int) -> str:
         return f"signal {code}"
 
 
-def exception_line(output: str) -> str | None:
+def _exception_line(output: str) -> str | None:
     """The ``Kind: message`` line of the last Python traceback in ``output``, if there is one."""
     lines = output.splitlines()
     starts = [i for i, line in enumerate(lines) if line.startswith("Traceback (most recent call last)")]
@@ -94,9 +94,9 @@ def exception_line(output: str) -> str | None:
     return None
 
 
-def explain_exit(returncode: int, output: str) -> str:
+def _explain_exit(returncode: int, output: str) -> str:
     """A sentence on why a process ended with ``returncode``, from its code and last output."""
-    raised = exception_line(output)
+    raised = _exception_line(output)
     if raised is not None:
         return f"raised an exception: {raised}"
     text = output.lower()
@@ -169,8 +169,8 @@ def launch(
     """
     if processes < 1 or devices_per_process < 1:
         raise ClusterError(f"Need at least 1 process and 1 device each, got {processes} x {devices_per_process}.")
-    if platform not in PLATFORMS:
-        raise ClusterError(f"launch(platform={platform!r}): choose one of {PLATFORMS}.")
+    if platform not in _PLATFORMS:
+        raise ClusterError(f"launch(platform={platform!r}): choose one of {_PLATFORMS}.")
     workdir = Path(tempfile.mkdtemp(prefix="pk-launch-"))
     address = f"{host}:{free_port(host)}"
     base = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # the child sets its own device count
@@ -305,7 +305,7 @@ def _watch(procs, readers, reports, lines, workdir, start, timeout, init_timeout
     _drain(lines, reports, stream, print_fn)
     for report in reports:
         if report.returncode and not report.killed_by_launcher:
-            report.cause = explain_exit(report.returncode, report.output)
+            report.cause = _explain_exit(report.returncode, report.output)
     if problem is None:
         return
     first, sentence = problem

@@ -10,7 +10,7 @@ from typing import TextIO
 
 from ..training import Callback, History, RunInfo, StepRecord
 
-PREFIX = "pk-progress "
+_PREFIX = "pk-progress "
 
 
 class ReportProgress(Callback):
@@ -20,7 +20,7 @@ class ReportProgress(Callback):
         self.stream = stream
 
     def _emit(self, event: str, payload: dict) -> None:
-        print(PREFIX + json.dumps({"event": event, **payload}), file=self.stream or sys.stdout, flush=True)
+        print(_PREFIX + json.dumps({"event": event, **payload}), file=self.stream or sys.stdout, flush=True)
 
     def on_train_begin(self, info: RunInfo) -> None:
         self._emit("begin", asdict(info))
@@ -62,12 +62,12 @@ class ForwardProgress:
 
     def __call__(self, line: str) -> None:
         tag, _, text = line.partition("] ")
-        if not text.startswith(PREFIX):
+        if not text.startswith(_PREFIX):
             self.print_fn(line)
             return
         if tag != f"[p{self.process}":
             return
-        message = json.loads(text[len(PREFIX) :])
+        message = json.loads(text[len(_PREFIX) :])
         event = message.pop("event")
         if event == "begin":
             self.history = History()

@@ -26,9 +26,9 @@ log = logging.getLogger(__name__)
 
 # JAX's defaults are 300 s (init), 100 s (heartbeat), 300 s (shutdown): a lost peer
 # then looks like a hang for minutes. Ours are shorter; the launcher's shorter still.
-DEFAULT_INIT_TIMEOUT = 60
-DEFAULT_HEARTBEAT_TIMEOUT = 30
-DEFAULT_SHUTDOWN_TIMEOUT = 60
+_DEFAULT_INIT_TIMEOUT = 60
+_DEFAULT_HEARTBEAT_TIMEOUT = 30
+_DEFAULT_SHUTDOWN_TIMEOUT = 60
 
 _joined: ClusterSpec | None = None
 
@@ -135,9 +135,9 @@ def _join(
     first, and a process whose cluster does not form within the timeout ended with a message saying why."""
     from ...core.devices import backends_started, configure_cpu_devices
 
-    init_timeout = initialization_timeout or _env_int(ENV_INIT_TIMEOUT, DEFAULT_INIT_TIMEOUT)
-    heartbeat = heartbeat_timeout or _env_int(ENV_HEARTBEAT_TIMEOUT, DEFAULT_HEARTBEAT_TIMEOUT)
-    shutdown = shutdown_timeout or _env_int(ENV_SHUTDOWN_TIMEOUT, DEFAULT_SHUTDOWN_TIMEOUT)
+    init_timeout = initialization_timeout or _env_int(ENV_INIT_TIMEOUT, _DEFAULT_INIT_TIMEOUT)
+    heartbeat = heartbeat_timeout or _env_int(ENV_HEARTBEAT_TIMEOUT, _DEFAULT_HEARTBEAT_TIMEOUT)
+    shutdown = shutdown_timeout or _env_int(ENV_SHUTDOWN_TIMEOUT, _DEFAULT_SHUTDOWN_TIMEOUT)
     if backends_started():
         raise ClusterError(
             "JAX has already started (something ran a computation or listed devices), so this process can no "

@@ -14,18 +14,18 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import SingleDeviceSharding
 
-from ...core.contract import Batch, LossFn
 from ...core.mesh import outside_callers_mesh
 from ...core.precision import Precision
 from ...core.state import TrainState
 from ...core.step import keep_finite_choice
+from ...core.types import Batch, LossFn
 from .rows import gradient_rows
 
-JITTER = 0.25  # each gradient computation takes its worker's time x U(1 - JITTER, 1 + JITTER)
+_JITTER = 0.25  # each gradient computation takes its worker's time x U(1 - _JITTER, 1 + _JITTER)
 
 
 @dataclass(frozen=True)
-class Push:
+class _Push:
     """One gradient the shards applied: who computed it, on which version, and how stale it was."""
 
     worker: int
@@ -65,12 +65,12 @@ class AsyncWorkers:
     ...     push, dropped = workers.next_push()
     ...     workers.applied()
     ...     print(push)
-    Push(worker=2, version=0, delay=0)
-    Push(worker=1, version=0, delay=1)
-    Push(worker=0, version=0, delay=2)
-    Push(worker=2, version=1, delay=2)
-    Push(worker=1, version=2, delay=2)
-    Push(worker=0, version=3, delay=2)
+    _Push(worker=2, version=0, delay=0)
+    _Push(worker=1, version=0, delay=1)
+    _Push(worker=0, version=0, delay=2)
+    _Push(worker=2, version=1, delay=2)
+    _Push(worker=1, version=2, delay=2)
+    _Push(worker=0, version=3, delay=2)
     """
 
     def __init__(
@@ -85,13 +85,13 @@ class AsyncWorkers:
         self._pushing: int | None = None  # the worker whose push next_push returned last
 
     def _duration(self, worker: int) -> float:
-        return float(self.times[worker] * self.rng.uniform(1 - JITTER, 1 + JITTER))
+        return float(self.times[worker] * self.rng.uniform(1 - _JITTER, 1 + _JITTER))
 
     def _pull(self, worker: int) -> None:
         self.pulled[worker] = self.version
         self.finish[worker] += self._duration(worker)
 
-    def next_push(self) -> tuple[Push, list[int]]:
+    def next_push(self) -> tuple[_Push, list[int]]:
         """The next gradient to apply, and the workers that dropped theirs and pulled the current version first.
 
         Call :meth:`applied` after applying it.
@@ -102,7 +102,7 @@ class AsyncWorkers:
             delay = self.version - self.pulled[worker]
             if self.staleness is None or delay <= self.staleness:
                 self._pushing = worker
-                return Push(worker, self.pulled[worker], delay), repulled
+                return _Push(worker, self.pulled[worker], delay), repulled
             self.dropped += 1
             self._pull(worker)
             repulled.append(worker)
@@ -112,7 +112,7 @@ class AsyncWorkers:
         self.version += 1
         self._pull(self._pushing)
 
-    def schedule(self, pushes: int) -> list[Push]:
+    def schedule(self, pushes: int) -> list[_Push]:
         """The next ``pushes`` gradients applied, with nothing trained: the clocks alone.
 
         >>> [p.delay for p in AsyncWorkers(3, seed=0).schedule(6)]
@@ -131,7 +131,7 @@ class AsyncStep:
     ``state, metrics = step(state, batch)``; ``metrics`` are the mean of the round's
     pushes' metrics, each measured by its worker on the parameters it pulled, except a dynamic
     ``loss_scale``, which is the scale after the round's last push.
-    ``pushes`` lists every applied gradient so far (:class:`Push`), ``delays`` their delays.
+    ``pushes`` lists every applied gradient so far (:class:`_Push`), ``delays`` their delays.
 
     Args:
       loss_fn: the loss on the strategy's parameters (the shards' flat slices).
@@ -162,7 +162,7 @@ class AsyncStep:
         self.programs: list = []  # each worker's compiled gradient program, for the slices' shapes in `shapes`
         self.shapes: list | None = None
         self.copies: list = []  # each worker's pulled (params, model_state, loss_scale), on its device
-        self.pushes: list[Push] = []
+        self.pushes: list[_Push] = []
         self.start: int | None = None  # the state's step counter when this run began
         self.unchanged = 0  # pushes that changed nothing, their loss not finite (counted a round late)
         self.losses: list = []  # the last round's pushes' losses, where a push whose loss is not finite is kept

@@ -10,11 +10,11 @@ import jax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from ...core.axes import DATA
-from ...core.contract import Batch, LossFn, put_batch, tree_bytes
+from ...core.contract import put_batch, tree_bytes
 from ...core.mesh import make_mesh, outside_callers_mesh
 from ...core.reports import D2D, D2H, H2D, Flow, StepTraffic
 from ...core.state import TrainState
+from ...core.types import DATA, Batch, LossFn
 from ...measure.inspect import collectives, host_memory_bytes
 from ...measure.traffic import batch_flow, bus_bytes, per_replica_bytes, sizes
 from ..base import Strategy

@@ -10,11 +10,11 @@ import optax
 from jax.sharding import SingleDeviceSharding
 
 from ...core.accumulate import accumulated_placement, check_accumulate
-from ...core.contract import LossFn, PyTree
 from ...core.mesh import outside_callers_mesh
 from ...core.precision import Precision, check_precision
 from ...core.state import TrainState, create_state
 from ...core.step import Step, keep_finite_choice
+from ...core.types import LossFn, PyTree
 from ..base import refuse_explicit
 from .base import NOT_EXPLICIT, OffDeviceStrategy
 from .rows import (
@@ -28,7 +28,7 @@ from .rows import (
 )
 
 
-class CentralUpdate:
+class _CentralUpdate:
     """The push and the update of central storage: the rows to the storage device, one program there.
 
     ``update(state, rows) -> (state, metrics)``; :meth:`lowered` gives the update
@@ -123,7 +123,7 @@ class CentralStorage(OffDeviceStrategy):
         check_accumulate(accumulate)
         check_precision(precision)
         compute = replica_gradients(loss_fn, self.mesh, precision, accumulate)
-        step = PushPullStep(self.pull, compute, CentralUpdate(self.storage, precision))
+        step = PushPullStep(self.pull, compute, _CentralUpdate(self.storage, precision))
         return Step(step, accumulated_placement(self.place_batch, accumulate, self.num_replicas), self, precision)
 
     def __repr__(self) -> str:

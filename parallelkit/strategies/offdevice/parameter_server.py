@@ -11,14 +11,15 @@ import optax
 from jax.sharding import SingleDeviceSharding
 
 from ...core.accumulate import accumulated_placement, refuse_accumulation
-from ...core.contract import Batch, LossFn, PyTree
 from ...core.devices import warn_if_shared
 from ...core.mesh import outside_callers_mesh
 from ...core.precision import Precision, check_precision
 from ...core.reports import StepTraffic
 from ...core.state import TrainState, check_same_tree, prng_key
 from ...core.step import Step, keep_finite_choice
+from ...core.types import Batch, LossFn, PyTree
 from ..base import refuse_explicit
+from ..split_update import check_update_splits
 from .asynchronous import AsyncStep, AsyncWorkers, worker_time_array
 from .base import NOT_EXPLICIT, OffDeviceStrategy
 from .partition import Partition, Sharded, check_num_shards
@@ -31,11 +32,10 @@ from .rows import (
     push_rows,
     replica_gradients,
 )
-from .split_update import check_update_splits
 
-MODES = ("sync", "async")
+_MODES = ("sync", "async")
 
-ASYNC_ACCUMULATION = (
+_ASYNC_ACCUMULATION = (
     "In mode='async' every worker's gradient is applied alone as it arrives: there is no step-wide "
     "synchronisation for microbatches to share. Accumulate with mode='sync', or give the async run a "
     "smaller batch."
@@ -60,7 +60,7 @@ class ParameterServer(OffDeviceStrategy):
     An optimizer that needs more than one element at a time (``optax.clip_by_global_norm``,
     the per-parameter norms of LAMB and LARS, a weight-decay mask chosen by path) would
     see only its shard's slice, so :meth:`init` refuses it, in both modes, after a probe
-    (:func:`~parallelkit.strategies.offdevice.split_update.check_update_splits`).
+    (:func:`~parallelkit.strategies.split_update.check_update_splits`).
 
     A PRNG key and model state (BatchNorm statistics) live with shard 0 and work as
     in :class:`~parallelkit.CentralStorage`: each worker draws its own dropout masks,
@@ -106,8 +106,8 @@ class ParameterServer(OffDeviceStrategy):
         explicit: bool = False,
     ):
         refuse_explicit("ParameterServer", explicit, NOT_EXPLICIT)
-        if mode not in MODES:
-            raise ValueError(f"ParameterServer(mode={mode!r}): choose one of {MODES}.")
+        if mode not in _MODES:
+            raise ValueError(f"ParameterServer(mode={mode!r}): choose one of {_MODES}.")
         if staleness is not None and (isinstance(staleness, bool) or not isinstance(staleness, int) or staleness < 0):
             raise ValueError(f"staleness={staleness!r}: it counts updates, so use an integer >= 0 (or None: no bound).")
         if mode == "sync" and (staleness is not None or worker_times is not None):
@@ -185,7 +185,7 @@ class ParameterServer(OffDeviceStrategy):
 
         Raises:
           ValueError: an optimizer whose update of the slices differs from its update of the
-            whole tree (see :func:`~parallelkit.strategies.offdevice.split_update.check_update_splits`),
+            whole tree (see :func:`~parallelkit.strategies.split_update.check_update_splits`),
             or an ``opt_state`` that is not one state per shard.
         """
         part = self.partition(params)
@@ -229,7 +229,7 @@ class ParameterServer(OffDeviceStrategy):
         fraction of its pushes that were finite, and its ``loss_scale`` the scale after its last push.
         """
         if self.mode == "async":
-            refuse_accumulation(repr(self), accumulate, ASYNC_ACCUMULATION)
+            refuse_accumulation(repr(self), accumulate, _ASYNC_ACCUMULATION)
         check_precision(precision)
         push_update = ShardedUpdate(self.shard_storage, precision)
         if self.mode == "async":

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from ...core.contract import PyTree
+from ...core.types import PyTree
 
 
 def check_num_shards(num_shards: int) -> None:
@@ -20,7 +20,7 @@ def check_num_shards(num_shards: int) -> None:
 
 
 @dataclass(frozen=True)
-class Piece:
+class _Piece:
     """One contiguous run of one variable, held by one shard."""
 
     path: str  # the variable, as ``jax.tree_util.keystr`` writes it
@@ -89,7 +89,7 @@ class Partition:
         itemsize = np.dtype(self.dtype).itemsize
         return tuple((b - a) * itemsize for a, b in self.bounds)
 
-    def pieces(self, shard: int) -> list[Piece]:
+    def pieces(self, shard: int) -> list[_Piece]:
         """Which run of which variable ``shard`` holds."""
         lo, hi = self.bounds[shard]
         out, offset = [], 0
@@ -97,7 +97,7 @@ class Partition:
             size = int(np.prod(shape, dtype=np.int64))
             start, stop = max(lo, offset), min(hi, offset + size)
             if start < stop:
-                out.append(Piece(path, start - offset, stop - offset))
+                out.append(_Piece(path, start - offset, stop - offset))
             offset += size
         return out
 

@@ -12,14 +12,13 @@ from jax.sharding import Mesh, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 
 from ...core.accumulate import Accumulation, check_accumulate
-from ...core.axes import DATA
-from ...core.contract import Batch, LossFn, PyTree
 from ...core.mesh import outside_callers_mesh
 from ...core.precision import Precision, all_finite
 from ...core.state import TrainState
 from ...core.step import guarded_update, loss_and_grads
+from ...core.types import DATA, Batch, LossFn, PyTree
 
-HOST_MEMORY = "pinned_host"
+_HOST_MEMORY = "pinned_host"
 
 
 def host_sharding(device: jax.Device) -> SingleDeviceSharding:
@@ -30,8 +29,8 @@ def host_sharding(device: jax.Device) -> SingleDeviceSharding:
     simulated devices use. A backend without it falls back to the CPU device.
     """
     kinds = {m.kind for m in device.addressable_memories()}
-    if HOST_MEMORY in kinds:
-        return SingleDeviceSharding(device, memory_kind=HOST_MEMORY)
+    if _HOST_MEMORY in kinds:
+        return SingleDeviceSharding(device, memory_kind=_HOST_MEMORY)
     return SingleDeviceSharding(jax.local_devices(backend="cpu")[0])
 
 
@@ -145,7 +144,7 @@ def _replica_shards(x: jax.Array) -> list[jax.Array]:
     return [s.data for s in sorted(x.addressable_shards, key=lambda s: s.index[0].start or 0)]
 
 
-def join_rows(pushed: Sequence[ReplicaRows]) -> ReplicaRows:
+def _join_rows(pushed: Sequence[ReplicaRows]) -> ReplicaRows:
     """The pushed rows stacked again, one leading axis (inside the owner's program, where it costs no copy)."""
     rows = jax.tree.map(lambda *r: jnp.concatenate(r), *(p.replace(rng=None) for p in pushed))
     return rows.replace(rng=pushed[0].rng)
@@ -170,7 +169,7 @@ def apply_mean_gradients(
     (:func:`~parallelkit.core.step.keep_finite_choice`'s answer) the state comes back unchanged
     when the mean of the rows' ``loss`` metric is not finite.
     """
-    state, rows = jax.device_put(state, compute), join_rows(pushed)
+    state, rows = jax.device_put(state, compute), _join_rows(pushed)
     mean = functools.partial(jax.tree.map, mean_rows)
     finite = None if precision is None or precision.loss_scale is None else jnp.all(rows.finite)
 

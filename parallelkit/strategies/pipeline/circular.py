@@ -13,7 +13,7 @@ from jax import lax
 from jax.sharding import AxisType, Mesh
 from jax.sharding import PartitionSpec as P
 
-from ...core.mesh import is_count
+from ...core.types import is_count
 
 Block = Callable[[Any, jax.Array], jax.Array]
 

@@ -18,10 +18,10 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from ...core.axes import DATA
-from ...core.contract import Batch, PyTree, loss_with_aux
+from ...core.contract import loss_with_aux
 from ...core.precision import Precision, all_finite, cast_floating, select, unscale
 from ...core.step import unless_not_finite
+from ...core.types import DATA, Batch, PyTree
 
 Layer = Callable[[PyTree, Any], Any]
 HeadLoss = Callable[[Any, Batch], Any]  # -> loss, or (loss, aux dict)

@@ -11,10 +11,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
 
-from ...core.contract import Batch, LossInputError, PyTree
+from ...core.contract import LossInputError
 from ...core.precision import Precision, next_scale, select
 from ...core.state import TrainState
 from ...core.step import Step, keep_finite_choice
+from ...core.types import Batch, PyTree
 from ...measure.inspect import Collective, parse_collectives
 from ...measure.traffic import per_replica_bytes
 from . import schedules

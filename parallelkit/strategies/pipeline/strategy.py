@@ -14,16 +14,16 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from ...core.accumulate import refuse_accumulation
-from ...core.axes import DATA
-from ...core.contract import Batch, PyTree, batch_size, guard_inputs
+from ...core.contract import batch_size, guard_inputs
 from ...core.devices import DeviceCountError, first_devices
-from ...core.mesh import is_count, make_mesh, outside_callers_mesh
+from ...core.mesh import make_mesh, outside_callers_mesh
 from ...core.precision import Precision, check_precision
 from ...core.reports import StepTraffic
 from ...core.state import TrainState, check_same_tree
+from ...core.types import DATA, Batch, PyTree, is_count
 from ..base import Strategy, refuse_explicit
-from ..offdevice.split_update import check_update_splits
 from ..parallel import MESH_AXES, Parallel
+from ..split_update import check_update_splits
 from . import schedules
 from .stages import HeadLoss, Layer, split_layers
 from .step import PipelineStep
@@ -64,7 +64,7 @@ class Pipeline(Strategy):
       stage (SGD, momentum, Adam, AdamW; LAMB and LARS too, their norms being per parameter),
       but not for ``optax.clip_by_global_norm``, which would clip each stage by its own norm:
       :meth:`init` probes the optimizer and refuses it
-      (:func:`~parallelkit.strategies.offdevice.split_update.check_update_splits`);
+      (:func:`~parallelkit.strategies.split_update.check_update_splits`);
     - no dropout key and no mutable model state (BatchNorm statistics): a layer is
       ``apply(params, x) -> y``, so :meth:`init` refuses ``rng`` and ``model_state``, and
       :func:`~parallelkit.models.as_layers` gives the kit's transformer without dropout;

@@ -6,16 +6,16 @@ from collections import Counter
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from ...core.axes import SEQ
-from ...core.contract import Batch, tree_bytes
+from ...core.contract import tree_bytes
 from ...core.reports import D2D, H2D, Flow, StepTraffic
-from ...core.state import TrainState
+from ...core.types import SEQ, Batch
 from ...measure.inspect import Collective
 from ...measure.traffic import bus_bytes
 from .stages import HeadLoss
 from .step import PipelineStep
 
 if TYPE_CHECKING:
+    from ...core.state import TrainState
     from .strategy import Pipeline
 
 

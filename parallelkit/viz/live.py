@@ -1,7 +1,7 @@
 """Plain data behind the live views: what a run has recorded so far, and its summary.
 
-Nothing here imports ipywidgets or matplotlib: the widgets in this package are thin
-views over these dataclasses, and the tests check the data, not the pixels.
+Nothing here imports ipywidgets or matplotlib: the live views beside it in :mod:`parallelkit.viz`
+are thin views over these dataclasses, and the tests check the data, not the pixels.
 
 >>> log = LiveTimes(strategy="Mirrored(backend='jit', devices=8)", devices=8, batch_size=64)
 >>> for s in (1.5, 0.02, 0.04, 0.03):
@@ -116,7 +116,7 @@ def format_summary(s: TimingSummary) -> str:
 
 @dataclass(frozen=True)
 class RaceRow:
-    """One strategy of a :class:`~parallelkit.widgets.StrategyRace`, measured against the reference."""
+    """One strategy of a :class:`~parallelkit.viz.StrategyRace`, measured against the reference."""
 
     name: str
     devices: int
@@ -213,10 +213,15 @@ def format_race(standings: RaceStandings) -> str:
         cells = "".join(f"{number_or_dash(v, spec):>{width}}" for v, width, spec in numbers)
         lines.append(f"{r.name:<16}{r.devices:>9}{steps:>8}{cells}")
     if standings.simulated:
-        lines.append(f"simulated CPU devices, {device_summary().simulation}")
+        lines.append(simulated_note())
     if standings.interrupted:
         lines.append("INTERRUPTED: the race stopped early")
     return "\n".join(lines)
+
+
+def simulated_note() -> str:
+    """What the views add to numbers measured on simulated devices: ``simulated CPU devices, <how>``."""
+    return f"simulated CPU devices, {device_summary().simulation}"
 
 
 def svg_polyline(values: np.ndarray | list[float], unit: str = "ms", width: int = 360, height: int = 90) -> str:

@@ -1,19 +1,12 @@
 """Does an optimizer give the same update when a strategy runs it on pieces of the parameters?
 
-Some strategies never run the optimizer over all parameters at once:
-:class:`~parallelkit.ParameterServer` runs ``tx`` on each shard's flat slice, and
-:class:`~parallelkit.Pipeline` on each stage's layers. That equals one update of the
-whole tree only when each element's update depends on that element alone (SGD,
-momentum, Adam, AdamW), or at least on nothing outside its piece. It does not for
-``optax.clip_by_global_norm`` (each piece would be clipped by its own norm), for LAMB
-and LARS trust ratios when a piece cuts through a parameter (the norms are per
-parameter), nor for masks chosen by a parameter's path, which a flat slice lacks.
-
-:func:`check_update_splits` is a probe, not a proof: it runs ``tx.init`` and two
-``tx.update`` calls on the whole tree and on its pieces, with deterministic gradients
-first at a small scale and then at a very large one (so that any clipping threshold
-is crossed), and compares the updates. It runs on the host when the strategy builds its
-state (a passed probe is remembered for the same optimizer object, split and shapes).
+:func:`check_update_splits` is the probe :class:`~parallelkit.ParameterServer` (each shard's flat
+slice) and :class:`~parallelkit.Pipeline` (each stage's layers) run when they build their state:
+``tx.init`` and two ``tx.update`` calls on the whole tree and on its pieces, with deterministic
+gradients at a small and at a very large scale (so that any clipping threshold is crossed), the
+updates compared. It is a probe, not a proof; a passed probe is remembered for the same optimizer
+object, split and shapes. Which optimizers split and why (element-wise ones do;
+``clip_by_global_norm``, LAMB, LARS and masks by path do not) is taught in notebook 04.
 
 >>> import numpy as np, optax
 >>> params = {"a": np.ones(3, np.float32), "b": np.ones(2, np.float32)}
@@ -28,23 +21,23 @@ ValueError: A demo runs the optimizer on each of its 2 pieces separately, ...
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Sequence
-from typing import Any
 
 import jax
 import numpy as np
 import optax
 
-PyTree = Any
-SCALES = (1e-6, 1e6)  # probe gradients: small enough for no clip to act, then large enough for any to
+from ..core.types import PyTree
+
+_SCALES = (1e-6, 1e6)  # probe gradients: small enough for no clip to act, then large enough for any to
 RTOL = 1e-5  # float32: an element-wise optimizer gives the same update whole or in pieces, to rounding
 
 
-def probe_gradients(params: PyTree, scale: float) -> PyTree:
+def _probe_gradients(params: PyTree, scale: float) -> PyTree:
     """Deterministic gradients shaped like ``params``: ``scale x sin(0.7 i + 0.3)`` for the ``i``-th element overall.
 
     Computed in NumPy (float64, then each leaf's dtype); leaves that are not floating point get zeros.
 
-    >>> probe_gradients({"w": np.zeros(3)}, 2.0)["w"].round(3).tolist()
+    >>> _probe_gradients({"w": np.zeros(3)}, 2.0)["w"].round(3).tolist()
     [0.591, 1.683, 1.983]
     """
     leaves, treedef = jax.tree.flatten(params)
@@ -78,7 +71,7 @@ def check_update_splits(
     """Raise a ValueError if ``tx`` run on each piece of ``params`` differs from ``tx`` run on the whole.
 
     The probe (the module docstring's) is one small program, compiled and run on the host CPU, its
-    gradients :func:`probe_gradients` at each of :data:`SCALES`.
+    gradients :func:`_probe_gradients` at each of :data:`_SCALES`.
 
     Args:
       tx: the optimizer.
@@ -124,7 +117,7 @@ def check_update_splits(
     head = f"{strategy} {how}, "
     try:
         with jax.default_device(jax.local_devices(backend="cpu")[0]):
-            grads = [probe_gradients(params, scale) for scale in SCALES]
+            grads = [_probe_gradients(params, scale) for scale in _SCALES]
             updates = jax.device_get(jax.jit(probe)(params, grads))
     except _PieceFailed as failed:
         err = failed.__cause__
@@ -132,14 +125,14 @@ def check_update_splits(
             f"{head}and this optimizer fails on a piece ({type(err).__name__}: {err}), as a mask or setting "
             f"chosen by the parameter tree's paths does when it is given a piece instead. {what_to_do}"
         ) from err
-    for scale, (whole, joined) in zip(SCALES, updates, strict=True):
+    for scale, (whole, joined) in zip(_SCALES, updates, strict=True):
         mismatch = _first_mismatch(whole, joined)
         if mismatch is not None:
             path, diff, size = mismatch
             why = (
                 "Only large gradients set them apart, as a clip by the global norm does "
                 "(optax.clip_by_global_norm): each piece would be clipped by its own norm."
-                if scale == max(SCALES)
+                if scale == max(_SCALES)
                 else "They differ even for small gradients: the update combines elements that the pieces "
                 "separate, as a norm per parameter does when a piece cuts through a parameter (LAMB and LARS "
                 "trust ratios), or a mask or setting chosen by the parameter's path."

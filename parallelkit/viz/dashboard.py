@@ -17,9 +17,8 @@ import sys
 import time
 from typing import TextIO
 
-from ..core.devices import device_summary
 from ..run.training import Callback, History, RunInfo, StepRecord
-from .live import LiveTimes, TimingSummary, format_summary, number_or_dash, svg_polyline
+from .live import LiveTimes, TimingSummary, format_summary, number_or_dash, simulated_note, svg_polyline
 
 
 def in_notebook() -> bool:
@@ -88,7 +87,7 @@ class TimingDashboard(LiveView, Callback):
     steps it measures; elsewhere it prints a line of text now and then. An interrupted
     run (Kernel → Interrupt) keeps what was measured and says so.
 
-    The numbers come from :attr:`log`, a :class:`~parallelkit.widgets.live.LiveTimes`:
+    The numbers come from :attr:`log`, a :class:`~parallelkit.viz.live.LiveTimes`:
     at the end of a run ``dash.summary().median_seconds == history.times.median``.
 
     Args:
@@ -175,7 +174,7 @@ class _DashboardWidgets:
         self.title = title
 
     def update(self, s: TimingSummary, steady: list[float]) -> None:
-        simulated = f" (simulated, {device_summary().simulation})" if s.simulated else ""
+        simulated = f" ({simulated_note()})" if s.simulated else ""
         state = " · <b style='color:#c00'>interrupted</b>" if s.interrupted else (" · done" if s.finished else "")
         title = f"{self.title} · " if self.title else ""
         self.header.value = f"<b>{title}{s.strategy}</b> · {s.devices} device{'s' * (s.devices != 1)}{simulated}{state}"
