@@ -26,7 +26,7 @@ WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
 WIDGET_STATE = "application/vnd.jupyter.widget-state+json"
 ROOT = Path(__file__).resolve().parents[2]  # the checkout (pip install -e .)
 NOTEBOOKS = ROOT / "notebooks"
-DOCS = (  # the reference pages of docs/: the course's list, then the README's table of them, in its order
+_DOCS = (  # the reference pages of docs/: the course's list, then the README's table of them, in its order
     "course.md",
     "training.md",
     "strategies.md",
@@ -44,7 +44,7 @@ DOCS = (  # the reference pages of docs/: the course's list, then the README's t
     "architecture.md",
     "development.md",
 )
-REFERENCES = (ROOT / "README.md", *(ROOT / "docs" / name for name in DOCS))  # Markdown pages, after the notebooks'
+REFERENCES = (ROOT / "README.md", *(ROOT / "docs" / name for name in _DOCS))  # Markdown pages, after the notebooks'
 API = "api"  # the folder of the API reference pdoc writes beside the pages
 _SOLUTION = "solution"  # the tag of an exercise's solution cell, hidden until the learner opens it
 
@@ -252,7 +252,7 @@ def build(
 
     Returns:
       The pages written: the index, the notebooks' in order, the references' (the README, then
-      ``docs/``). The API reference goes to ``out_dir/api`` (:func:`api_reference`), linked from the index.
+      ``docs/``). The API reference goes to ``out_dir/api`` (:func:`_api_reference`), linked from the index.
     """
     paths = sorted(NOTEBOOKS.glob("*.ipynb")) if notebooks is None else list(notebooks)
     if not paths:
@@ -273,13 +273,13 @@ def build(
         text = reference.read_text(encoding="utf-8")
         nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_markdown_cell(text)])
         pages.append(_write_page(out_dir / f"{reference.stem}.html", nb))
-    api_reference(out_dir / API)
+    _api_reference(out_dir / API)
     index = out_dir / "index.html"
     index.write_text(_index_html(pages, arc_svg(lessons(paths), seconds)), encoding="utf-8")
     return [index, *(page for page, _ in pages)]
 
 
-def api_reference(out_dir: Path) -> Path:
+def _api_reference(out_dir: Path) -> Path:
     """Write the API reference of :mod:`parallelkit`, generated from its docstrings by pdoc, to ``out_dir``.
 
     Returns:

@@ -61,7 +61,7 @@ EXPERT_RULES = ((r"(^|/)(w_in|w_out|b_in|b_out)$", (EXPERT,)), (".*", ()))
 MESH_AXES = {"tensor": MODEL, "context": SEQ, "expert": EXPERT}
 
 # The context axis's collectives by attention's method (a zig-zag ring sends as the ring does).
-CONTEXT_COLLECTIVES = {
+_CONTEXT_COLLECTIVES = {
     "ring": {"collective-permute": "context: keys round the ring"},
     "allgather": {"all-gather": "context: keys gathered", "reduce-scatter": "context: keys' gradients"},
     "ulysses": {"all-to-all": "context: heads for tokens"},
@@ -336,7 +336,7 @@ class Parallel(SPMD):
             split = {"all-gather": "sequence parallel: gather", "reduce-scatter": "sequence parallel: scatter"}
             roles[(MODEL,)] = split if self.sequence_parallel else {"all-reduce": "tensor: activations"}
         if self.size(SEQ) > 1:
-            roles[(SEQ,)] = CONTEXT_COLLECTIVES[self.context_method.removesuffix("_zigzag")]
+            roles[(SEQ,)] = _CONTEXT_COLLECTIVES[self.context_method.removesuffix("_zigzag")]
         if self.size(EXPERT) > 1:
             roles[(EXPERT,)] = {"all-to-all": "experts: tokens"}
         reduce = (
