@@ -153,10 +153,12 @@ def pipeline_layout(tensor: int, stages: int, gpus: int, batch: int, micro: int,
 
 
 def predicted(model: Transformer, layout: Layout, cluster: Cluster, batch: int) -> dict:
-    """The planner's step, MFU and memory for a published layout, and its own first choice for the same run."""
-    time_ = step_time(model, layout, cluster, batch)
+    """The planner's step, MFU and memory for a published layout, and its own first choice for the same run, with
+    the attention these runs ran: Megatron-LM's of 2021-2022, before FlashAttention (its scores written to memory,
+    a fused scale-mask-softmax and a dropout over them: ``attention="unfused"``)."""
+    time_ = step_time(model, layout, cluster, batch, attention="unfused")
     memory = pk.planner.memory_per_device(model, layout, batch)
-    answer = plan(model, cluster, global_batch_tokens=batch * model.seq)
+    answer = plan(model, cluster, global_batch_tokens=batch * model.seq, attention="unfused")
     return {
         "step_s": time_.total, "mfu": model.flops_per_token() * batch * model.seq / (time_.total * cluster.devices
                                                                                      * cluster.bf16_flops),

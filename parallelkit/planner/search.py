@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import functools
 import heapq
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass, replace
 
 from ..measure.roofline import flops_utilisation
@@ -28,7 +28,7 @@ from .cluster import Cluster
 from .layout import Layout, check, memory_per_device
 from .memory import CONTEXT_METHODS, ELEMENT_BYTES, SCHEDULES, Memory
 from .model import Transformer
-from .steptime import StepTime, bubble_share, gradient_seconds, step_time
+from .steptime import StepTime, bubble_share, communication_seconds, gradient_seconds, hidden_families, step_time
 
 TOP = (
     10  # the first rows of the ranking plan() finds exactly (Plan.table's): layouts that could not reach them are left
@@ -154,34 +154,39 @@ def ceilings(model: Transformer, group: Sequence[Layout], cluster: Cluster, batc
     Its step time is at least the one this adds up, so its MFU is at most this, whatever :func:`weigh` then
     chooses (recomputation, accumulation). Each part is one that no such variant goes below:
 
-    - compute without recomputation, at the layout's microbatches (recomputation only adds FLOPs; more
-      microbatches make each matrix product smaller, which never raises its efficiency);
+    - compute without recomputation, at the layout's microbatches, with sequence parallelism and the group's
+      highest ZeRO stage (recomputation only adds work; more microbatches make each kernel smaller, which never
+      raises its share of the peak; sequence parallelism and ZeRO only split work);
     - the layout's pipeline bubble share of that compute (:func:`.steptime.bubble_share`) at its most
       microbatches (:func:`pipeline_counts`);
     - the tensor, context (the layout's method) and expert collectives at the layout's microbatches (its
       fewest: one without a pipeline): ``m`` collectives of ``1/m`` the bytes each take longer as ``m`` grows
       (each round is a latency plus bytes over a bandwidth, :meth:`~parallelkit.measure.costmodel.Link.seconds`);
       the pipeline's sends at least 0;
-    - without overlap, the gradients' collectives of the layout's ZeRO stage at its fewest microbatches; with
-      ``overlap="full"`` at least 0.
+    - the gradients' collectives of the layout's ZeRO stage at its fewest microbatches, unless they may hide
+      (then at least 0); so the tensor, context and expert collectives that may (``overlap``).
     """
-    precision, overlap = options["precision"], options["overlap"]
+    precision, hides = options["precision"], hidden_families(options["overlap"])
+    kernel = options.get("attention", "flash")
     first = replace(group[0], zero=0, sequence_parallel=False, schedule="1f1b", virtual=1, recompute="none")
+    # the least compute: sequence parallelism splits the norms' work, ZeRO the optimizer's
+    least = {"sequence_parallel": first.tensor > 1, "zero": max(layout.zero for layout in group)}
     timed, gradients = {}, {}
     for method, m in {(layout.context_method, layout.microbatches) for layout in group}:
         like = replace(first, context_method=method, microbatches=m)
-        timed[method, m] = step_time(model, like, cluster, batch, precision=precision,
-                                     efficiency=options["efficiency"], overlap="none")  # fmt: skip
+        timing = {"precision": precision, "efficiency": options["efficiency"], "attention": kernel}
+        compute = step_time(model, replace(like, **least), cluster, batch, **timing).compute
+        micro = batch // (like.replicas * m)
+        timed[method, m] = compute, communication_seconds(model, like, cluster, micro, ELEMENT_BYTES[precision])
     used = batch // first.replicas * first.replicas
     per_device = model.flops_per_token() * used * model.seq / cluster.devices
     found = []
     for layout in group:
-        t = timed[layout.context_method, layout.microbatches]
-        parts = t.communication
+        compute, parts = timed[layout.context_method, layout.microbatches]
         most = pipeline_counts(layout.stages, layout.virtual, batch // layout.replicas)[-1] if layout.stages > 1 else 1
-        seconds = t.compute * (1 + bubble_share(layout) * layout.microbatches / most)
-        seconds += sum(parts.get(k, 0.0) for k in ("tensor", "context", "experts"))
-        if overlap == "none" and "gradients" in parts:
+        seconds = compute * (1 + bubble_share(layout) * layout.microbatches / most)
+        seconds += sum(parts.get(k, 0.0) for k in ("tensor", "context", "experts") if k not in hides)
+        if "gradients" not in hides and "gradients" in parts:
             key = (layout.zero, layout.microbatches)
             if key not in gradients:
                 like = replace(first, zero=layout.zero, microbatches=layout.microbatches)
@@ -230,7 +235,7 @@ def _mesh(layout: Layout) -> tuple[int, ...]:
 
 def assess(
     model: Transformer, layout: Layout, cluster: Cluster, batch: int, *, precision: str, optimizer: str,
-    efficiency: float, overlap: str, reserve: float,
+    efficiency: float, overlap: str | Collection[str], reserve: float, attention: str = "flash",
 ) -> Candidate:  # fmt: skip
     """``layout`` exactly as given: its memory, and its step time and MFU when it fits in the memory kept free."""
     used = batch // layout.replicas * layout.replicas
@@ -240,7 +245,9 @@ def assess(
     budget = (1 - reserve) * cluster.memory_bytes
     if memory.total > budget:
         return Candidate(layout, used, memory, rejected=too_large(memory, budget))
-    time = step_time(model, layout, cluster, used, precision=precision, efficiency=efficiency, overlap=overlap)
+    time = step_time(
+        model, layout, cluster, used, precision=precision, efficiency=efficiency, overlap=overlap, attention=attention
+    )
     per_device = model.flops_per_token() * used * model.seq / cluster.devices
     return Candidate(
         layout, used, memory, time, flops_utilisation(per_device, time.total, cluster.peak_flops(precision))
@@ -284,6 +291,7 @@ def weigh(model: Transformer, layout: Layout, cluster: Cluster, batch: int, **op
         return fewest_that_fit(counts[counts.index(least) :], functools.partial(trial, variant=variant))
 
     timing = {name: options[name] for name in ("precision", "efficiency", "overlap")}
+    timing["attention"] = options.get("attention", "flash")
 
     def fastest(found: Candidate) -> Candidate:
         """A pipeline's fastest count from the fewest that fits up: its bubble shrinks as its sends grow."""
