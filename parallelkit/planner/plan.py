@@ -7,7 +7,7 @@
 >>> print(answer.table(1))  # doctest: +NORMALIZE_WHITESPACE
   #  layout                                                            GB/dev   step s    MFU  binds
   1  data 2 x stages 4, ZeRO-1, interleaved v=8 m=64, remat selective    68.2   12.607  64.2%  compute
-(574 layouts fit, 39 do not: plan.rejected; 64 could not reach the first 10, not weighed)
+(469 layouts fit, 2 do not: plan.rejected; 206 could not reach the first 10, not weighed)
 """
 
 from __future__ import annotations

@@ -28,7 +28,15 @@ from .cluster import Cluster
 from .layout import Layout, check, memory_per_device
 from .memory import CONTEXT_METHODS, ELEMENT_BYTES, SCHEDULES, Memory
 from .model import Transformer
-from .steptime import StepTime, bubble_share, communication_seconds, gradient_seconds, hidden_families, step_time
+from .steptime import (
+    StepTime,
+    bubble_share,
+    communication_seconds,
+    compute_seconds,
+    gradient_seconds,
+    hidden_families,
+    step_time,
+)
 
 TOP = (
     10  # the first rows of the ranking plan() finds exactly (Plan.table's): layouts that could not reach them are left
@@ -148,15 +156,19 @@ def pipeline_counts(stages: int, virtual: int, per_replica: int) -> tuple[int, .
     return tuple(m for m in divisors(per_replica) if m >= stages and (virtual == 1 or m % stages == 0))
 
 
-def ceilings(model: Transformer, group: Sequence[Layout], cluster: Cluster, batch: int, **options) -> list[float]:
-    """The highest MFU each layout of ``group`` (the layouts of one mesh: :func:`mesh_layouts`) could reach.
+def ceilings(
+    model: Transformer, group: Sequence[Layout], cluster: Cluster, batch: int, **options
+) -> list[tuple[float, float]]:
+    """The highest MFU each layout of ``group`` (the layouts of one mesh: :func:`mesh_layouts`) could reach, and
+    the highest it could reach with full recomputation.
 
     Its step time is at least the one this adds up, so its MFU is at most this, whatever :func:`weigh` then
     chooses (recomputation, accumulation). Each part is one that no such variant goes below:
 
     - compute without recomputation, at the layout's microbatches, with sequence parallelism and the group's
       highest ZeRO stage (recomputation only adds work; more microbatches make each kernel smaller, which never
-      raises its share of the peak; sequence parallelism and ZeRO only split work);
+      raises its share of the peak; sequence parallelism and ZeRO only split work); the second figure of each
+      pair with full recomputation instead, the ceiling where only it fits (:func:`only_full_fits`);
     - the layout's pipeline bubble share of that compute (:func:`.steptime.bubble_share`) at its most
       microbatches (:func:`pipeline_counts`);
     - the tensor, context (the layout's method) and expert collectives at the layout's microbatches (its
@@ -171,29 +183,48 @@ def ceilings(model: Transformer, group: Sequence[Layout], cluster: Cluster, batc
     first = replace(group[0], zero=0, sequence_parallel=False, schedule="1f1b", virtual=1, recompute="none")
     # the least compute: sequence parallelism splits the norms' work, ZeRO the optimizer's
     least = {"sequence_parallel": first.tensor > 1, "zero": max(layout.zero for layout in group)}
-    timed, gradients = {}, {}
+    timed, gradients, full = {}, {}, {}
     for method, m in {(layout.context_method, layout.microbatches) for layout in group}:
         like = replace(first, context_method=method, microbatches=m)
-        timing = {"precision": precision, "efficiency": options["efficiency"], "attention": kernel}
-        compute = step_time(model, replace(like, **least), cluster, batch, **timing).compute
+        compute = compute_seconds(model, replace(like, **least), cluster, batch, precision, options["efficiency"],
+                                  kernel)[0]  # fmt: skip
         micro = batch // (like.replicas * m)
         timed[method, m] = compute, communication_seconds(model, like, cluster, micro, ELEMENT_BYTES[precision])
     used = batch // first.replicas * first.replicas
     per_device = model.flops_per_token() * used * model.seq / cluster.devices
     found = []
     for layout in group:
-        compute, parts = timed[layout.context_method, layout.microbatches]
+        at = (layout.context_method, layout.microbatches)
+        compute, parts = timed[at]
+        if at not in full:
+            like = replace(first, context_method=at[0], microbatches=at[1], recompute="full", **least)
+            full[at] = compute_seconds(model, like, cluster, batch, precision, options["efficiency"], kernel)[0]
         most = pipeline_counts(layout.stages, layout.virtual, batch // layout.replicas)[-1] if layout.stages > 1 else 1
-        seconds = compute * (1 + bubble_share(layout) * layout.microbatches / most)
-        seconds += sum(parts.get(k, 0.0) for k in ("tensor", "context", "experts") if k not in hides)
+        stretch = 1 + bubble_share(layout) * layout.microbatches / most
+        seconds = sum(parts.get(k, 0.0) for k in ("tensor", "context", "experts") if k not in hides)
         if "gradients" not in hides and "gradients" in parts:
             key = (layout.zero, layout.microbatches)
             if key not in gradients:
                 like = replace(first, zero=layout.zero, microbatches=layout.microbatches)
                 gradients[key] = gradient_seconds(model, like, cluster, ELEMENT_BYTES[precision])
             seconds += gradients[key]
-        found.append(flops_utilisation(per_device, seconds, cluster.peak_flops(precision)))
+        peak = cluster.peak_flops(precision)
+        found.append((flops_utilisation(per_device, seconds + compute * stretch, peak),
+                      flops_utilisation(per_device, seconds + full[at] * stretch, peak)))  # fmt: skip
     return found
+
+
+def only_full_fits(model: Transformer, layout: Layout, cluster: Cluster, batch: int, **options) -> bool:
+    """Whether ``layout`` fits only with full recomputation: selective does not fit even at its most microbatches
+    (recomputing nothing needs more memory still)."""
+    per_replica = batch // layout.replicas
+    most = pipeline_counts(layout.stages, layout.virtual, per_replica)[-1] if layout.stages > 1 else per_replica
+    selective = replace(layout, recompute="selective", microbatches=most)
+    used = batch // layout.replicas * layout.replicas
+    if check(model, selective, used) is not None:
+        return False
+    memory = memory_per_device(model, selective, used, precision=options["precision"], optimizer=options["optimizer"])
+    return memory.total > (1 - options["reserve"]) * cluster.memory_bytes
 
 
 def search(
@@ -205,7 +236,8 @@ def search(
     The layouts are weighed from the highest :func:`ceilings` down; once ``top`` layouts the kit can build
     (:func:`.build.unsupported`) fit and the next layout's ceiling is below the ``top``-th best MFU found
     among them, it and every one after it is left: none could reach the first ``top`` (a tie could: ties are
-    weighed). The first ``top`` of the ranking are then exactly those of the search that weighs everything.
+    weighed); a layout that fits only with full recomputation is left when its ceiling with it is below. The
+    first ``top`` of the ranking are then exactly those of the search that weighs everything.
     """
     found = [layout for mesh in meshes(model, cluster.devices) for layout in mesh_layouts(model, mesh, batch)]
     order = range(len(found))
@@ -217,12 +249,15 @@ def search(
                 end += 1
             bounds += ceilings(model, found[start:end], cluster, batch, **options)
             start = end
-        order = sorted(order, key=lambda i: -bounds[i])
+        order = sorted(order, key=lambda i: -bounds[i][0])
     weighed: dict[int, Candidate] = {}
     best: list[float] = []  # a heap of the top MFUs found so far, the lowest first
     for i in order:
-        if top is not None and len(best) == top and bounds[i] < best[0] * (1 - 1e-9):  # rounding aside
-            break
+        if top is not None and len(best) == top:
+            if bounds[i][0] < best[0] * (1 - 1e-9):  # rounding aside
+                break
+            if bounds[i][1] < best[0] * (1 - 1e-9) and only_full_fits(model, found[i], cluster, batch, **options):
+                continue
         weighed[i] = verdict = weigh(model, found[i], cluster, batch, **options)
         if verdict.fits and top is not None and unsupported(verdict.layout) is None:  # the kit's ranking's top
             (heapq.heappush if len(best) < top else heapq.heappushpop)(best, verdict.mfu)

@@ -265,7 +265,22 @@ def step_time(
                          f"{ATTENTION}.")  # fmt: skip
     if layout.devices != cluster.devices:
         raise ValueError(f"{layout.name} uses {layout.devices} devices; the cluster has {cluster.devices}.")
-    peak = cluster.peak_flops(precision)  # a precision the planner knows, and a chip that has its peak, or an error
+    cluster.peak_flops(precision)  # a precision the planner knows, and a chip that has its peak, or a clear error
+    compute, passes, efficiency = compute_seconds(model, layout, cluster, batch, precision, efficiency, attention)
+    bubble = compute * bubble_share(layout, passes)
+    micro = batch // (layout.replicas * layout.microbatches)
+    comm = communication_seconds(model, layout, cluster, micro, ELEMENT_BYTES[precision])
+    exposed = exposed_seconds(comm, hides, layout, math.ceil(model.layers / layout.stages), passes, compute)
+    return StepTime(compute, bubble, comm, exposed, efficiency)
+
+
+def compute_seconds(
+    model: Transformer, layout: Layout, cluster: Cluster, batch: int, precision: str, efficiency: float | None,
+    attention: str,
+) -> tuple[float, Passes, float]:  # fmt: skip
+    """One device's compute seconds in a step (:func:`step_time`'s), one layer's :class:`Passes` for a microbatch,
+    and the share of the peak the compute ran at."""
+    peak = cluster.peak_flops(precision)
     m, stages = layout.microbatches, layout.stages
     micro = batch // (layout.replicas * m)
     layers = math.ceil(model.layers / stages)
@@ -273,18 +288,17 @@ def step_time(
     attention_flops = per_token - 6 * model.active_params
     extra = {"none": 0.0, "selective": attention_flops / 3, "full": per_token / 3}[layout.recompute]
     flops = (per_token + extra) * batch * model.seq / layout.devices  # one device's
-    if efficiency is None:
-        passes = layer_passes(model, layout, cluster, micro, precision, attention)
-        compute = layers * m * passes.total + m * head_seconds(model, layout, cluster, micro, precision) / stages
-        compute += optimizer_seconds(model, layout, cluster, precision)
-        efficiency = flops / (compute * peak)
-    else:
+    if efficiency is not None:
         compute = flops / (efficiency * peak)
-        passes = even_passes(compute / (layers * m), extra / per_token * 3, attention_flops / per_token)
-    bubble = compute * bubble_share(layout, passes)
-    comm = communication_seconds(model, layout, cluster, micro, ELEMENT_BYTES[precision])
-    exposed = exposed_seconds(comm, hides, layout, layers, passes, compute)
-    return StepTime(compute, bubble, comm, exposed, efficiency)
+        return (
+            compute,
+            even_passes(compute / (layers * m), extra / per_token * 3, attention_flops / per_token),
+            efficiency,
+        )
+    passes = layer_passes(model, layout, cluster, micro, precision, attention)
+    compute = layers * m * passes.total + m * head_seconds(model, layout, cluster, micro, precision) / stages
+    compute += optimizer_seconds(model, layout, cluster, precision)
+    return compute, passes, flops / (compute * peak)
 
 
 def even_passes(seconds: float, recomputed: float, attention: float) -> Passes:
@@ -315,7 +329,7 @@ def communication_seconds(model: Transformer, layout: Layout, cluster: Cluster, 
     refwd = layout.recompute == "full"
 
     def along(axis: str, nbytes: float, collective: str) -> float:
-        return axis_seconds(cluster, getattr(layout, axis), apart[axis], nbytes, collective)
+        return _axis_seconds(cluster, getattr(layout, axis), apart[axis], nbytes, collective)
 
     comm: dict[str, float] = {}
     if layout.tensor > 1:
@@ -339,6 +353,11 @@ def communication_seconds(model: Transformer, layout: Layout, cluster: Cluster, 
     if grads := gradient_seconds(model, layout, cluster, e):
         comm["gradients"] = grads
     return comm
+
+
+@functools.lru_cache(maxsize=65536)  # layouts of one mesh repeat their collectives
+def _axis_seconds(cluster: Cluster, size: int, stride: int, nbytes: float, collective: str) -> float:
+    return axis_seconds(cluster, size, stride, nbytes, collective)
 
 
 def exposed_seconds(
@@ -536,7 +555,7 @@ def gradient_seconds(model: Transformer, layout: Layout, cluster: Cluster, eleme
     m, total = layout.microbatches, 0.0
     for params, size, stride in held:
         nbytes = params * element_bytes
-        reduce = axis_seconds(cluster, size, stride, nbytes, "all-reduce")
-        half = axis_seconds(cluster, size, stride, nbytes, "all-gather")
+        reduce = _axis_seconds(cluster, size, stride, nbytes, "all-reduce")
+        half = _axis_seconds(cluster, size, stride, nbytes, "all-gather")
         total += {0: reduce, 1: reduce, 2: m * half + half, 3: 3 * m * half}[layout.zero]
     return total
