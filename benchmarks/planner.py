@@ -164,8 +164,24 @@ def predicted(model: Transformer, layout: Layout, cluster: Cluster, batch: int) 
                                                                                      * cluster.bf16_flops),
         "efficiency": time_.efficiency, "binds": time_.binding, "memory_bytes": memory.total,
         "fits": answer.assess(layout).fits,
-        "first_choice": {"layout": answer.best.name, "mfu": answer.ranked[0].mfu},
+        "first_choice": {"layout": answer.best.name, "mfu": answer.ranked[0].mfu,
+                         "not_a_run_kind": not_a_run_kind(answer.best, model, cluster)},
+        "first_of_a_run_kind": next(({"layout": c.layout.name, "mfu": c.mfu} for c in answer.ranked
+                                     if not_a_run_kind(c.layout, model, cluster) is None), None),
     }  # fmt: skip
+
+
+def not_a_run_kind(layout: Layout, model: Transformer, cluster: Cluster) -> str | None:
+    """Why ``layout`` is not of a kind the published runs of 2k to 8k tokens use, or None when it is: they split a
+    sequence over no context axis (Llama 3 adds one at 128k tokens), schedule no zero-bubble pipeline, and keep
+    each tensor group inside a machine."""
+    if layout.context > 1:
+        return f"a context axis at {model.seq} tokens"
+    if layout.schedule == "zb-h1":
+        return "ZB-H1, which no published run of the table schedules"
+    if layout.tensor > cluster.devices_per_machine:
+        return "a tensor group across machines"
+    return None
 
 
 def validation() -> dict:
@@ -220,10 +236,17 @@ def validation() -> dict:
     summary = {"mean_abs_mfu_error": float(np.mean(mfu_errors)), "within_10pct": sum(e <= 0.1 for e in mfu_errors),
                "runs": len(rows), "mean_abs_step_error": float(np.mean(step_errors)),
                "step_within_5pct": sum(e <= 0.05 for e in step_errors), "steps": len(step_errors),
-               "published_layouts_rejected": [r["run"] for r in rows if not r["fits"]]}  # fmt: skip
+               "published_layouts_rejected": [r["run"] for r in rows if not r["fits"]],
+               "first_choices_of_a_run_kind": sum(not r["first_choice"]["not_a_run_kind"] for r in rows)}  # fmt: skip
     print(f"MFU: mean absolute relative error {summary['mean_abs_mfu_error']:.1%} ({summary['within_10pct']} of "
           f"{len(rows)} within 10 %); Korthikanti step times: mean {summary['mean_abs_step_error']:.1%} "
-          f"({summary['step_within_5pct']} of {len(step_errors)} within 5 %)")  # fmt: skip
+          f"({summary['step_within_5pct']} of {len(step_errors)} within 5 %); first choices of a kind the runs use: "
+          f"{summary['first_choices_of_a_run_kind']} of {len(rows)}")  # fmt: skip
+    for r in rows:
+        if why := r["first_choice"]["not_a_run_kind"]:
+            other = r["first_of_a_run_kind"]
+            print(f"  {r['run']}: first choice has {why}; the first of a kind the runs use: {other['layout']} "
+                  f"({other['mfu']:.1%})")  # fmt: skip
     return {"rows": rows, "summary": summary}
 
 
