@@ -37,8 +37,8 @@ class Cluster(costmodel.Cluster):
       bf16_flops, fp32_flops: one device's matrix-product FLOP/s with 16-bit and 32-bit inputs.
       memory_bytes: one device's memory.
       chip: what the devices are, for tables (a key of ``hardware.PUBLISHED`` picks its achievable matmul share,
-        :data:`.steptime.ACHIEVABLE`).
-      hbm_bytes_per_s: one device's memory bandwidth, for the matrix products' roofline; None: FLOPs alone.
+        :data:`.steptime.ACHIEVABLE`, and marks its links as a datasheet's: :func:`.steptime.achieved`).
+      hbm_bytes_per_s: one device's memory bandwidth, for each operation's bytes; None: FLOPs alone.
       fp8_flops: one device's dense FP8 matrix-product FLOP/s; None for a chip without FP8, which refuses
         ``precision="fp8"``.
 
