@@ -290,11 +290,8 @@ def compute_seconds(
     flops = (per_token + extra) * batch * model.seq / layout.devices  # one device's
     if efficiency is not None:
         compute = flops / (efficiency * peak)
-        return (
-            compute,
-            even_passes(compute / (layers * m), extra / per_token * 3, attention_flops / per_token),
-            efficiency,
-        )
+        passes = even_passes(compute / (layers * m), extra / per_token * 3, attention_flops / per_token)
+        return compute, passes, efficiency
     passes = layer_passes(model, layout, cluster, micro, precision, attention)
     compute = layers * m * passes.total + m * head_seconds(model, layout, cluster, micro, precision) / stages
     compute += optimizer_seconds(model, layout, cluster, precision)
