@@ -26,10 +26,12 @@
 4. **Published runs the planner must reproduce** (:func:`validation`): Megatron-LM's Table 1
    (Narayanan et al., SC21: ten GPT models from 1.7B to 1T on up to 3,072 A100s, with the
    layouts of its ``examples/sc21`` scripts) and Korthikanti et al.'s Table 5 (2022: four models'
-   measured step times with full and with selective recomputation). Each row: the published
-   layout, its MFU in the planner's FLOP count (Table 1 counts the recomputed pass too, so its
-   teraFLOP/s are converted), the planner's MFU, memory and step time for that layout, and the
-   planner's own first choice for the same model, GPUs and batch.
+   measured step times with full and with selective recomputation), timed with the attention those
+   runs had (``attention="unfused"``). Each row: the published layout, its MFU in the planner's FLOP
+   count (Table 1 counts the recomputed pass too, so its teraFLOP/s are converted), the planner's MFU,
+   memory and step time for that layout, the planner's own first choice for the same model, GPUs and
+   batch, whether that choice is of a kind the runs use (:func:`not_a_run_kind`), and the first
+   ranked layout that is.
 5. **Speed.** Seconds to plan Llama 3 70B (median of 3) on 1,024 H100s (128 machines of 8), with
    16 Mi tokens a step and with 10^15, and on 100,000 H100s with 64 Mi tokens.
 
