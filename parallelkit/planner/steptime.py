@@ -477,20 +477,22 @@ def _passes(
         core = flops / (matmul_share(flops, cluster) * cluster.peak_flops(exact)) + memory_seconds(moved, cluster)
         core_back, core_vector = FLASH_BACKWARD * core, (0.0, 0.0)
     else:  # queries x keys writes the scores, scores x values reads them; softmax and dropout in between
-        core = matmul_seconds(queries, d, keys, cluster, exact, pairs) + matmul_seconds(
-            queries, keys, d, cluster, exact, pairs
-        )
-        core_back = 2 * core
-        mask = 1 if model.dropout else 0
-        core_vector = (memory_seconds(2 * e * scores, cluster) + (memory_seconds((2 * e + 1) * scores, cluster)
-                                                                  if mask else 0.0),
-                       memory_seconds(3 * e * scores, cluster) + (memory_seconds((2 * e + 1) * scores, cluster)
-                                                                  if mask else 0.0))  # fmt: skip
+        core = sum(matmul_seconds(*shape, cluster, exact, pairs) for shape in ((queries, d, keys), (queries, keys, d)))
+        core_back, core_vector = 2 * core, score_passes(scores, e, model.dropout, cluster)
     forward_vector, backward_vector = elementwise(model, cluster, tokens / (t if sp else 1), mlp_tokens * f / t, e)
     forward = products + core + core_vector[0] + forward_vector
     again = {"none": 0.0, "selective": core + core_vector[0], "full": forward}[recompute]
     backward = products + core_back + core_vector[1] + backward_vector + again
     return Passes(forward, backward, products, products=3 * products, core=core + core_back)
+
+
+def score_passes(scores: float, e: int, dropout: bool, cluster: Cluster) -> tuple[float, float]:
+    """The forward and the backward seconds of an unfused attention's passes over its ``scores`` (elements of
+    ``e`` bytes): the softmax reads and writes them, and its backward reads 2 arrays and writes 1; a dropout (where
+    the model has one) reads them and writes them and a 1-byte mask, and its backward reads the gradient and the
+    mask and writes one."""
+    drop = memory_seconds((2 * e + 1) * scores, cluster) if dropout else 0.0
+    return memory_seconds(2 * e * scores, cluster) + drop, memory_seconds(3 * e * scores, cluster) + drop
 
 
 def elementwise(model: Transformer, cluster: Cluster, outer: float, inner: float, e: int) -> tuple[float, float]:
