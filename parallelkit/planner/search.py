@@ -270,9 +270,10 @@ def _mesh(layout: Layout) -> tuple[int, ...]:
 
 def assess(
     model: Transformer, layout: Layout, cluster: Cluster, batch: int, *, precision: str, optimizer: str,
-    efficiency: float, overlap: str | Collection[str], reserve: float, attention: str = "flash",
+    efficiency: float, overlap: str | Collection[str], reserve: float, attention: str = "flash", timed: bool = True,
 ) -> Candidate:  # fmt: skip
-    """``layout`` exactly as given: its memory, and its step time and MFU when it fits in the memory kept free."""
+    """``layout`` exactly as given: its memory, and its step time and MFU when it fits in the memory kept free
+    (``timed=False``: whether it fits alone, no time)."""
     used = batch // layout.replicas * layout.replicas
     if reason := check(model, layout, used):
         return Candidate(layout, used, Memory(0, 0, 0, 0), rejected=reason)
@@ -280,6 +281,8 @@ def assess(
     budget = (1 - reserve) * cluster.memory_bytes
     if memory.total > budget:
         return Candidate(layout, used, memory, rejected=too_large(memory, budget))
+    if not timed:
+        return Candidate(layout, used, memory)
     time = step_time(
         model, layout, cluster, used, precision=precision, efficiency=efficiency, overlap=overlap, attention=attention
     )
@@ -316,14 +319,16 @@ def weigh(model: Transformer, layout: Layout, cluster: Cluster, batch: int, **op
             m for m in pipeline_counts(layout.stages, layout.virtual, per_replica) if m >= layout.microbatches
         )
 
-    def trial(microbatches: int, variant: Layout) -> Candidate:
+    def trial(microbatches: int, variant: Layout, timed: bool = True) -> Candidate:
         if microbatches != variant.microbatches:
             variant = replace(variant, microbatches=microbatches)
-        return assess(model, variant, cluster, batch, **options)
+        return assess(model, variant, cluster, batch, **options, timed=timed)
 
     def fewest(recompute: str, least: int = counts[0]) -> Candidate:
+        """The fewest steps that fit, found by memory alone, then timed."""
         variant = layout if recompute == layout.recompute else replace(layout, recompute=recompute)
-        return fewest_that_fit(counts[counts.index(least) :], functools.partial(trial, variant=variant))
+        found = fewest_that_fit(counts[counts.index(least) :], functools.partial(trial, variant=variant, timed=False))
+        return trial(found.layout.microbatches, found.layout) if found.fits else found
 
     timing = {name: options[name] for name in ("precision", "efficiency", "overlap")}
     timing["attention"] = options.get("attention", "flash")
@@ -339,7 +344,7 @@ def weigh(model: Transformer, layout: Layout, cluster: Cluster, batch: int, **op
                 best, best_s = variant, seconds
         return found if best is found.layout else assess(model, best, cluster, batch, **options)
 
-    if not (smallest := trial(counts[-1], replace(layout, recompute="full"))).fits:  # the least memory of all
+    if not (smallest := trial(counts[-1], replace(layout, recompute="full"), timed=False)).fits:  # the least memory
         return rejection(smallest, layout, batch, (1 - options["reserve"]) * cluster.memory_bytes)
     selective = fewest("selective")
     tried = [fewest("none", selective.layout.microbatches), selective] if selective.fits else [selective]
