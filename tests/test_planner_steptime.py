@@ -8,7 +8,7 @@ import pytest
 
 from parallelkit.measure.costmodel import axis_seconds
 from parallelkit.planner import MODELS, Cluster, Layout, Transformer, plan, step_time
-from parallelkit.planner.search import only_full_fits
+from parallelkit.planner.search import only_full_fits, weigh
 from parallelkit.planner.steptime import (
     LINK_SHARE,
     Passes,
@@ -162,6 +162,9 @@ def test_zb_h1_under_full_recomputation_idles_longer_than_a_third_of_1f1b():
 
 def test_a_layout_that_fits_only_with_full_recomputation_is_known_before_it_is_weighed():
     options = {"precision": "bf16", "optimizer": "adam", "reserve": 0.1}
-    cluster = Cluster.published("H100 SXM", per_node=8)
-    assert only_full_fits(MODELS["llama3-70b"], Layout(data=8, zero=3), cluster, 8, **options)
-    assert not only_full_fits(SMALL, Layout(data=8), cluster, 64, **options)
+    cluster = Cluster.published("H100 SXM", per_node=8, nodes=8)
+    fsdp = Layout(data=64, zero=3)  # Llama 3 70B: 17.6 GB of state a GPU, a selective layer of 8k tokens over 1 GB
+    assert only_full_fits(MODELS["llama3-70b"], fsdp, cluster, 64, **options)
+    timing = {"efficiency": None, "overlap": "none"}
+    assert weigh(MODELS["llama3-70b"], fsdp, cluster, 64, **options, **timing).layout.recompute == "full"
+    assert not only_full_fits(SMALL, Layout(data=64), cluster, 64, **options)

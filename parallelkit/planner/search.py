@@ -215,8 +215,8 @@ def ceilings(
 
 
 def only_full_fits(model: Transformer, layout: Layout, cluster: Cluster, batch: int, **options) -> bool:
-    """Whether ``layout`` fits only with full recomputation: selective does not fit even at its most microbatches
-    (recomputing nothing needs more memory still)."""
+    """Whether only full recomputation could fit ``layout``: selective does not fit even at its most microbatches
+    (recomputing nothing needs more memory still); full may not fit either."""
     per_replica = batch // layout.replicas
     most = pipeline_counts(layout.stages, layout.virtual, per_replica)[-1] if layout.stages > 1 else per_replica
     selective = replace(layout, recompute="selective", microbatches=most)
