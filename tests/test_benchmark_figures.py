@@ -453,7 +453,7 @@ def _planner() -> list[str]:
         f"within 20 % of the compiler's for {v['memory_within_20pct']} of the {v['memory_compared']} layouts compared "
         f"(median planned/compiled {v['memory_ratio_median']:.2f})",
         f"adds {slope['compiled_bytes'] / 1e3:.1f} kB to the compiled step and {slope['planned_bytes'] / 1e3:.1f} kB",
-        f"rank the {len(v['rows'])} layouts (pipelines too) with a Spearman correlation of {v['spearman']:.2f}",
+        f"rank the {len(v['rows'])} layouts with a Spearman correlation of {v['spearman']:.2f}",
         f"its first choice ({v['first_choice']}) measured {v['first_choice_over_best']:.2f} times the best "
         f"({v['measured_best']})",
         f"It plans Llama 3 70B on 1,024 GPUs ({speed['layouts_weighed']:,} layouts weighed, {speed['layouts_left']:,} "

@@ -60,7 +60,10 @@ def test_zero_3_gathers_each_microbatch_and_full_overlap_hides_the_gradients():
     assert zero1.communication["gradients"] == pytest.approx(ring)
     assert zero3.communication["gradients"] == pytest.approx(3 * 4 * ring / 2)  # 3 gathers of half a ring each
     hidden = step_time(model, Layout(data=8, zero=1, microbatches=4), cluster, 32, overlap="full", efficiency=0.5)
-    assert hidden.total == pytest.approx(hidden.compute) and hidden.total < zero1.total
+    # the all-reduce hides behind the last microbatch's backward and weight passes (2/3 of its quarter of the
+    # compute, the one-number model's even passes), the last layer's share always exposed
+    exposed = max(ring - hidden.compute * 2 / 3 / 4, ring / model.layers)
+    assert hidden.exposed_gradients == pytest.approx(exposed) and hidden.total < zero1.total
 
 
 def test_a_tensor_group_across_machines_is_slower_than_inside_one():

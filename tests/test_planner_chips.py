@@ -8,8 +8,8 @@ from parallelkit.measure import hardware
 from parallelkit.measure.hardware import PUBLISHED
 from parallelkit.planner import MODELS, Cluster, Layout, memory_per_device, plan, step_time
 from parallelkit.planner.cluster import PRECISIONS
+from parallelkit.planner.kernels import FP8_CAST_BYTES, matmul_seconds
 from parallelkit.planner.memory import ELEMENT_BYTES, STATE_BYTES
-from parallelkit.planner.steptime import FP8_CAST_BYTES, matmul_seconds
 
 NEW = ("TPU v6e", "B200")
 
@@ -86,10 +86,14 @@ def test_an_fp8_product_pays_its_peak_its_bytes_and_its_casts():
     m = k = n = 8192
     share = 794.5 / 989  # the achievable share of the peak, taken for FP8 as for bf16
     flops = 2 * m * k * n / (share * 1979e12)
-    cast = FP8_CAST_BYTES * (m * k + k * n) / 3.35e12  # delayed scaling: read 2 bytes, write 1
-    assert matmul_seconds(m, k, n, h100, "fp8") == pytest.approx(flops + cast, rel=1e-12)
-    thin = matmul_seconds(m, k, 16, h100, "fp8")  # memory-bound: 1-byte inputs, a bf16 output
-    assert thin == pytest.approx((3 * (m * k + k * 16) + (m * k + k * 16) + 2 * m * 16) / 3.35e12, rel=1e-12)
+    bandwidth = 0.9 * 3.35e12  # calculon's share of the memory's bandwidth for 100 MB and more
+    cast = FP8_CAST_BYTES * (m * k + k * n) / bandwidth  # delayed scaling: read 2 bytes, write 1
+    moved = ((m * k + k * n) + 2 * m * n) / bandwidth  # 1-byte inputs, a bf16 output
+    assert matmul_seconds(m, k, n, h100, "fp8") == pytest.approx(cast + flops + moved, rel=1e-12)
+    thin = matmul_seconds(m, k, 16, h100, "fp8")  # 2 GFLOP at calculon's 0.6, its casts and bytes
+    inputs = m * k + k * 16
+    read = (inputs + 2 * m * 16) / (0.75 * 3.35e12)  # 67 MB: calculon's share from 10 MB up
+    assert thin == pytest.approx(3 * inputs / bandwidth + 2 * m * k * 16 / (0.6 * 1979e12) + read, rel=1e-12)
 
 
 @pytest.mark.parametrize("chip", ["A100 SXM 80GB", "TPU v5e", "TPU v6e"])

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import jax
 
@@ -31,8 +31,8 @@ class Cluster(costmodel.Cluster):
       bf16_flops, fp32_flops: one device's matrix-product FLOP/s with 16-bit and 32-bit inputs.
       memory_bytes: one device's memory.
       chip: what the devices are, for tables (a key of ``hardware.PUBLISHED`` picks its achievable matmul share,
-        :data:`.steptime.ACHIEVABLE`).
-      hbm_bytes_per_s: one device's memory bandwidth, for the matrix products' roofline; None: FLOPs alone.
+        :data:`.kernels.ACHIEVABLE`, and marks its links as a datasheet's: :func:`.steptime.achieved`).
+      hbm_bytes_per_s: one device's memory bandwidth, for each operation's bytes; None: FLOPs alone.
       fp8_flops: one device's dense FP8 matrix-product FLOP/s; None for a chip without FP8, which refuses
         ``precision="fp8"``.
 
@@ -66,6 +66,11 @@ class Cluster(costmodel.Cluster):
         if fp8 is not None and not (is_number(fp8) and math.isfinite(fp8) and fp8 > 0):
             raise ValueError(f"Cluster(fp8_flops={fp8!r}) is not a finite number > 0: give each device's dense FP8 "
                              "FLOP/s, or None for a chip without FP8.")  # fmt: skip
+        # the planner's caches key on the cluster thousands of times a plan: its hash, computed once (frozen)
+        object.__setattr__(self, "_hash", hash(tuple(getattr(self, f.name) for f in fields(self))))
+
+    def __hash__(self) -> int:
+        return self._hash
 
     def peak_flops(self, precision: str) -> float:
         """One device's matrix-product FLOP/s for ``"bf16"``, ``"fp32"`` or ``"fp8"`` training (:data:`PRECISIONS`).

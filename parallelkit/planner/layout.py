@@ -65,7 +65,7 @@ class Layout:
     def __post_init__(self) -> None:
         for axis in ("data", "tensor", "context", "stages", "microbatches", "expert", "virtual"):
             value = getattr(self, axis)
-            if not is_count(value):
+            if not (type(value) is int and value >= 1 or is_count(value)):  # the common case first: the planner's
                 raise ValueError(f"Layout({axis}={value!r}): a whole number >= 1.")
         if not is_zero_stage(self.zero):
             raise ValueError(f"Layout(zero={self.zero!r}) is not a ZeRO stage: give 0 (none), 1 (the optimizer "

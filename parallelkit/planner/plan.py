@@ -3,15 +3,16 @@
 >>> from parallelkit.planner import MODELS, Cluster
 >>> answer = plan(MODELS["llama3-8b"], Cluster.published("H100 SXM", per_node=8), global_batch_tokens=1_048_576)
 >>> answer.best.name, answer.batch  # 128 sequences of 8192 tokens
-('context 2 x tensor 2 x stages 2 (SP), ZeRO-1, allgather, zb-h1 m=128', 128)
+('data 2 x stages 4, ZeRO-1, interleaved v=8 m=64, remat selective', 128)
 >>> print(answer.table(1))  # doctest: +NORMALIZE_WHITESPACE
-  #  layout                                                                GB/dev   step s    MFU  binds
-  1  context 2 x tensor 2 x stages 2 (SP), ZeRO-1, allgather, zb-h1 m=128    69.6   13.754  58.8%  compute
-(533 layouts fit, 28 do not: plan.rejected; 116 could not reach the first 10, not weighed)
+  #  layout                                                            GB/dev   step s    MFU  binds
+  1  data 2 x stages 4, ZeRO-1, interleaved v=8 m=64, remat selective    68.2   12.607  64.2%  compute
+(469 layouts fit, 2 do not: plan.rejected; 206 could not reach the first 10, not weighed)
 """
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass, replace
 from fractions import Fraction
 
@@ -22,7 +23,7 @@ from .layout import Layout, activations
 from .memory import STATE_BYTES
 from .model import MODELS, ModelShape
 from .search import RESERVE, TOP, Candidate, assess, layouts, search, simpler_first, weigh
-from .steptime import OVERLAP
+from .steptime import ATTENTION, HIDEABLE, OVERLAP, hidden_families
 
 
 @dataclass(frozen=True)
@@ -37,12 +38,13 @@ class Plan:
     precision: str
     optimizer: str
     efficiency: float | None
-    overlap: str
+    overlap: str | tuple[str, ...]
     reserve: float
     ranked: tuple[Candidate, ...]
     rejected: tuple[Candidate, ...]
     unweighed: int = 0  # layouts left unweighed: none could reach the first TOP (search.search)
     unbuilt: tuple[Candidate, ...] = ()
+    attention: str = "flash"  # the attention kernel timed (steptime.ATTENTION)
 
     @property
     def best(self) -> Layout:
@@ -79,7 +81,10 @@ class Plan:
           ValueError: a layout for another number of devices than the cluster's.
         """
         self._check(layout)
-        options = {name: getattr(self, name) for name in ("precision", "optimizer", "efficiency", "overlap", "reserve")}
+        options = {
+            name: getattr(self, name)
+            for name in ("precision", "optimizer", "efficiency", "overlap", "reserve", "attention")
+        }
         return assess(self.model, layout, self.cluster, self.batch, **options)
 
     def _check(self, layout: object) -> None:
@@ -144,15 +149,14 @@ class Plan:
             f"    logits {m.logits / gb:.2f} GB: 4 bytes x {act.micro} x {self.model.seq // c.layout.context} tokens x "
             f"{self.model.vocab} vocabulary / tensor {c.layout.tensor}",
             f"  time: compute {c.time.compute:.3f} s at {c.time.efficiency:.0%} of the peak"
-            + (" (its matrix products' roofline)" if self.efficiency is None else "")
+            + (" (each operation's own time)" if self.efficiency is None else "")
             + ", "
             f"bubble {c.time.bubble:.3f} s",
         ]  # fmt: skip
         for family, seconds in c.time.communication.items():
-            hidden = (
-                " (hidden behind compute: overlap full)" if family == "gradients" and self.overlap == "full" else ""
-            )
-            lines.append(f"    {family}: {seconds:.3f} s{hidden}")
+            hidden = c.time.hidden[family]
+            behind = f", {hidden:.3f} s of it hidden behind compute" if hidden else ""
+            lines.append(f"    {family}: {seconds:.3f} s, {c.time.exposed[family]:.3f} s exposed{behind}")
         if rank > 1:
             first = self.ranked[0]
             faster = c.time.total / first.time.total * first.batch / c.batch
@@ -172,19 +176,22 @@ def plan(
     precision: str = "bf16",
     optimizer: str = "adam",
     efficiency: float | None = None,
-    overlap: str = "none",
+    overlap: str | Collection[str] = "none",
     reserve: float = RESERVE,
     exhaustive: bool = False,
+    attention: str = "flash",
 ) -> Plan:
     """Rank every layout of ``cluster``'s devices that trains ``model`` on ``global_batch_tokens`` tokens a step.
 
     ``model``: a :class:`ModelShape`, or the name of a published one (a key of :data:`.model.MODELS`).
     The batch is ``global_batch_tokens / model.seq`` sequences (rounded); a layout whose replicas
     do not split it evenly takes the largest batch below it that they do (MFU compares them
-    fairly). ``efficiency``: None for each matrix product's share of the peak (a roofline:
-    :func:`.steptime.matmul_efficiency`), or the share every FLOP reaches; ``overlap``:
-    ``"none"`` or ``"full"`` hiding of the gradients' communication behind compute
-    (:mod:`.steptime`); ``reserve``: the share of each device's memory kept back (:mod:`.search`).
+    fairly). ``efficiency``: None for each operation's own time (:func:`.kernels.layer_passes`),
+    or the share every FLOP reaches; ``overlap``: which communication hides behind compute,
+    ``"none"``, ``"full"`` (the gradients) or a collection of :data:`.steptime.HIDEABLE` families
+    (:func:`.steptime.exposed_seconds` says behind what); ``attention``: ``"flash"`` or
+    ``"unfused"`` (:func:`.steptime.step_time`); ``reserve``:
+    the share of each device's memory kept back (:mod:`.search`).
     The first :data:`.search.TOP` (10) of the ranking are exact; a layout that could not reach them
     is not weighed (:func:`.search.search`; ``Plan.unweighed`` counts them) unless ``exhaustive``.
 
@@ -202,13 +209,17 @@ def plan(
                          f"for example {64 * model.seq} (64 sequences of {model.seq}).")  # fmt: skip
     if not 0 <= reserve < 1:
         raise ValueError(f"plan(reserve={reserve!r}): the share of memory kept back, from 0 up to (not) 1, e.g. 0.1.")
-    if overlap not in OVERLAP or not _is_share(efficiency) or (precision, optimizer) not in STATE_BYTES:
+    if not _overlap_ok(overlap) or not _is_share(efficiency) or (precision, optimizer) not in STATE_BYTES:
         raise ValueError(f"plan(precision={precision!r}, optimizer={optimizer!r}, efficiency={efficiency!r}, "
                          f"overlap={overlap!r}): precision and optimizer one of {list(STATE_BYTES)}, efficiency in "
-                         f"(0, 1] or None (each matrix product's roofline), overlap one of {OVERLAP}.")  # fmt: skip
+                         f"(0, 1] or None (each matrix product's roofline), overlap one of {OVERLAP} or a collection "
+                         f"of {HIDEABLE}.")  # fmt: skip
+    if attention not in ATTENTION:
+        raise ValueError(f"plan(attention={attention!r}) is not an attention kernel the planner times: give one of "
+                         f"{ATTENTION}.")  # fmt: skip
     batch = max(1, round(Fraction(int(global_batch_tokens), model.seq)))  # exact: a float loses huge counts
     options = {"precision": precision, "optimizer": optimizer, "efficiency": efficiency, "overlap": overlap,
-               "reserve": reserve}  # fmt: skip
+               "reserve": reserve, "attention": attention}  # fmt: skip
     if not isinstance(exhaustive, bool):
         raise ValueError(f"plan(exhaustive={exhaustive!r}) is not a bool: give True to weigh every layout, or False "
                          f"(the default) to leave those that could not reach the first {TOP}.")  # fmt: skip
@@ -221,7 +232,16 @@ def plan(
     ranked = tuple(c for c, ok in zip(fitting, built, strict=True) if ok)
     unbuilt = tuple(c for c, ok in zip(fitting, built, strict=True) if not ok)
     return Plan(model, cluster, batch, precision, optimizer, efficiency, overlap, reserve, ranked, rejected, unweighed,
-                unbuilt)  # fmt: skip
+                unbuilt, attention)  # fmt: skip
+
+
+def _overlap_ok(overlap: object) -> bool:
+    """Whether ``overlap`` is one :func:`.steptime.hidden_families` takes."""
+    try:
+        hidden_families(overlap)
+    except ValueError:
+        return False
+    return True
 
 
 def _is_share(efficiency: object) -> bool:

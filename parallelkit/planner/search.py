@@ -19,16 +19,17 @@ from __future__ import annotations
 
 import functools
 import heapq
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass, replace
 
 from ..measure.roofline import flops_utilisation
 from .build import unsupported
 from .cluster import Cluster
+from .kernels import compute_seconds
 from .layout import Layout, check, memory_per_device
 from .memory import CONTEXT_METHODS, ELEMENT_BYTES, SCHEDULES, Memory
 from .model import ModelShape
-from .steptime import StepTime, bubble_share, gradient_seconds, step_time
+from .steptime import StepTime, bubble_share, communication_seconds, gradient_seconds, hidden_families, step_time
 
 TOP = (
     10  # the first rows of the ranking plan() finds exactly (Plan.table's): layouts that could not reach them are left
@@ -148,47 +149,75 @@ def _pipeline_counts(stages: int, virtual: int, per_replica: int) -> tuple[int, 
     return tuple(m for m in divisors(per_replica) if m >= stages and (virtual == 1 or m % stages == 0))
 
 
-def ceilings(model: ModelShape, group: Sequence[Layout], cluster: Cluster, batch: int, **options) -> list[float]:
-    """The highest MFU each layout of ``group`` (the layouts of one mesh: :func:`_mesh_layouts`) could reach.
+def ceilings(
+    model: ModelShape, group: Sequence[Layout], cluster: Cluster, batch: int, **options
+) -> list[tuple[float, float]]:
+    """The highest MFU each layout of ``group`` (the layouts of one mesh: :func:`_mesh_layouts`) could reach, and
+    the highest it could reach with full recomputation.
 
     Its step time is at least the one this adds up, so its MFU is at most this, whatever :func:`weigh` then
     chooses (recomputation, accumulation). Each part is one that no such variant goes below:
 
-    - compute without recomputation, at the layout's microbatches (recomputation only adds FLOPs; more
-      microbatches make each matrix product smaller, which never raises its efficiency);
+    - compute without recomputation, at the layout's microbatches, with sequence parallelism and the group's
+      highest ZeRO stage (recomputation only adds work; more microbatches make each kernel smaller, which never
+      raises its share of the peak; sequence parallelism and ZeRO only split work); the second figure of each
+      pair with full recomputation instead, the ceiling where only it fits (:func:`only_full_fits`);
     - the layout's pipeline bubble share of that compute (:func:`.steptime.bubble_share`) at its most
       microbatches (:func:`_pipeline_counts`);
     - the tensor, context (the layout's method) and expert collectives at the layout's microbatches (its
       fewest: one without a pipeline): ``m`` collectives of ``1/m`` the bytes each take longer as ``m`` grows
       (each round is a latency plus bytes over a bandwidth, :meth:`~parallelkit.measure.costmodel.Link.seconds`);
       the pipeline's sends at least 0;
-    - without overlap, the gradients' collectives of the layout's ZeRO stage at its fewest microbatches; with
-      ``overlap="full"`` at least 0.
+    - the gradients' collectives of the layout's ZeRO stage at its fewest microbatches, unless they may hide
+      (then at least 0); so the tensor, context and expert collectives that may (``overlap``).
     """
-    precision, overlap = options["precision"], options["overlap"]
+    precision, hides = options["precision"], hidden_families(options["overlap"])
+    kernel = options.get("attention", "flash")
     first = replace(group[0], zero=0, sequence_parallel=False, schedule="1f1b", virtual=1, recompute="none")
-    timed, gradients = {}, {}
+    # the least compute: sequence parallelism splits the norms' work, ZeRO the optimizer's
+    least = {"sequence_parallel": first.tensor > 1, "zero": max(layout.zero for layout in group)}
+    timed, gradients, full = {}, {}, {}
     for method, m in {(layout.context_method, layout.microbatches) for layout in group}:
         like = replace(first, context_method=method, microbatches=m)
-        timed[method, m] = step_time(model, like, cluster, batch, precision=precision,
-                                     efficiency=options["efficiency"], overlap="none")  # fmt: skip
+        compute = compute_seconds(model, replace(like, **least), cluster, batch, precision, options["efficiency"],
+                                  kernel)[0]  # fmt: skip
+        micro = batch // (like.replicas * m)
+        timed[method, m] = compute, communication_seconds(model, like, cluster, micro, ELEMENT_BYTES[precision])
     used = batch // first.replicas * first.replicas
     per_device = model.flops_per_token() * used * model.seq / cluster.devices
     found = []
     for layout in group:
-        t = timed[layout.context_method, layout.microbatches]
-        parts = t.communication
+        at = (layout.context_method, layout.microbatches)
+        compute, parts = timed[at]
+        if at not in full:
+            like = replace(first, context_method=at[0], microbatches=at[1], recompute="full", **least)
+            full[at] = compute_seconds(model, like, cluster, batch, precision, options["efficiency"], kernel)[0]
         most = _pipeline_counts(layout.stages, layout.virtual, batch // layout.replicas)[-1] if layout.stages > 1 else 1
-        seconds = t.compute * (1 + bubble_share(layout) * layout.microbatches / most)
-        seconds += sum(parts.get(k, 0.0) for k in ("tensor", "context", "experts"))
-        if overlap == "none" and "gradients" in parts:
+        stretch = 1 + bubble_share(layout) * layout.microbatches / most
+        seconds = sum(parts.get(k, 0.0) for k in ("tensor", "context", "experts") if k not in hides)
+        if "gradients" not in hides and "gradients" in parts:
             key = (layout.zero, layout.microbatches)
             if key not in gradients:
                 like = replace(first, zero=layout.zero, microbatches=layout.microbatches)
                 gradients[key] = gradient_seconds(model, like, cluster, ELEMENT_BYTES[precision])
             seconds += gradients[key]
-        found.append(flops_utilisation(per_device, seconds, cluster.peak_flops(precision)))
+        peak = cluster.peak_flops(precision)
+        found.append((flops_utilisation(per_device, seconds + compute * stretch, peak),
+                      flops_utilisation(per_device, seconds + full[at] * stretch, peak)))  # fmt: skip
     return found
+
+
+def only_full_fits(model: ModelShape, layout: Layout, cluster: Cluster, batch: int, **options) -> bool:
+    """Whether only full recomputation could fit ``layout``: selective does not fit even at its most microbatches
+    (recomputing nothing needs more memory still); full may not fit either."""
+    per_replica = batch // layout.replicas
+    most = _pipeline_counts(layout.stages, layout.virtual, per_replica)[-1] if layout.stages > 1 else per_replica
+    selective = replace(layout, recompute="selective", microbatches=most)
+    used = batch // layout.replicas * layout.replicas
+    if check(model, selective, used) is not None:
+        return False
+    memory = memory_per_device(model, selective, used, precision=options["precision"], optimizer=options["optimizer"])
+    return memory.total > (1 - options["reserve"]) * cluster.memory_bytes
 
 
 def search(
@@ -200,7 +229,8 @@ def search(
     The layouts are weighed from the highest :func:`ceilings` down; once ``top`` layouts the kit can build
     (:func:`.build.unsupported`) fit and the next layout's ceiling is below the ``top``-th best MFU found
     among them, it and every one after it is left: none could reach the first ``top`` (a tie could: ties are
-    weighed). The first ``top`` of the ranking are then exactly those of the search that weighs everything.
+    weighed); a layout that fits only with full recomputation is left when its ceiling with it is below. The
+    first ``top`` of the ranking are then exactly those of the search that weighs everything.
     """
     found = [layout for mesh in meshes(model, cluster.devices) for layout in _mesh_layouts(model, mesh, batch)]
     order = range(len(found))
@@ -212,12 +242,15 @@ def search(
                 end += 1
             bounds += ceilings(model, found[start:end], cluster, batch, **options)
             start = end
-        order = sorted(order, key=lambda i: -bounds[i])
+        order = sorted(order, key=lambda i: -bounds[i][0])
     weighed: dict[int, Candidate] = {}
     best: list[float] = []  # a heap of the top MFUs found so far, the lowest first
     for i in order:
-        if top is not None and len(best) == top and bounds[i] < best[0] * (1 - 1e-9):  # rounding aside
-            break
+        if top is not None and len(best) == top:
+            if bounds[i][0] < best[0] * (1 - 1e-9):  # rounding aside
+                break
+            if bounds[i][1] < best[0] * (1 - 1e-9) and only_full_fits(model, found[i], cluster, batch, **options):
+                continue
         weighed[i] = verdict = weigh(model, found[i], cluster, batch, **options)
         if verdict.fits and top is not None and unsupported(verdict.layout) is None:  # the kit's ranking's top
             (heapq.heappush if len(best) < top else heapq.heappushpop)(best, verdict.mfu)
@@ -230,9 +263,10 @@ def _mesh(layout: Layout) -> tuple[int, ...]:
 
 def assess(
     model: ModelShape, layout: Layout, cluster: Cluster, batch: int, *, precision: str, optimizer: str,
-    efficiency: float, overlap: str, reserve: float,
+    efficiency: float, overlap: str | Collection[str], reserve: float, attention: str = "flash", timed: bool = True,
 ) -> Candidate:  # fmt: skip
-    """``layout`` exactly as given: its memory, and its step time and MFU when it fits in the memory kept free."""
+    """``layout`` exactly as given: its memory, and its step time and MFU when it fits in the memory kept free
+    (``timed=False``: whether it fits alone, no time)."""
     used = batch // layout.replicas * layout.replicas
     if reason := check(model, layout, used):
         return Candidate(layout, used, Memory(0, 0, 0, 0), rejected=reason)
@@ -240,7 +274,11 @@ def assess(
     budget = (1 - reserve) * cluster.memory_bytes
     if memory.total > budget:
         return Candidate(layout, used, memory, rejected=_too_large(memory, budget))
-    time = step_time(model, layout, cluster, used, precision=precision, efficiency=efficiency, overlap=overlap)
+    if not timed:
+        return Candidate(layout, used, memory)
+    time = step_time(
+        model, layout, cluster, used, precision=precision, efficiency=efficiency, overlap=overlap, attention=attention
+    )
     per_device = model.flops_per_token() * used * model.seq / cluster.devices
     return Candidate(
         layout, used, memory, time, flops_utilisation(per_device, time.total, cluster.peak_flops(precision))
@@ -274,16 +312,19 @@ def weigh(model: ModelShape, layout: Layout, cluster: Cluster, batch: int, **opt
             m for m in _pipeline_counts(layout.stages, layout.virtual, per_replica) if m >= layout.microbatches
         )
 
-    def trial(microbatches: int, variant: Layout) -> Candidate:
+    def trial(microbatches: int, variant: Layout, timed: bool = True) -> Candidate:
         if microbatches != variant.microbatches:
             variant = replace(variant, microbatches=microbatches)
-        return assess(model, variant, cluster, batch, **options)
+        return assess(model, variant, cluster, batch, **options, timed=timed)
 
     def fewest(recompute: str, least: int = counts[0]) -> Candidate:
+        """The fewest steps that fit, found by memory alone, then timed."""
         variant = layout if recompute == layout.recompute else replace(layout, recompute=recompute)
-        return _fewest_that_fit(counts[counts.index(least) :], functools.partial(trial, variant=variant))
+        found = _fewest_that_fit(counts[counts.index(least) :], functools.partial(trial, variant=variant, timed=False))
+        return trial(found.layout.microbatches, found.layout) if found.fits else found
 
     timing = {name: options[name] for name in ("precision", "efficiency", "overlap")}
+    timing["attention"] = options.get("attention", "flash")
 
     def fastest(found: Candidate) -> Candidate:
         """A pipeline's fastest count from the fewest that fits up: its bubble shrinks as its sends grow."""
@@ -296,7 +337,7 @@ def weigh(model: ModelShape, layout: Layout, cluster: Cluster, batch: int, **opt
                 best, best_s = variant, seconds
         return found if best is found.layout else assess(model, best, cluster, batch, **options)
 
-    if not (smallest := trial(counts[-1], replace(layout, recompute="full"))).fits:  # the least memory of all
+    if not (smallest := trial(counts[-1], replace(layout, recompute="full"), timed=False)).fits:  # the least memory
         return rejection(smallest, layout, batch, (1 - options["reserve"]) * cluster.memory_bytes)
     selective = fewest("selective")
     tried = [fewest("none", selective.layout.microbatches), selective] if selective.fits else [selective]

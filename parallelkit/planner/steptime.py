@@ -1,48 +1,53 @@
-"""A layout's step time: compute on its products' roofline, every collective on the cost model's links, the bubble.
+"""A layout's step time: every operation of a layer on its own, every collective on the cost model's links, the bubble.
 
-The assumptions, all of them (each a parameter or a line here):
+The assumptions, all of them (each a parameter, a line here, or a constant below with its source):
 
-- **Compute** is the model's training FLOPs (:meth:`.model.ModelShape.flops_per_token`: ``6 N``
-  plus attention, the count of the MFU figures) spread evenly over the devices, at the
-  efficiency of one layer's matrix products on one device (:func:`matmul_efficiency`), or at
-  ``efficiency`` of one device's peak (:meth:`.cluster.Cluster.peak_flops`) when a number is
-  given. Recomputation adds its forward pass: the whole layer's (``2 N`` a token more) under
-  ``"full"``, the attention scores' under ``"selective"``.
-- **A matrix product** of ``m x k`` by ``k x n`` takes the longer of its FLOPs, ``2 m k n``, at
-  :data:`ACHIEVABLE` of the peak (S. Bekman's measured best over shapes: 80.3 % on an H100,
-  86.9 % on an A100; other chips take the H100's), and its bytes, ``(m k + k n + m n)``
-  elements, at the device's memory bandwidth (the peak and the bandwidth: the datasheets of
-  :data:`parallelkit.measure.hardware.PUBLISHED`): a roofline (:func:`matmul_seconds`; FLOPs
-  alone where the cluster has no bandwidth). The products of a layer, forward, for one microbatch on one device: the
-  query, key and value projection, the attention's output projection, the MLP's up (and gate)
-  and down projections (each routed expert's, over the tokens routed to it), split over
-  ``tensor`` as Megatron splits them, on the microbatch's tokens (over ``context``); and the
-  attention's two products per head (queries by keys, scores by values: FlashAttention's).
-  Their backward passes (``dX = dY W^T``, ``dW = X^T dY``) are the same three sizes in another
-  order, so they take as long. The model's other FLOPs (the embedding, norms, the softmax) run at
-  the products' efficiency.
+- **Compute** (``efficiency=None``) adds up, for one device, one layer's operations for one
+  microbatch (:func:`.kernels.layer_passes`), times the layers of its stage and the microbatches, the output
+  layer's share (:func:`.kernels.head_seconds`, spread over the stages like the rest) and the optimizer's
+  update (:func:`.kernels.optimizer_seconds`). Each operation is one kernel, one after another: a matrix
+  product takes its FLOPs at :func:`.kernels.matmul_share` of the peak *plus* its bytes at
+  :func:`.kernels.memory_seconds` (calculon's "no overlap" processing mode, ``processing_mode`` in its A100
+  and H100 system files); any other operation (norms, activation functions, dropout, residual
+  additions, a softmax) takes only its bytes (:func:`.kernels.elementwise`: its few FLOPs an element take
+  a fraction of that). With ``efficiency`` a number, every FLOP (the model's training FLOPs,
+  :meth:`.model.ModelShape.flops_per_token`, plus recomputation's) runs at that share of the peak.
+- **Matrix products**: the query, key and value projection (one product), the attention's output
+  projection, the MLP's up (and gate) and down projections (each routed expert's, over the tokens
+  routed to it), split over ``tensor`` as Megatron splits them, on the microbatch's tokens (over
+  ``context``); each has its forward, its activations' gradient (``dX = dY W^T``, the backward
+  pass) and its weights' gradient (``dW = X^T dY``, the weight pass), the same size. The
+  attention's two products per head (queries by keys, scores by values) run either in one fused
+  kernel (``attention="flash"``: q, k, v and the output through memory; its backward runs
+  :data:`.kernels.FLASH_BACKWARD` times the forward's products) or as two batched products that write and
+  read the scores, with a softmax (read, write; backward read 2, write 1) and the model's dropout
+  over the scores in between (``"unfused"``: Megatron-LM before FlashAttention).
+- **Shares of the peak and of the bandwidth** by the size of the kernel: :data:`.kernels.MATMUL_SHARE`
+  (calculon's curve, capped by :data:`.kernels.ACHIEVABLE`, S. Bekman's measured best) and
+  :data:`.kernels.MEMORY_SHARE` (calculon's).
+- **Recomputation** repeats, inside the backward pass: the whole layer's forward under ``"full"``,
+  the attention's products with its softmax and dropout under ``"selective"``.
 - **FP8** (``precision="fp8"``), as Transformer Engine runs it: each linear layer's matrix product
   at the chip's dense FP8 peak (:attr:`.cluster.Cluster.fp8_flops`; a chip without one refuses
-  it), at the same achievable share as bf16's (an assumption: the measured shares are bf16's),
-  reading 1-byte inputs and writing a bf16 output; the attention's products stay in bf16 at the
-  bf16 peak (FP8 attention is an option of the recipes, off by default); and the scaling's cost:
-  before each FP8 product its two inputs are quantized in a pass of their own over the memory,
-  :data:`FP8_CAST_BYTES` bytes an element (delayed scaling reads the bf16 tensor once and writes
-  its FP8 copy; current scaling reads it twice, one more for its amax: Transformer Engine's
-  "FP8 Delayed Scaling" page). Everything else (norms, activations, communication, the stored
-  activations) is bf16's. MFU under ``"fp8"`` is against the FP8 peak.
-- **The other operations** (norms, activations, dropout, residual additions) move, at the
-  memory's bandwidth, the arrays Korthikanti et al. count a layer keeps (without the attention's
-  scores: a fused attention never writes them): written forward, read and their gradients
-  written backward, written again by a recomputed forward (:func:`_elementwise_seconds`).
+  it), at the same shares as bf16's (an assumption: the measured shares are bf16's), reading
+  1-byte inputs and writing a bf16 output; the attention's products stay in bf16 at the bf16 peak
+  (FP8 attention is an option of the recipes, off by default); and the scaling's cost: before each
+  FP8 product its two inputs are quantized in a pass of their own, :data:`.kernels.FP8_CAST_BYTES` bytes
+  an element. Everything else (norms, activations, communication, the stored activations) is
+  bf16's. MFU under ``"fp8"`` is against the FP8 peak.
+- **The optimizer**: Adam reads and writes the state it holds once a step (the parameter, gradient
+  and optimizer bytes of :data:`.memory.STATE_BYTES`, twice), split over ``tensor x stages`` and,
+  from ZeRO-1, over the axes the parameters repeat on. The input pipeline costs nothing.
 - **The mesh**: ``tensor`` is the innermost axis (neighbouring devices), then ``expert``,
   ``context``, ``data``, and ``stages`` outermost, so tensor groups stay inside a machine
   whenever they fit in one. Each collective is timed by the cost model along its axis
-  (:func:`parallelkit.measure.costmodel.axis_seconds`), all groups at once.
+  (:func:`parallelkit.measure.costmodel.axis_seconds`), all groups at once, on links at
+  :data:`LINK_SHARE` of a datasheet's bandwidth (:func:`achieved`).
 - **Tensor** parallelism (Megatron): 2 all-reduces of a microbatch's activations per layer
   forward and 2 backward (with sequence parallelism each is a reduce-scatter and an all-gather:
-  the same time), 2 more with full recomputation. The embedding's and the loss's FLOPs are spread
-  like the rest; their own communication is not counted.
+  the same time, and the backward pass all-gathers the two products' inputs again, as Megatron-LM
+  keeps them scattered), 2 more with full recomputation. The embedding's and the loss's
+  communication is not counted.
 - **Context** parallelism: per layer, keys and values travel ``context - 1`` steps forward and
   their gradients ``context - 1`` back (the ring by permutes, all-gather by gathering and
   reduce-scattering: the same bytes); Ulysses: 4 all-to-alls forward (q, k, v, the output) and 4
@@ -53,41 +58,51 @@ The assumptions, all of them (each a parameter or a line here):
   forward and backward slots (``2 (v m + s - 1)`` under interleaved 1F1B: each microbatch crosses
   ``v`` times as many stage boundaries); the bubble makes compute ``(m + s - 1) / m`` times longer
   (GPipe, 1F1B), ``(v m + s - 1) / (v m)`` under interleaved 1F1B with ``v`` chunks a stage
-  (Narayanan et al., 2021, section 2.2.2), ``(3m + s - 1) / 3m`` under ZB-H1 (a third of the idle
-  time, forward, backward and weight passes taken as equal; its price is memory, :mod:`.memory`).
+  (Narayanan et al., 2021, section 2.2.2); under ZB-H1 its idle time is ``(s - 1) (F + B - W)`` for
+  the passes' real seconds (:func:`bubble_share`; its memory: :mod:`.memory`).
 - **Gradients** (data, context and expert axes, where the same parameters repeat): an all-reduce
   (ZeRO 0, 1: a reduce-scatter and an all-gather, the same time) once a step, in the
   training precision; ZeRO-2 reduce-scatters each microbatch's and all-gathers once; ZeRO-3
   gathers the parameters before each microbatch's forward and backward and reduce-scatters its
-  gradients. ``overlap="full"`` hides them behind compute (a step takes the longer of the two),
-  ``"none"`` adds them; every other collective is on the critical path.
-- The optimizer update and the input pipeline cost nothing.
+  gradients.
+- **Overlap**, per family (``overlap``, :func:`exposed_seconds`): the gradients may hide behind the
+  backward passes they follow, the tensor collectives behind the linear products (async tensor
+  parallelism), the context ones behind the attention's, the experts' behind the other
+  microbatch's compute; whatever is not named is on the critical path, and so are the pipeline's
+  sends.
+
+The coefficients, each once with its source, are constants: the compute model's in :mod:`.kernels`
+(:data:`.kernels.ACHIEVABLE`, :data:`.kernels.MATMUL_SHARE`, :data:`.kernels.MEMORY_SHARE`,
+:data:`.kernels.FP8_CAST_BYTES`, :data:`.kernels.FLASH_BACKWARD`) and the links' here (:data:`LINK_SHARE`).
+None is fitted to the planner's validation table (``benchmarks/planner.py``);
+:data:`LINK_SHARE` and the two curves were chosen by calculon's authors, who validated calculon on
+Korthikanti et al.'s runs, four of the table's models.
 """
 
 from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass, field
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass, field, replace
 
 from ..core.types import is_number
 from ..measure.costmodel import axis_seconds
+from ..measure.hardware import PUBLISHED
 from .cluster import Cluster
+from .kernels import Passes, compute_seconds
 from .layout import Layout
-from .memory import ELEMENT_BYTES, layer_activation_bytes
+from .memory import ELEMENT_BYTES
 from .model import ModelShape
 
-OVERLAP = ("none", "full")
-# The share of the peak a large matrix product reaches: the best of a brute-force search over shapes of BF16 matmuls
-# (S. Bekman, "Machine Learning Engineering", compute/accelerator/README.md, "Maximum Achievable Matmul FLOPS
-# comparison table": H100 SXM 794.5 of 989 TFLOP/s, A100 SXM 271.2 of 312). A chip this dict does not hold (the TPUs,
-# the B200) takes the H100's share, and FP8 products the bf16 share of the FP8 peak: assumptions.
-ACHIEVABLE = {"H100 SXM": 794.5 / 989, "A100 SXM 80GB": 271.2 / 312}
-_ACHIEVABLE_ELSE = ACHIEVABLE["H100 SXM"]
-# FP8's scaling cost, bytes per element of a product's input: Transformer Engine's default delayed scaling reads the
-# bf16 tensor once (2 bytes) and writes its FP8 copy (1 byte); its current scaling reads it once more for the amax
-# (https://nvidia.github.io/TransformerEngine/features/low_precision_training/fp8_delayed_scaling/fp8_delayed_scaling.html).
-FP8_CAST_BYTES = 2 + 1
+OVERLAP = ("none", "full")  # presets: nothing hides; the gradients hide ("full" is HIDEABLE's first)
+HIDEABLE = ("gradients", "tensor", "context", "experts")  # the families that can hide, each behind its window
+ATTENTION = ("flash", "unfused")
+# The share of a link's datasheet bandwidth a collective reaches, inside a machine (NVLink, ICI) and across machines
+# (the network): calculon's A100 and H100 system files ("networks" "efficiency": 0.65 and 0.9), for every chip of
+# hardware.PUBLISHED (a measured cluster's links are what they measured). Isaev et al. set them beside the same
+# Korthikanti et al. runs this planner is checked on: not an independent measurement.
+LINK_SHARE = {"inside": 0.65, "network": 0.9}
 _MESH_ORDER = ("tensor", "expert", "context", "data", "stages")  # innermost first
 
 
@@ -96,36 +111,61 @@ class StepTime:
     """One step's predicted seconds, by what takes them.
 
     ``compute`` is the useful work with recomputation, ``bubble`` the pipeline's idle share,
-    ``communication`` each collective family's seconds (``"gradients"`` before overlap), and
-    ``exposed_gradients`` what of the gradients' is not hidden.
+    ``communication`` each collective family's seconds (before overlap), and ``exposed`` what of each family
+    is on the critical path (the rest hides behind compute, :func:`exposed_seconds`).
     """
 
     compute: float
     bubble: float
     communication: dict[str, float] = field(default_factory=dict)
-    exposed_gradients: float = 0.0
+    exposed: dict[str, float] = field(default_factory=dict)
     efficiency: float = 0.0  # the share of the peak the compute ran at
 
     @property
     def total(self) -> float:
-        critical = sum(s for name, s in self.communication.items() if name != "gradients")
-        return self.compute + self.bubble + critical + self.exposed_gradients
+        return self.compute + self.bubble + sum(self.exposed.values())
+
+    @property
+    def hidden(self) -> dict[str, float]:
+        """Each family's seconds hidden behind compute."""
+        return {name: seconds - self.exposed[name] for name, seconds in self.communication.items()}
+
+    @property
+    def exposed_gradients(self) -> float:
+        return self.exposed.get("gradients", 0.0)
 
     @property
     def binding(self) -> str:
-        """What takes the most time: ``"compute"``, ``"bubble"`` or a collective family."""
-        parts = {"compute": self.compute, "bubble": self.bubble, **self.communication}
-        parts["gradients"] = self.exposed_gradients
+        """What takes the most time: ``"compute"``, ``"bubble"`` or a collective family (its exposed seconds)."""
+        parts = {"compute": self.compute, "bubble": self.bubble, **self.exposed}
         return max(parts, key=parts.get)
 
 
-def bubble_share(layout: Layout) -> float:
+def hidden_families(overlap: str | Collection[str]) -> tuple[str, ...]:
+    """The collective families ``overlap`` lets hide: ``"none"``, ``"full"`` (the gradients: what every framework
+    overlaps by default) or a collection of :data:`HIDEABLE` names.
+
+    >>> hidden_families("full"), hidden_families(("tensor", "gradients"))
+    (('gradients',), ('gradients', 'tensor'))
+    """
+    if isinstance(overlap, str):
+        if overlap in OVERLAP:
+            return () if overlap == "none" else ("gradients",)
+    elif isinstance(overlap, Collection) and all(isinstance(name, str) and name in HIDEABLE for name in overlap):
+        return tuple(name for name in HIDEABLE if name in overlap)
+    raise ValueError(f"overlap={overlap!r} is not an overlap the planner times: give one of {OVERLAP} or a "
+                     f"collection of the families that hide, from {HIDEABLE}.")  # fmt: skip
+
+
+def bubble_share(layout: Layout, passes: Passes | None = None) -> float:
     """The pipeline's idle time over its compute: ``(stages - 1) / microbatches`` (GPipe, 1F1B), over ``virtual``
-    under interleaved 1F1B, a third of it under ZB-H1; 0 without a pipeline.
+    under interleaved 1F1B, ``(F + B - W) / (F + B + W)`` of it under ZB-H1; 0 without a pipeline.
 
     GPipe and 1F1B idle for ``stages - 1`` microbatches' forward and backward passes; interleaved 1F1B for as
-    many chunks' passes, each ``1 / virtual`` of a stage's; ZB-H1 only for their forward passes (its weight
-    passes fill the rest), for passes of equal length.
+    many chunks' passes, each ``1 / virtual`` of a stage's; ZB-H1 for ``(stages - 1) (F + B - W)`` (Qi et al.,
+    "Zero Bubble Pipeline Parallelism", 2023, section 3.1: its deferred weight passes ``W`` fill the rest) with
+    ``passes``' forward ``F``, backward ``B`` (recomputation in it) and weight ``W`` seconds; a third when the
+    passes are equal (``passes`` None).
 
     >>> bubble_share(Layout(stages=4, microbatches=8)), bubble_share(Layout(stages=4, microbatches=8, schedule="zb-h1"))
     (0.375, 0.125)
@@ -133,7 +173,11 @@ def bubble_share(layout: Layout) -> float:
     0.125
     """
     share = (layout.stages - 1) / (layout.microbatches * layout.virtual)
-    return share / 3 if layout.schedule == "zb-h1" else share
+    if layout.schedule != "zb-h1":
+        return share
+    if passes is None:
+        return share / 3
+    return share * (passes.forward + passes.backward - passes.weight) / passes.total
 
 
 def strides(layout: Layout) -> dict[str, int]:
@@ -153,57 +197,70 @@ def step_time(
     *,
     precision: str = "bf16",
     efficiency: float | None = None,
-    overlap: str = "none",
+    overlap: str | Collection[str] = "none",
+    attention: str = "flash",
 ) -> StepTime:
     """Predict one step of ``layout`` training ``model`` on ``batch`` sequences over ``cluster`` (module's assumptions).
 
-    ``efficiency``: None for each matrix product's own (:func:`matmul_efficiency`), or the share of the peak
-    every FLOP reaches.
+    ``efficiency``: None for each operation's own time (:func:`layer_passes`), or the share of the peak every FLOP
+    reaches. ``overlap``: what communication may hide behind compute (:func:`hidden_families`). ``attention``:
+    ``"flash"`` (one fused kernel: the scores never reach memory) or ``"unfused"`` (the scores written, softmax and
+    dropout passes over them: Megatron-LM before FlashAttention).
 
     >>> from parallelkit.planner import MODELS
     >>> one = Cluster.published("H100 SXM", per_node=1)
     >>> t = step_time(MODELS["llama3-8b"], Layout(), one, batch=1, efficiency=0.5)
     >>> t.total == MODELS["llama3-8b"].flops_per_token() * 8192 / (0.5 * 989.5e12), t.binding
     (True, 'compute')
-    >>> round(step_time(MODELS["llama3-8b"], Layout(), one, batch=1).efficiency, 3)  # roofline, other operations
-    0.629
+    >>> round(step_time(MODELS["llama3-8b"], Layout(), one, batch=1).efficiency, 3)  # each operation's own time
+    0.628
     """
-    if overlap not in OVERLAP:
-        raise ValueError(f"overlap={overlap!r}: one of {OVERLAP}.")
+    hides = hidden_families(overlap)
     if efficiency is not None and not (is_number(efficiency) and 0 < efficiency <= 1):
         raise ValueError(f"efficiency={efficiency!r}: the share of the peak compute reaches, in (0, 1], or None for "
-                         "each matrix product's own (steptime.matmul_efficiency).")  # fmt: skip
+                         "each operation's own time (steptime.layer_passes).")  # fmt: skip
+    if attention not in ATTENTION:
+        raise ValueError(f"attention={attention!r} is not an attention kernel the planner times: give one of "
+                         f"{ATTENTION}.")  # fmt: skip
     if layout.devices != cluster.devices:
         raise ValueError(f"{layout.name} uses {layout.devices} devices; the cluster has {cluster.devices}.")
     cluster.peak_flops(precision)  # a precision the planner knows, and a chip that has its peak, or a clear error
-    e = ELEMENT_BYTES[precision]
-    m, stages = layout.microbatches, layout.stages
-    per_token = model.flops_per_token()
-    attention = per_token - 6 * model.active_params
-    extra = {"none": 0.0, "selective": attention / 3, "full": per_token / 3}[layout.recompute]
-    flops = (per_token + extra) * batch * model.seq / layout.devices  # one device's
-    if efficiency is None:
-        micro = batch // (layout.replicas * m)
-        products = flops / (matmul_efficiency(model, layout, cluster, micro, precision) * cluster.peak_flops(precision))
-        compute = products + _elementwise_seconds(model, layout, cluster, micro, precision)
-        efficiency = flops / (compute * cluster.peak_flops(precision))
-    else:
-        compute = flops / (efficiency * cluster.peak_flops(precision))
-    bubble = compute * bubble_share(layout)
+    compute, passes, efficiency = compute_seconds(model, layout, cluster, batch, precision, efficiency, attention)
+    bubble = compute * bubble_share(layout, passes)
+    micro = batch // (layout.replicas * layout.microbatches)
+    comm = communication_seconds(model, layout, cluster, micro, ELEMENT_BYTES[precision])
+    exposed = exposed_seconds(comm, hides, layout, math.ceil(model.layers / layout.stages), passes, compute)
+    return StepTime(compute, bubble, comm, exposed, efficiency)
 
-    apart = strides(layout)
-    micro = batch // (layout.replicas * m)
+
+@functools.lru_cache(maxsize=256)
+def achieved(cluster: Cluster) -> Cluster:
+    """``cluster`` with the bandwidths its collectives reach: a datasheet's (a chip of ``hardware.PUBLISHED``) at
+    :data:`LINK_SHARE`, a measured cluster's as measured."""
+    if cluster.chip not in PUBLISHED:
+        return cluster
+    inside = replace(cluster.inside, GBps=cluster.inside.GBps * LINK_SHARE["inside"])
+    network = cluster.network and replace(cluster.network, GBps=cluster.network.GBps * LINK_SHARE["network"])
+    return replace(cluster, inside=inside, network=network)
+
+
+def communication_seconds(model: ModelShape, layout: Layout, cluster: Cluster, micro: int, e: int) -> dict:
+    """Each collective family's seconds in one step, before any hides (the module's assumptions)."""
+    cluster = achieved(cluster)
+    apart, m, stages = strides(layout), layout.microbatches, layout.stages
     tokens = micro * model.seq // layout.context  # one microbatch's tokens on one device
     activation = tokens * model.d_model * e
     layers = math.ceil(model.layers / stages)
     refwd = layout.recompute == "full"
 
     def along(axis: str, nbytes: float, collective: str) -> float:
-        return axis_seconds(cluster, getattr(layout, axis), apart[axis], nbytes, collective)
+        return _axis_seconds(cluster, getattr(layout, axis), apart[axis], nbytes, collective)
 
     comm: dict[str, float] = {}
     if layout.tensor > 1:
         comm["tensor"] = layers * m * (6 if refwd else 4) * along("tensor", activation, "all-reduce")
+        if layout.sequence_parallel:  # the backward pass gathers the two products' inputs again
+            comm["tensor"] += layers * m * 2 * along("tensor", activation, "all-gather")
     if layout.context > 1:
         kv = 2 * tokens * model.kv_heads_ * model.head_dim * e / layout.tensor  # K and V
         if layout.context_method == "ulysses":  # q and the output, k and v: one all-to-all each
@@ -218,93 +275,47 @@ def step_time(
     if stages > 1:
         sent = activation / (layout.tensor if layout.sequence_parallel else 1)
         comm["pipeline"] = 2 * (layout.virtual * m + stages - 1) * along("stages", sent, "permute")
-    grads = gradient_seconds(model, layout, cluster, e)
-    if grads:
+    if grads := gradient_seconds(model, layout, cluster, e):
         comm["gradients"] = grads
-    exposed = max(grads - compute, 0.0) if overlap == "full" else grads
-    return StepTime(compute, bubble, comm, exposed, efficiency)
+    return comm
 
 
-def matmul_seconds(m: float, k: float, n: float, cluster: Cluster, precision: str) -> float:
-    """One ``m x k`` by ``k x n`` product on one device: the longer of its FLOPs at :data:`ACHIEVABLE` of the peak
-    and its bytes at the memory's bandwidth (FLOPs alone where ``cluster.hbm_bytes_per_s`` is None). Under ``"fp8"``
-    its inputs are 1 byte an element and its output bf16, and quantizing the inputs first adds
-    :data:`FP8_CAST_BYTES` an input element at the memory's bandwidth.
+@functools.lru_cache(maxsize=65536)  # layouts of one mesh repeat their collectives
+def _axis_seconds(cluster: Cluster, size: int, stride: int, nbytes: float, collective: str) -> float:
+    return axis_seconds(cluster, size, stride, nbytes, collective)
 
-    >>> h100 = Cluster.published("H100 SXM", per_node=1)
-    >>> big, thin = matmul_seconds(8192, 8192, 8192, h100, "bf16"), matmul_seconds(8192, 8192, 16, h100, "bf16")
-    >>> round(2 * 8192**3 / big / 989.5e12, 3), round(2 * 8192**2 * 16 / thin / 989.5e12, 3)  # share of the peak
-    (0.803, 0.054)
-    >>> fp8 = matmul_seconds(8192, 8192, 8192, h100, "fp8")  # FP8's peak, less the quantization of the inputs
-    >>> round(2 * 8192**3 / fp8 / 1979e12, 3)
-    0.684
+
+def exposed_seconds(
+    comm: dict[str, float], hides: Sequence[str], layout: Layout, layers: int, passes: Passes, compute: float
+) -> dict[str, float]:
+    """What of each family's seconds is on the critical path, each hidden family behind its window of compute:
+
+    - ``"gradients"`` behind the backward passes they follow: ZeRO 0 and 1 reduce once, after the last
+      microbatch's backward pass begins (its ``layers`` backward and weight passes); ZeRO-2 reduce-scatters behind
+      every microbatch's backward; ZeRO-3 gathers behind the previous layer's work, forward and backward (the
+      whole compute). The last layer's share (``1 / layers``) is always exposed: nothing follows it.
+    - ``"tensor"`` (async tensor parallelism) behind the linear layers' products;
+    - ``"context"`` behind the attention's products (the ring's permutes behind each block's);
+    - ``"experts"`` behind the other microbatch's compute (DualPipe's pairing): the whole compute.
+
+    Families not in ``hides``, and the pipeline's sends, are exposed whole.
     """
-    flops = 2 * m * k * n / (ACHIEVABLE.get(cluster.chip, _ACHIEVABLE_ELSE) * cluster.peak_flops(precision))
-    if cluster.hbm_bytes_per_s is None:
-        return flops
-    if precision != "fp8":
-        return max(flops, ELEMENT_BYTES[precision] * (m * k + k * n + m * n) / cluster.hbm_bytes_per_s)
-    inputs = m * k + k * n  # quantized to 1 byte each by a pass of their own, then read by the product
-    cast = FP8_CAST_BYTES * inputs / cluster.hbm_bytes_per_s
-    return cast + max(flops, (inputs + ELEMENT_BYTES["bf16"] * m * n) / cluster.hbm_bytes_per_s)
-
-
-def _elementwise_seconds(model: ModelShape, layout: Layout, cluster: Cluster, micro: int, precision: str) -> float:
-    """What the operations besides the matrix products take on one device in one step: the arrays Korthikanti et
-    al. count a layer keeps (:func:`.memory.layer_activation_bytes` without the attention's scores, which a fused
-    attention never writes) written once by the forward pass and read once and their gradients written once by the
-    backward pass, once more written by a recomputed forward pass, at the memory's bandwidth, for every layer of the
-    device's stage and every microbatch; 0 where the cluster has no bandwidth.
-
-    >>> h100 = Cluster.published("H100 SXM", per_node=1)
-    >>> from parallelkit.planner import MODELS, layer_activation_bytes
-    >>> seconds = _elementwise_seconds(MODELS["llama3-8b"], Layout(), h100, 1, "bf16")
-    >>> seconds == 32 * 3 * layer_activation_bytes(MODELS["llama3-8b"], 1, recompute="selective") / 3.35e12
-    True
-    """
-    if cluster.hbm_bytes_per_s is None:
-        return 0.0
-    arrays = layer_activation_bytes(model, micro, tensor=layout.tensor, sequence_parallel=layout.sequence_parallel,
-                                    context=layout.context, context_method=layout.context_method,
-                                    recompute="selective", element_bytes=ELEMENT_BYTES[precision])  # fmt: skip
-    passes = 3 if layout.recompute == "none" else 4
-    layers = math.ceil(model.layers / layout.stages)
-    return layers * layout.microbatches * passes * arrays / cluster.hbm_bytes_per_s
-
-
-def matmul_efficiency(model: ModelShape, layout: Layout, cluster: Cluster, micro: int, precision: str) -> float:
-    """The share of one device's peak that one layer's matrix products reach on a microbatch of ``micro`` sequences:
-    their FLOPs over the peak times their time (:func:`matmul_seconds`), shapes as the module's assumptions say."""
-    ulysses = layout.context_method == "ulysses" and layout.context > 1
-    return _matmul_efficiency(model, cluster, precision, layout.tensor, layout.context, ulysses, layout.expert, micro)
-
-
-@functools.lru_cache(maxsize=65536)  # the planner asks for the same shapes for many layouts
-def _matmul_efficiency(
-    model: ModelShape, cluster: Cluster, precision: str, t: int, context: int, ulysses: bool, expert: int, micro: int
-) -> float:
-    h, f = model.d_model, model.ffn
-    tokens = micro * model.seq / context
-    kv = model.kv_heads_ * model.head_dim
-    products = [(tokens, h, (h + 2 * kv) / t, 1), (tokens, h / t, h, 1)]  # (m, k, n, how many)
-    if model.experts:  # each of the device's experts on the tokens routed to it
-        routed = max(tokens * model.top_k * expert / model.experts, 1.0)
-        local = model.experts / expert
-        products += [(routed, h, (2 if model.gated else 1) * f / t, local), (routed, f / t, h, local)]
-    else:
-        products += [(tokens, h, (2 if model.gated else 1) * f / t, 1), (tokens, f / t, h, 1)]
-    heads = model.heads / t
-    if ulysses:  # every token of a share of the heads
-        queries, heads = micro * model.seq, heads / context
-    else:  # the device's queries against every key
-        queries = tokens
-    keys = micro * model.seq
-    per_sequence = [(queries / micro, model.head_dim, keys / micro, 2 * heads * micro)]  # scores, then values
-    flops = sum(2 * m * k * n * count for m, k, n, count in products + per_sequence)
-    attention = "bf16" if precision == "fp8" else precision  # FP8 recipes keep the attention's products in bf16
-    seconds = sum(matmul_seconds(m, k, n, cluster, precision) * count for m, k, n, count in products)
-    seconds += sum(matmul_seconds(m, k, n, cluster, attention) * count for m, k, n, count in per_sequence)
-    return flops / (seconds * cluster.peak_flops(precision))
+    m = layout.microbatches
+    window = {
+        "gradients": {0: layers * (passes.backward + passes.weight), 1: layers * (passes.backward + passes.weight),
+                      2: layers * m * (passes.backward + passes.weight), 3: compute}[layout.zero],
+        "tensor": layers * m * passes.products,
+        "context": layers * m * passes.core,
+        "experts": compute,
+    }  # fmt: skip
+    out = {}
+    for name, seconds in comm.items():
+        if name not in hides:
+            out[name] = seconds
+        else:
+            floor = seconds / layers if name == "gradients" else 0.0
+            out[name] = max(seconds - window[name], floor)
+    return out
 
 
 def gradient_seconds(model: ModelShape, layout: Layout, cluster: Cluster, element_bytes: int) -> float:
@@ -313,7 +324,7 @@ def gradient_seconds(model: ModelShape, layout: Layout, cluster: Cluster, elemen
     The dense parameters repeat over ``expert x context x data`` (contiguous in :data:`_MESH_ORDER`,
     neighbours ``tensor`` apart); the experts' over ``context x data``.
     """
-    apart = strides(layout)
+    apart, cluster = strides(layout), achieved(cluster)
     experts = model.routed_params
     split = layout.tensor * layout.stages
     held = [((model.params - experts) / split, layout.expert * layout.context * layout.data, apart["expert"])]
@@ -322,7 +333,7 @@ def gradient_seconds(model: ModelShape, layout: Layout, cluster: Cluster, elemen
     m, total = layout.microbatches, 0.0
     for params, size, stride in held:
         nbytes = params * element_bytes
-        reduce = axis_seconds(cluster, size, stride, nbytes, "all-reduce")
-        half = axis_seconds(cluster, size, stride, nbytes, "all-gather")
+        reduce = _axis_seconds(cluster, size, stride, nbytes, "all-reduce")
+        half = _axis_seconds(cluster, size, stride, nbytes, "all-gather")
         total += {0: reduce, 1: reduce, 2: m * half + half, 3: 3 * m * half}[layout.zero]
     return total
