@@ -29,6 +29,35 @@ every stage under ZB-H1 (each microbatch held until its weight pass), and under 
 (p - 1) / (p m)``, their ``m`` the virtual stages). ZB-H1's deferred weight passes each keep,
 besides their activations, the gradients of the layer's matrix products' outputs
 (:func:`weight_pass_bytes`), which a whole backward pass frees at once: the price of splitting it.
+
+**A fused program** (``fused=True``: a step compiled whole by XLA, as the kit's are) keeps less than the paper
+counts, and holds more for a moment; the TPU compiler's memory for the kit's GPT (``pk.aot.compile``, recorded by
+``benchmarks/planner_compiled.py`` and ``benchmarks/recompute.py``) shows three corrections:
+
+- *What a layer keeps.* The compiler fuses the norms and the activation function into the products around them
+  and recomputes them in the backward pass, so a layer keeps its input, the queries, keys and values, the
+  attention's output and the MLP's pre-activations (the gate's and the up projection's when gated): ``e (3 s b h +
+  2 s b kv + s b f)``, not the paper's ``e (8 s b h + 2 s b f)`` (its norms' outputs, the GELU's output). Nor does
+  it keep attention's scores between the passes, under any recomputation: for the Llama 3 8B-sized GPT (width
+  4096, MLP 14336, 2048 tokens, float32, FSDP on 4 TPU v5p chips) each further block adds 0.84 GB to the peak under
+  selective recomputation, its 0.55 GB of state and 0.29 GB of activations, where this count gives 0.285 GB and
+  the paper's 0.503 GB; for the small GPT of ``recompute.py`` (width 256, MLP 1024, 512 tokens, two sequences a
+  chip, 4 chips) each block adds 9.2 MB without recomputation and 9.7 MB under selective, this count 9.4 MB,
+  with 16.8 MB of scores a layer it does not keep.
+- *One layer's backward pass.* Attention that is not fused (the kit's ``attend`` computes float32 scores of ``s x
+  s`` a head) holds one layer's probabilities and their gradient while that layer's backward pass runs: ``2 x 4 a
+  s^2 b`` bytes (:func:`backward_working_bytes`), beside the kept activations; under full recomputation the
+  layer rebuilt is held with them (both in :attr:`Memory.buffers`). Measured beyond the kept arrays
+  and the logits: 38 MB for the small GPT under selective recomputation (2.3 score arrays of 16.8 MB), 1.34 GB
+  for the 8B-sized one (2.5 arrays of 0.54 GB); without recomputation the compiler holds more, 78 MB (4.7
+  arrays), which this count does not reach (it counts 2).
+- *Gradients and activations apart.* The peak falls where the forward pass ends and the backward pass begins,
+  with every kept array and no gradient yet; the backward pass frees each layer's arrays as it makes the
+  layer's gradients, so the gradients made so far grow as the kept arrays shrink, and one layer's working set
+  is held all along. The total counts the parameters, the optimizer state, the working set and the larger of
+  the gradients and the activations with their logits (:attr:`Memory.total`). Under FSDP on 4 chips the 8B
+  GPT's gradient shards (7.0 GB) are not in the compiled peak (32.4 GB: 20.9 GB of arguments and 11.5 GB
+  beyond them, which this count puts at 11.2 GB of activations, logits and working set).
 """
 
 from __future__ import annotations
@@ -87,6 +116,8 @@ class Memory:
     optimizer: float
     activations: float
     logits: float = 0.0  # the last stage's float32 logits of one microbatch, kept for the loss's backward
+    buffers: float = 0.0  # what one layer's backward pass holds beside the kept arrays (fused programs)
+    grads_apart: bool = False  # a fused program: the gradients are made as the activations are freed
 
     @property
     def state(self) -> float:
@@ -94,10 +125,15 @@ class Memory:
 
     @property
     def total(self) -> float:
-        return self.state + self.activations + self.logits
+        """The most held at once: the state, the activations, the logits and the buffers; for a fused program the
+        gradients or the activations with the logits, whichever is larger, not both (the module's "A fused
+        program")."""
+        if self.grads_apart:
+            return self.params + self.optimizer + self.buffers + max(self.grads, self.activations + self.logits)
+        return self.state + self.activations + self.logits + self.buffers
 
     def __str__(self) -> str:
-        parts = ("params", "grads", "optimizer", "activations", "logits", "total")
+        parts = ("params", "grads", "optimizer", "activations", "logits", "buffers", "total")
         return ", ".join(f"{name} {getattr(self, name) / 1e9:.2f} GB" for name in parts)
 
 
@@ -133,6 +169,7 @@ def layer_activation_bytes(
     context_method: str = "ring",
     recompute: str = "none",
     element_bytes: int = 2,
+    fused: bool = False,
 ) -> float:
     """The activations one transformer layer keeps on one device for its backward pass, in bytes.
 
@@ -144,7 +181,9 @@ def layer_activation_bytes(
     (the ring one ``s/c x s/c`` block a step, each kept for the backward pass as automatic
     differentiation keeps a loop's), and it keeps the ``c - 1`` other blocks of keys and values it
     received; under ``"ulysses"`` it holds ``a/c`` heads of ``s x s``. An MoE layer keeps the
-    MLP's arrays for each of a token's ``top_k`` experts.
+    MLP's arrays for each of a token's ``top_k`` experts. ``fused``: a program compiled whole (XLA's), which
+    keeps the layer's input, the queries, keys and values, the attention's output and the MLP's pre-activations,
+    and no scores under any recomputation (the module's "A fused program").
 
     >>> gpt = Transformer(layers=1, d_model=4096, heads=32, ffn=16384, vocab=1, seq=2048, gated=False)
     >>> s, b, h, a = 2048, 1, 4096, 32  # the paper's s b h (34 + 5 a s / h), its 4h GELU block
@@ -166,13 +205,49 @@ def layer_activation_bytes(
         return e * s * b * h / outer_split
     kv = model.kv_heads_ * model.head_dim
     attention = e * (s * b * h + 2 * s * b * kv + s * b * h)  # Q; K and V; the output projection's input
-    mlp = e * (4 if model.gated else 2) * s * b * model.ffn * (model.top_k if model.experts else 1)
+    routed = model.top_k if model.experts else 1
+    if fused:  # the module's "what a layer keeps": the input; Q, K, V, attention's output; the pre-activations
+        mlp = e * (2 if model.gated else 1) * s * b * model.ffn * routed
+        received = 2 * e * (context - 1) * s * b * kv if context_method != "ulysses" else 0.0
+        return e * s * b * h / outer_split + (attention + mlp + received) / tensor
+    mlp = e * (4 if model.gated else 2) * s * b * model.ffn * routed
     queries_heads = a * s if context_method != "ulysses" else a / context * model.seq
     received = 2 * e * (context - 1) * s * b * kv if context_method != "ulysses" else 0.0  # others' K and V
     per_score = 2 * e + mask if model.dropout else e  # probabilities, their mask and the dropped ones; or once
     scores = 0.0 if recompute == "selective" else per_score * queries_heads * model.seq * b
     outer = (4 * e + 2 * mask) * s * b * h  # two norms' inputs, the two blocks' inputs, their dropout masks
     return outer / outer_split + (attention + mlp + scores + received) / tensor
+
+
+def backward_working_bytes(
+    model: Transformer,
+    micro_batch: int,
+    *,
+    tensor: int = 1,
+    context: int = 1,
+    context_method: str = "ring",
+    fused: bool = False,
+) -> float:
+    """What one layer's backward pass holds for a moment beside the kept activations, in bytes on one device.
+
+    For a fused program (``fused``) whose attention is not fused, as the kit's (:func:`parallelkit.models.layers.
+    attention.dense`: float32 scores), the layer's probabilities and their gradient, ``2 x 4 a s^2 b`` over the
+    ``tensor`` devices that split the heads, ``s / context`` queries against the keys each method's device holds
+    (the module's "One layer's backward pass"). Korthikanti et al.'s accounting (``fused=False``) counts what is
+    kept between the passes only: 0.
+
+    >>> m = Transformer(layers=1, d_model=8, heads=2, ffn=32, vocab=1, seq=4, gated=False)
+    >>> backward_working_bytes(m, 1, fused=True) == 2 * 4 * 2 * 4 * 4, backward_working_bytes(m, 1)
+    (True, 0.0)
+    """
+    if not fused:
+        return 0.0
+    queries = model.seq / context
+    keys = model.seq if context_method != "ring" else model.seq / context  # the ring: one block at a time
+    heads = model.heads / (context if context_method == "ulysses" else 1)
+    if context_method == "ulysses":
+        queries = model.seq
+    return 2 * 4 * heads * queries * keys * micro_batch / tensor
 
 
 def in_flight(schedule: str, stages: int, microbatches: int, stage: int = 0, virtual: int = 1) -> float:
