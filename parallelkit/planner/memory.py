@@ -37,20 +37,22 @@ counts, and holds more for a moment; the TPU compiler's memory for the kit's GPT
 - *What a layer keeps.* The compiler fuses the norms and the activation function into the products around them
   and recomputes them in the backward pass, so a layer keeps its input, the queries, keys and values, the
   attention's output and the MLP's pre-activations (the gate's and the up projection's when gated): ``e (3 s b h +
-  2 s b kv + s b f)``, not the paper's ``e (8 s b h + 2 s b f)`` (its norms' outputs, the GELU's output). Nor does
-  it keep attention's scores between the passes, under any recomputation: for the Llama 3 8B-sized GPT (width
-  4096, MLP 14336, 2048 tokens, float32, FSDP on 4 TPU v5p chips) each further block adds 0.84 GB to the peak under
-  selective recomputation, its 0.55 GB of state and 0.29 GB of activations, where this count gives 0.285 GB and
-  the paper's 0.503 GB; for the small GPT of ``recompute.py`` (width 256, MLP 1024, 512 tokens, two sequences a
-  chip, 4 chips) each block adds 9.2 MB without recomputation and 9.7 MB under selective, this count 9.4 MB,
-  with 16.8 MB of scores a layer it does not keep.
+  2 s b kv + s b f)``, not the paper's ``e (8 s b h + 2 s b f)`` (its norms' outputs, the GELU's output), and
+  without recomputation the probabilities too. For the Llama 3 8B-sized GPT (width 4096, MLP 14336, 2048
+  tokens, float32, FSDP on 4 TPU v5p chips) each further block adds 0.84 GB to the peak under selective
+  recomputation, its 0.55 GB of state and 0.29 GB of activations, where this count gives 0.285 GB and the
+  paper's 0.503 GB; without recomputation 1.51 GB, 0.96 GB of activations beside this count's 0.82 GB (with
+  0.54 GB of probabilities). At a small head width the compiler keeps no probabilities: for the small GPT of
+  ``recompute.py`` (width 256, 8 heads of 32, 512 tokens, two sequences a chip, 4 chips) each block adds
+  9.2 MB without recomputation and 9.7 MB under selective, where this count gives 9.4 MB and 26.2 MB.
 - *One layer's backward pass.* Attention that is not fused (the kit's ``attend`` computes float32 scores of ``s x
   s`` a head) holds one layer's probabilities and their gradient while that layer's backward pass runs: ``2 x 4 a
   s^2 b`` bytes (:func:`backward_working_bytes`), beside the kept activations; under full recomputation the
   layer rebuilt is held with them (both in :attr:`Memory.buffers`). Measured beyond the kept arrays
   and the logits: 38 MB for the small GPT under selective recomputation (2.3 score arrays of 16.8 MB), 1.34 GB
-  for the 8B-sized one (2.5 arrays of 0.54 GB); without recomputation the compiler holds more, 78 MB (4.7
-  arrays), which this count does not reach (it counts 2).
+  for the 8B-sized one (2.5 arrays of 0.54 GB). Without recomputation the small GPT's program holds 78 MB
+  (4.7 arrays) but keeps no probabilities a layer, so this count, which keeps them, is 1.18 times its peak at
+  4 blocks and 1.56 at 8; for the 8B-sized GPT, which keeps them, 0.92.
 - *Gradients and activations apart.* The peak falls where the forward pass ends and the backward pass begins,
   with every kept array and no gradient yet; the backward pass frees each layer's arrays as it makes the
   layer's gradients, so the gradients made so far grow as the kept arrays shrink, and one layer's working set
@@ -183,7 +185,7 @@ def layer_activation_bytes(
     received; under ``"ulysses"`` it holds ``a/c`` heads of ``s x s``. An MoE layer keeps the
     MLP's arrays for each of a token's ``top_k`` experts. ``fused``: a program compiled whole (XLA's), which
     keeps the layer's input, the queries, keys and values, the attention's output and the MLP's pre-activations,
-    and no scores under any recomputation (the module's "A fused program").
+    and the probabilities unless recomputed (the module's "A fused program").
 
     >>> gpt = Transformer(layers=1, d_model=4096, heads=32, ffn=16384, vocab=1, seq=2048, gated=False)
     >>> s, b, h, a = 2048, 1, 4096, 32  # the paper's s b h (34 + 5 a s / h), its 4h GELU block
@@ -206,16 +208,14 @@ def layer_activation_bytes(
     kv = model.kv_heads_ * model.head_dim
     attention = e * (s * b * h + 2 * s * b * kv + s * b * h)  # Q; K and V; the output projection's input
     routed = model.top_k if model.experts else 1
-    if fused:  # the module's "what a layer keeps": the input; Q, K, V, attention's output; the pre-activations
-        mlp = e * (2 if model.gated else 1) * s * b * model.ffn * routed
-        received = 2 * e * (context - 1) * s * b * kv if context_method != "ulysses" else 0.0
-        return e * s * b * h / outer_split + (attention + mlp + received) / tensor
     mlp = e * (4 if model.gated else 2) * s * b * model.ffn * routed
     queries_heads = a * s if context_method != "ulysses" else a / context * model.seq
     received = 2 * e * (context - 1) * s * b * kv if context_method != "ulysses" else 0.0  # others' K and V
     per_score = 2 * e + mask if model.dropout else e  # probabilities, their mask and the dropped ones; or once
     scores = 0.0 if recompute == "selective" else per_score * queries_heads * model.seq * b
     outer = (4 * e + 2 * mask) * s * b * h  # two norms' inputs, the two blocks' inputs, their dropout masks
+    if fused:  # the module's "what a layer keeps": the input; Q, K, V, attention's output; the pre-activations
+        mlp, outer = e * (2 if model.gated else 1) * s * b * model.ffn * routed, (e + 2 * mask) * s * b * h
     return outer / outer_split + (attention + mlp + scores + received) / tensor
 
 
