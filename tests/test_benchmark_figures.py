@@ -96,14 +96,13 @@ def _recompute() -> list[str]:
 
 def test_what_the_recompute_prose_says_holds():
     """ "The compiled peak falls from none to selective to full, and the FLOPs rise"; the planner's count is "0.85 of
-    it under selective recomputation and 0.86 under full, 0.66 without", and "the same for none as for selective"."""
+    the compiled peak under selective recomputation and 0.86 under full, and 1.17 times it without"."""
     rows = {r["recompute"]: r for r in load("recompute.json")["rows"]}
     none, selective, full = (rows[name] for name in ("none", "selective", "full"))
     assert none["peak_bytes"] > selective["peak_bytes"] > full["peak_bytes"]
     assert none["flops"] < selective["flops"] < full["flops"]
     ratios = [round(r["planned_bytes"] / r["peak_bytes"], 2) for r in (selective, full, none)]
-    assert ratios == [0.85, 0.86, 0.66]
-    assert none["planned_bytes"] == selective["planned_bytes"]
+    assert ratios == [0.85, 0.86, 1.17]
 
 
 def _cpu_pool() -> list[str]:
