@@ -8,30 +8,40 @@ parallelism over 8) for the 70B, each under recomputation none, selective and fu
 of time for a TPU v5p topology (``pk.aot.compile``: parameters and batch as ``jax.ShapeDtypeStruct``, nothing is
 allocated, nothing runs, nothing is timed) and the compiler's memory per chip (arguments, temporaries, peak) is
 set beside the planner's count for the same layout and the same model shape
-(``pk.planner.memory_per_device`` with ``Transformer.from_gpt``: state, activations, logits and buffers).
+(``pk.planner.memory_per_device(..., fused=True)`` with ``Transformer.from_gpt``: the count for a program
+compiled whole, ``parallelkit/planner/memory.py``'s "A fused program"; its parameters, gradients, optimizer
+state, activations, logits and buffers). Float32, not bf16: the kit's bf16 step under ZeRO-3 differentiates a
+whole float32 copy of the parameters on each replica (``parallelkit/core/precision.py``), a cost of the kit's
+precision policy rather than of the layout (the 8B-sized GPT at 32 blocks held 39.9 GB in bf16 where float32
+holds 53.8 GB with the same layout, without recomputation, by a linear extrapolation from 1 and 2 blocks that
+the deeper compiles later showed unreliable: recorded here only as the reason for float32).
 
 How the kit's GPT differs from Llama 3, and so what is compiled and counted: a GELU MLP of two matrices (not
 SwiGLU's three), multi-head attention (no grouped key-value heads), layer norms with biases, learned positions
 and an untied head; its attention is not fused (it computes float32 scores of ``s x s`` per head). The planner's
 shape has the same dimensions (``Transformer.from_gpt``), so both sides count the same model. Sequences are 2048
-tokens, not Llama 3's 8192: at 8192 the unfused attention's float32 scores of one layer's backward pass (about
-4 x 8.6 GB a sequence) are most of what the compiler holds, a cost of the kit's attention rather than of the
-layout; at 2048 they are 16 times smaller.
+tokens, not Llama 3's 8192: at 8192 the unfused attention's float32 scores of one layer's backward pass (8.6 GB
+an array for one sequence) are most of what the compiler holds (2 blocks of the 8B-sized GPT under selective
+recomputation on 4 chips: a 63.6 GB peak), a cost of the kit's attention rather than of the layout; at 2048 they
+are 16 times smaller.
 
-What keeps the compiles within a couple of minutes each on 2 cores:
+What keeps the compiles within reach of 2 cores:
 
-- **Depth.** The GPT's blocks are a Python loop, so the program grows with every block. Each case is compiled
-  at 1 and 2 blocks; the second block's increment (arguments, temporaries, peak) is what each further block adds,
-  and the full depth's figure is ``one block + (layers - 1) x increment``, recorded beside the measured ones.
-  The planner is evaluated at the full depth and at 1 and 2 blocks, so its increment is compared too.
+- **Depth.** The GPT's blocks are a Python loop, so the program grows with every block. The 8B-sized GPT is
+  compiled at its 32 blocks and at 8; the 70B-sized one at 4 and 8 blocks, and its 80 blocks' figures are the
+  8 blocks' plus 72 times the increment of a block between 4 and 8 (``compiled_at_depth``, with
+  ``measured_at_depth`` false). Fewer blocks mislead: at 1 and 2 blocks the peak falls while the loss's
+  vocabulary-wide arrays are live and does not grow with a block's activations.
 - **Chips.** The memory per chip of ZeRO-3 depends on the number of chips only through the state's share:
-  with the same sequences per chip the activations, the gathered layer and the logits are the same. The
-  default topologies are the smallest that hold the layouts' model-parallel axes (``--chips 64,256`` compiles
-  the published chip counts, v5p:4x4x4 and v5p:4x8x8, slower: about a minute a block at 64 chips); the
-  planner counts the same layout on the same chips either way.
+  with the same sequences per chip the activations and the logits are the same. The default topologies are the
+  smallest that hold the layouts' model-parallel axes (``--chips 64,256`` compiles the published chip counts,
+  v5p:4x4x4 and v5p:4x8x8: 1 and 2 blocks of the 8B-sized GPT took 59 and 128 s to compile for v5p:4x4x4 here);
+  the planner counts the same layout on the same chips either way.
 
-Run: ``.venv/bin/python benchmarks/planner_compiled.py`` (a few minutes on 2 cores); it prints the table and
-writes ``benchmarks/results/planner_compiled.json``. It needs libtpu (``pip install "parallelkit[tpu]"``).
+Run: ``.venv/bin/python benchmarks/planner_compiled.py`` (the 32-block compiles take 5 to 9 minutes each on 2
+shared cores, the whole run about an hour); ``--compiled benchmarks/results/planner_compiled.json`` recounts a
+record's compiled figures in seconds, after a change of the accounting. It prints the table and writes
+``benchmarks/results/planner_compiled.json``. It needs libtpu (``pip install "parallelkit[tpu]"``).
 """
 
 from __future__ import annotations

@@ -236,8 +236,9 @@ def memory_per_device(
     context x data`` for the dense parameters, ``context x data`` for the experts'. The
     activations: :func:`activations`. The parameters are split evenly over the stages. ``fused``: count
     for a program compiled whole, as the kit's steps are (the :mod:`.memory` module's "A fused program": what a
-    layer keeps, one layer's backward pass in ``buffers``, gradients and activations apart); by default,
-    Korthikanti et al.'s accounting of an unfused framework.
+    layer keeps, one layer's backward pass in ``buffers``, gradients and activations apart), with attention
+    that is not fused, as the kit's (a FlashAttention kernel holds no ``s x s`` arrays, which this count does not
+    model); by default, Korthikanti et al.'s accounting of an unfused framework.
 
     Raises:
       ValueError: the layout cannot run the model on this batch (:func:`check` says why).
