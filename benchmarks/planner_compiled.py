@@ -10,11 +10,9 @@ allocated, nothing runs, nothing is timed) and the compiler's memory per chip (a
 set beside the planner's count for the same layout and the same model shape
 (``pk.planner.memory_per_device(..., fused=True)`` with ``Transformer.from_gpt``: the count for a program
 compiled whole, ``parallelkit/planner/memory.py``'s "A fused program"; its parameters, gradients, optimizer
-state, activations, logits and buffers). Float32, not bf16: the kit's bf16 step under ZeRO-3 differentiates a
-whole float32 copy of the parameters on each replica (``parallelkit/core/precision.py``), a cost of the kit's
-precision policy rather than of the layout (the 8B-sized GPT at 32 blocks held 39.9 GB in bf16 where float32
-holds 53.8 GB with the same layout, without recomputation, by a linear extrapolation from 1 and 2 blocks that
-the deeper compiles later showed unreliable: recorded here only as the reason for float32).
+state, activations, logits and buffers). Float32, not bf16: under ZeRO-3 the kit's bf16 step differentiates a copy of the parameters on each replica,
+"at the price of a whole float32 gradient on each device while it is reduced" (``parallelkit/core/precision.py``),
+a cost of the kit's precision policy rather than of the layout, which float32 training does not pay.
 
 How the kit's GPT differs from Llama 3, and so what is compiled and counted: a GELU MLP of two matrices (not
 SwiGLU's three), multi-head attention (no grouped key-value heads), layer norms with biases, learned positions
