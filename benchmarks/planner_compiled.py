@@ -10,7 +10,9 @@ allocated, nothing runs, nothing is timed) and the compiler's memory per chip (a
 set beside the planner's count for the same layout and the same model shape
 (``pk.planner.memory_per_device(..., fused=True)`` with ``Transformer.from_gpt``: the count for a program
 compiled whole, ``parallelkit/planner/memory.py``'s "A fused program"; its parameters, gradients, optimizer
-state, activations, logits and buffers). Float32, not bf16: under ZeRO-3 the kit's bf16 step differentiates a copy of the parameters on each replica,
+state, activations, logits and buffers).
+
+Float32, not bf16: under ZeRO-3 the kit's bf16 step differentiates a copy of the parameters on each replica,
 "at the price of a whole float32 gradient on each device while it is reduced" (``parallelkit/core/precision.py``),
 a cost of the kit's precision policy rather than of the layout, which float32 training does not pay.
 
@@ -117,12 +119,14 @@ def compiled(case: Case, chips: int, depth: int, recompute: str) -> dict:
     return {**{key: getattr(memory, key) for key in MEASURED}, "compile_s": round(time.perf_counter() - start, 1)}
 
 
-def planned(case: Case, chips: int, depth: int, recompute: str) -> dict:
-    """The planner's count per chip (bytes), by component, for the compiled model's shape at ``depth`` blocks."""
+def planned(case: Case, chips: int, depth: int, recompute: str, fused: bool = True) -> dict:
+    """The planner's count per chip (bytes), by component, for the compiled model's shape at ``depth`` blocks:
+    for a fused program, or (``fused=False``) by Korthikanti et al.'s accounting, the count before the compiler's
+    corrections."""
     model, _, _ = gpt_shapes(case, 1)
     shape = dataclasses.replace(Transformer.from_gpt(model), layers=depth)
     plan = layout(case, chips, recompute)
-    memory = pk.planner.memory_per_device(shape, plan, plan.data * case.per_replica, precision="fp32", fused=True)
+    memory = pk.planner.memory_per_device(shape, plan, plan.data * case.per_replica, precision="fp32", fused=fused)
     return {"params": memory.params, "grads": memory.grads, "optimizer": memory.optimizer,
             "activations": memory.activations, "logits": memory.logits, "buffers": memory.buffers,
             "total": memory.total}  # fmt: skip
@@ -162,7 +166,8 @@ def main() -> None:
             row = {"case": case.name, "chips": n, "topology": case.topologies[n], "layers": case.layers,
                    "seq": case.seq, "layout": layout(case, n, recompute).name, "recompute": recompute,
                    "compiled": figures, "compiled_at_depth": full, "measured_at_depth": str(case.layers) in figures,
-                   "planned": count, "ratio": count["total"] / full["peak"]}  # fmt: skip
+                   "planned": count, "ratio": count["total"] / full["peak"],
+                   "planned_unfused": planned(case, n, case.layers, recompute, fused=False)}  # fmt: skip
             rows.append(row)
             gb = [full["arguments"] / 1e9, full["peak"] / 1e9, count["total"] / 1e9]
             cells = "".join(f"{x:>{w}.2f}" for x, w in zip(gb, (9, 9, 11), strict=True))
