@@ -145,7 +145,7 @@ def main() -> None:
     parser.add_argument("--chips", default="", help="chips of each case, comma-separated (default: the smallest)")
     parser.add_argument("--recompute", default=",".join(RECOMPUTE), help="recomputations to compile")
     parser.add_argument("--cases", default="", help="indices of CASES to run, comma-separated (default: all)")
-    parser.add_argument("--compiled", default="", help="a record whose compiled figures to reuse: recount only")
+    parser.add_argument("--compiled", default="", help="a record whose compiled figures to recount (compiles nothing)")
     parser.add_argument("--out", default="benchmarks/results/planner_compiled.json")
     args = parser.parse_args()
     reuse = {(r["case"], r["chips"], r["recompute"]): r["compiled"] for r in _rows(args.compiled)}
@@ -158,6 +158,9 @@ def main() -> None:
     for index in picked:
         case, n = CASES[index], chips[index]
         for recompute in args.recompute.split(","):
+            if args.compiled and (case.name, n, recompute) not in reuse:
+                print(f"{case.name:<36}{n:>6}{recompute:>10}  not compiled in {args.compiled}: skipped")
+                continue
             figures = reuse.get((case.name, n, recompute)) or {
                 str(depth): compiled(case, n, depth, recompute) for depth in case.depths
             }
