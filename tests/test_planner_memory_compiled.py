@@ -8,12 +8,14 @@ small GPT compiled for TPU v5e 2x2 under FSDP (ZeRO-3) beside the count. The com
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import jax
 import jax.numpy as jnp
 import optax
 import pytest
 from flax import nnx
+from helpers import ROOT
 
 import parallelkit as pk
 from parallelkit.measure import aot
@@ -109,3 +111,23 @@ def test_without_recomputation_a_small_head_width_keeps_no_probabilities_and_the
     fused = layer_activation_bytes(GPT, B, recompute="selective", element_bytes=4, fused=True)
     beyond = (peak8 - peak4) / 4 - fused  # a block's parameters on each chip, measured: 0.5 MB
     assert abs(beyond) < 0.2 * fused
+
+
+def planner_compiled_rows() -> list[str]:
+    """benchmarks/README.md's table of ``planner_compiled.json``: GB per chip, and the ratios to the compiled peak."""
+    rows = []
+    for r in json.loads((ROOT / "benchmarks/results/planner_compiled.json").read_text())["rows"]:
+        c, p = r["compiled_at_depth"], r["planned"]
+        gb = [c["arguments"], c["peak"], p["params"] + p["optimizer"], p["grads"], p["activations"] + p["logits"],
+              p["buffers"], p["total"]]  # fmt: skip
+        cells = " | ".join(f"{x / 1e9:.2f}" for x in gb)
+        depth = "" if r["measured_at_depth"] else " (from 4 and 8)"
+        rows.append(f"| {r['layout']}, {r['layers']} blocks{depth} | {r['recompute']} | {cells} | {r['ratio']:.2f} | "
+                    f"{r['planned_unfused']['total'] / c['peak']:.2f} |")  # fmt: skip
+    return rows
+
+
+def test_the_benchmark_readme_quotes_the_planner_compiled_record():
+    readme = (ROOT / "benchmarks/README.md").read_text()
+    missing = [row for row in planner_compiled_rows() if row not in readme]
+    assert not missing, missing
