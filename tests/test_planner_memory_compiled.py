@@ -131,3 +131,18 @@ def test_the_benchmark_readme_quotes_the_planner_compiled_record():
     readme = (ROOT / "benchmarks/README.md").read_text()
     missing = [row for row in planner_compiled_rows() if row not in readme]
     assert not missing, missing
+
+
+def test_the_readme_quotes_the_ratios_of_the_record():
+    """README.md: "0.92, 0.99 and 0.87 of the compiled peak ... (1.16, 1.39 and 0.91 by Korthikanti et al.'s
+    accounting), and 0.97 for the 70B-sized one"."""
+    rows = json.loads((ROOT / "benchmarks/results/planner_compiled.json").read_text())["rows"]
+    eight = {r["recompute"]: r for r in rows if r["case"].startswith("Llama 3 8B")}
+    names = ("none", "selective", "full")
+    fused = [eight[n]["ratio"] for n in names]
+    unfused = [eight[n]["planned_unfused"]["total"] / eight[n]["compiled_at_depth"]["peak"] for n in names]
+    seventy = next(r for r in rows if r["case"].startswith("Llama 3 70B"))
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    assert "{:.2f}, {:.2f} and {:.2f} of the compiled peak".format(*fused) in readme
+    assert "({:.2f}, {:.2f} and {:.2f} by Korthikanti et al.'s accounting)".format(*unfused) in readme
+    assert f"{seventy['ratio']:.2f} for the 70B-sized one" in readme
