@@ -90,11 +90,12 @@ def _compiled_peak(depth: int, recompute: str) -> tuple[int, Memory]:
 
 @needs_libtpu
 @pytest.mark.slow
-@pytest.mark.parametrize(("recompute", "low", "high"), [("selective", 0.9, 1.1), ("full", 0.8, 1.1)])
+@pytest.mark.parametrize(("recompute", "low", "high"), [("selective", 0.88, 0.99), ("full", 0.79, 0.89)])
 def test_the_fused_count_is_near_the_compiled_peak_of_a_small_gpt_under_fsdp(recompute, low, high):
-    """Measured (libtpu 0.0.42): the count over the compiled peak is 0.94 under selective recomputation and 0.86
-    under full at 4 blocks (8 blocks: the same within 0.01, see benchmarks/README.md); the bounds leave about 0.05
-    either side of what was measured, so a change of the accounting that moves a term by its own size fails."""
+    """Measured (libtpu 0.0.42): the count is 0.936 of the compiled peak under selective recomputation (75.8 MB
+    against 81.0 MB) and 0.839 under full (51.7 MB against 61.6 MB). The bounds leave 0.05 either side of what was
+    measured: dropping the working set (33.6 MB) or counting the gradients beside the activations moves the ratio
+    out of them."""
     peak, count = _compiled_peak(4, recompute)
     assert low < count.total / peak < high
 
