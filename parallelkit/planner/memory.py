@@ -40,11 +40,11 @@ counts, and holds more for a moment; the TPU compiler's memory for the kit's GPT
   2 s b kv + s b f)``, not the paper's ``e (8 s b h + 2 s b f)`` (its norms' outputs, the GELU's output), and
   without recomputation the probabilities too. For the Llama 3 8B-sized GPT (width 4096, MLP 14336, 2048
   tokens, float32, FSDP on 4 TPU v5p chips) each further block adds 0.84 GB to the peak under selective
-  recomputation, its 0.55 GB of state and 0.29 GB of activations, where this count gives 0.285 GB and the
+  recomputation, its 0.55 GB of arguments and 0.29 GB of activations, where this count gives 0.285 GB and the
   paper's 0.503 GB; without recomputation 1.51 GB, 0.96 GB of activations beside this count's 0.82 GB (with
   0.54 GB of probabilities). At a small head width the compiler keeps no probabilities: for the small GPT of
   ``recompute.py`` (width 256, 8 heads of 32, 512 tokens, two sequences a chip, 4 chips) each block adds
-  9.2 MB without recomputation and 9.7 MB under selective, where this count gives 9.4 MB and 26.2 MB.
+  9.2 MB without recomputation and 9.7 MB under selective, where this count gives 26.2 MB and 9.4 MB.
 - *One layer's backward pass.* Attention that is not fused (the kit's ``attend`` computes float32 scores of ``s x
   s`` a head) holds one layer's probabilities and their gradient while that layer's backward pass runs: ``2 x 4 a
   s^2 b`` bytes (:func:`backward_working_bytes`), beside the kept activations; under full recomputation the
