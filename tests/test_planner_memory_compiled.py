@@ -146,3 +146,8 @@ def test_the_readme_quotes_the_ratios_of_the_record():
     assert "{:.2f}, {:.2f} and {:.2f} of the compiled peak".format(*fused) in readme
     assert "({:.2f}, {:.2f} and {:.2f} by Korthikanti et al.'s accounting)".format(*unfused) in readme
     assert f"{seventy['ratio']:.2f} for the 70B-sized one" in readme
+
+
+def test_fused_must_be_a_bool():
+    with pytest.raises(TypeError, match=r"fused='yes', which is not a bool"):
+        memory_per_device(GPT, Layout(data=4), 8, fused="yes")

@@ -242,7 +242,11 @@ def memory_per_device(
 
     Raises:
       ValueError: the layout cannot run the model on this batch (:func:`check` says why).
+      TypeError: ``fused`` that is not a bool.
     """
+    if not isinstance(fused, bool):
+        raise TypeError(f"memory_per_device got fused={fused!r}, which is not a bool. Pass True to count a program "
+                        "compiled whole (the kit's steps), False for Korthikanti et al.'s accounting.")  # fmt: skip
     if reason := check(model, layout, batch):
         raise ValueError(f"{layout.name} cannot train {model.name or 'this model'}: {reason}.")
     experts = model.routed_params
