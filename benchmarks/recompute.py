@@ -7,8 +7,10 @@ chip), float32. For each recomputation the record sets side by side:
 
 - the compiled program's peak memory per chip and its arguments (the parameters, the optimizer state
   and the batch's slice), and their difference: what the step holds beyond its inputs;
-- the planner's count for the same layout (``pk.planner.memory_per_device``: its state, activations
-  and logits), and its activations and logits alone, the part recomputation changes;
+- the planner's count for the same layout, as a program compiled whole (``pk.planner.memory_per_device(...,
+  fused=True)``: its parameters, the larger of its gradients and its activations with the logits, and one
+  layer's backward pass), and its activations, logits and that working set alone, the part recomputation
+  changes;
 - the compiled FLOPs per chip (the recomputed products show there).
 
 Run: ``.venv/bin/python benchmarks/recompute.py`` (about a minute on 2 cores); it prints the table and
@@ -56,11 +58,12 @@ def main() -> None:
             strategy, pk.models.lm_loss(apply), params, optax.sgd(0.1), {"x": tokens, "y": tokens}
         )
         planned = pk.planner.memory_per_device(shape, Layout(data=CHIPS, recompute=name), BATCH, precision="fp32",
-                                               optimizer="sgd")  # fmt: skip
+                                               optimizer="sgd", fused=True)  # fmt: skip
         memory = compiled.memory
         row = {"recompute": name, "peak_bytes": memory.peak, "argument_bytes": memory.arguments,
                "beyond_arguments_bytes": memory.peak - memory.arguments, "planned_bytes": planned.total,
-               "planned_activation_bytes": planned.activations + planned.logits, "flops": compiled.flops}  # fmt: skip
+               "planned_activation_bytes": planned.activations + planned.logits + planned.buffers,
+               "planned_buffer_bytes": planned.buffers, "flops": compiled.flops}  # fmt: skip
         rows.append(row)
         mb = [row[key] / 1e6 for key in ("peak_bytes", "argument_bytes", "beyond_arguments_bytes", "planned_bytes",
                                           "planned_activation_bytes")]  # fmt: skip

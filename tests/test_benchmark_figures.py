@@ -96,14 +96,14 @@ def _recompute() -> list[str]:
 
 
 def test_what_the_recompute_prose_says_holds():
-    """ "The compiled peak falls from none to selective to full, and the FLOPs rise"; the planner "counts more than
-    the compiled step holds without recomputation, about what it holds under selective, and less under full"."""
+    """ "The compiled peak falls from none to selective to full, and the FLOPs rise"; the planner's count is "0.85 of
+    the compiled peak under selective recomputation and 0.86 under full, and 1.17 times it without"."""
     rows = {r["recompute"]: r for r in load("recompute.json")["rows"]}
     none, selective, full = (rows[name] for name in ("none", "selective", "full"))
     assert none["peak_bytes"] > selective["peak_bytes"] > full["peak_bytes"]
     assert none["flops"] < selective["flops"] < full["flops"]
-    assert none["planned_bytes"] > none["peak_bytes"] and full["planned_bytes"] < full["peak_bytes"]
-    assert abs(selective["planned_bytes"] / selective["peak_bytes"] - 1) < 0.1
+    ratios = [round(r["planned_bytes"] / r["peak_bytes"], 2) for r in (selective, full, none)]
+    assert ratios == [0.85, 0.86, 1.17]
 
 
 def _cpu_pool() -> list[str]:
@@ -650,6 +650,8 @@ def test_a_notebooks_quoted_run_time_is_its_recorded_one(name):
 
 
 def test_make_bench_runs_every_benchmark_but_the_notebooks():
-    """ "`make bench` runs the scripts below, all but `notebooks.py`" (interleaved.py is their shared module)."""
-    scripts = {p.name for p in (ROOT / "benchmarks").glob("*.py")} - {"notebooks.py", "interleaved.py"}
+    """ "`make bench` runs the scripts below, all but `notebooks.py` and `planner_compiled.py`" (interleaved.py is
+    their shared module)."""
+    scripts = {p.name for p in (ROOT / "benchmarks").glob("*.py")} - {"notebooks.py", "planner_compiled.py",
+                                                                       "interleaved.py"}  # fmt: skip
     assert set(re.findall(r"benchmarks/(\w+\.py)", (ROOT / "Makefile").read_text())) == scripts

@@ -15,6 +15,7 @@ from .memory import (
     RECOMPUTE,
     SCHEDULES,
     Memory,
+    backward_working_bytes,
     in_flight,
     is_zero_stage,
     layer_activation_bytes,
@@ -172,7 +173,9 @@ class Activations:
         return self.layers * (self.in_flight * self.per_layer + self.pending * self.per_pending) + self.rebuilt
 
 
-def activations(model: ModelShape, layout: Layout, batch: int, *, precision: str = "bf16") -> Activations:
+def activations(
+    model: ModelShape, layout: Layout, batch: int, *, precision: str = "bf16", fused: bool = False
+) -> Activations:
     """The activations of the device that holds the most: the first pipeline stage's, or the last's with the logits.
 
     One layer's (:func:`.memory.layer_activation_bytes`) for a microbatch of ``batch / (replicas
@@ -182,11 +185,13 @@ def activations(model: ModelShape, layout: Layout, batch: int, *, precision: str
     scores). Under ZB-H1 each weight pass a stage defers keeps its outputs' gradients too
     (:func:`.memory.weight_pass_bytes`, :func:`.memory.weight_passes_pending`). The last stage also
     holds one microbatch's float32 logits (``4 s b V / tensor``). The first stages hold
-    ``ceil(layers / stages)`` layers each, the last what is left.
+    ``ceil(layers / stages)`` layers each, the last what is left. ``fused``: a program compiled whole
+    (:func:`.memory.layer_activation_bytes`).
     """
     micro = batch // (layout.replicas * layout.microbatches)
     split = {"tensor": layout.tensor, "sequence_parallel": layout.sequence_parallel, "context": layout.context,
-             "context_method": layout.context_method, "element_bytes": ELEMENT_BYTES[precision]}  # fmt: skip
+             "context_method": layout.context_method, "element_bytes": ELEMENT_BYTES[precision],
+             "fused": fused}  # fmt: skip
     per_layer = layer_activation_bytes(model, micro, recompute=layout.recompute, **split)
     rebuilt = (
         layer_activation_bytes(model, micro, recompute="selective", **split) if layout.recompute == "full" else 0.0
@@ -208,18 +213,32 @@ def activations(model: ModelShape, layout: Layout, batch: int, *, precision: str
 
 
 def memory_per_device(
-    model: ModelShape, layout: Layout, batch: int, *, precision: str = "bf16", optimizer: str = "adam"
+    model: ModelShape,
+    layout: Layout,
+    batch: int,
+    *,
+    precision: str = "bf16",
+    optimizer: str = "adam",
+    fused: bool = False,
 ) -> Memory:
     """The bytes one device holds while ``layout`` trains ``model`` on ``batch`` sequences a step.
 
     The state: the parameters over ``tensor x stages`` (the experts' over ``expert`` too), then
     ZeRO over the devices that hold the same slice (:func:`.memory.state_bytes`): ``expert x
     context x data`` for the dense parameters, ``context x data`` for the experts'. The
-    activations: :func:`activations`. The parameters are split evenly over the stages.
+    activations: :func:`activations`. The parameters are split evenly over the stages. ``fused``: count
+    for a program compiled whole, as the kit's steps are (the :mod:`.memory` module's "A fused program": what a
+    layer keeps, one layer's backward pass in ``buffers``, gradients and activations apart), with attention
+    that is not fused, as the kit's (a FlashAttention kernel holds no ``s x s`` arrays, which this count does not
+    model); by default, Korthikanti et al.'s accounting of an unfused framework.
 
     Raises:
       ValueError: the layout cannot run the model on this batch (:func:`check` says why).
+      TypeError: ``fused`` that is not a bool.
     """
+    if not isinstance(fused, bool):
+        raise TypeError(f"memory_per_device got fused={fused!r}, which is not a bool. Pass True to count a program "
+                        "compiled whole (the kit's steps), False for Korthikanti et al.'s accounting.")  # fmt: skip
     if reason := check(model, layout, batch):
         raise ValueError(f"{layout.name} cannot train {model.name or 'this model'}: {reason}.")
     experts = model.routed_params
@@ -228,5 +247,9 @@ def memory_per_device(
     dense = state_bytes((model.params - experts) / split, data=layout.expert * layout.context * layout.data, **kinds)
     expert = state_bytes(experts / (split * layout.expert), data=layout.context * layout.data, **kinds)
     params, grads, opt = (a + b for a, b in zip(dense, expert, strict=True))
-    act = activations(model, layout, batch, precision=precision)
-    return Memory(params, grads, opt, act.total, act.logits)
+    act = activations(model, layout, batch, precision=precision, fused=fused)
+    working = backward_working_bytes(model, act.micro, tensor=layout.tensor, context=layout.context,
+                                     context_method=layout.context_method, fused=fused)  # fmt: skip
+    if fused:  # the layer rebuilt by full recomputation is held while its backward pass runs, as the working set
+        return Memory(params, grads, opt, act.total - act.rebuilt, act.logits, working + act.rebuilt, True)
+    return Memory(params, grads, opt, act.total, act.logits, working)

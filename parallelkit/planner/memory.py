@@ -1,34 +1,7 @@
 """Memory per device of a layout, by the standard accounting: ZeRO for the state, Korthikanti for activations.
 
-**State** (Rajbhandari et al., "ZeRO: Memory Optimizations Toward Training Trillion Parameter
-Models", 2020, section 3.1): with mixed-precision Adam each parameter costs 2 bytes of 16-bit
-parameters, 2 of gradients and ``K = 12`` of optimizer state (a float32 master copy, the
-momentum and the variance): 16 bytes. In float32 it is 4 + 4 + 8. ZeRO stage 1 splits the
-optimizer state over the ``N_d`` devices of the data group, stage 2 the gradients too, stage 3
-the parameters too. Tensor and pipeline parallelism split every part over their devices first.
-
-**Activations** (Korthikanti et al., "Reducing Activation Recomputation in Large Transformer
-Models", 2022, section 4): one layer of ``s`` tokens, a microbatch of ``b``, width ``h`` and
-``a`` heads keeps ``s b h (34 + 5 a s / h)`` bytes of 16-bit activations for the backward pass
-(masks at 1 byte): ``10 s b h`` outside attention and the MLP (norm inputs, the blocks' inputs,
-their dropout masks), ``24 s b h`` inside them and ``5 a s^2 b`` of attention scores. Tensor
-parallelism over ``t`` splits the inner ``24 s b h + 5 a s^2 b``; sequence parallelism splits
-the outer ``10 s b h`` too; selective recomputation (or FlashAttention) keeps no scores; full
-recomputation keeps each layer's input, ``2 s b h`` (over ``t`` with sequence parallelism). The
-paper's block has a 4h GELU MLP and multi-head attention; :func:`layer_activation_bytes`
-counts the same arrays for any MLP width, a gated MLP (its gate, up, activation and product:
-``8 s b f``) and grouped key-value heads. Beyond the paper, the loss keeps one microbatch's
-float32 logits, ``4 s b V`` bytes for a vocabulary of ``V`` (over ``t``: a vocabulary-parallel
-loss, as Megatron's); the embedding's own activations are left out.
-
-A pipeline stage holds ``layers / stages`` layers' activations for every microbatch in flight:
-all ``m`` under GPipe, at most ``stages`` on the first stage under 1F1B, at most ``stages`` on
-every stage under ZB-H1 (each microbatch held until its weight pass), and under interleaved
-1F1B Megatron-LM's warm-up count of ``layers / (stages x virtual)``-layer chunks, ``stages +
-(stages - 1) / virtual`` microbatches' worth on the first stage (Korthikanti et al.'s factor ``1 +
-(p - 1) / (p m)``, their ``m`` the virtual stages). ZB-H1's deferred weight passes each keep,
-besides their activations, the gradients of the layer's matrix products' outputs
-(:func:`weight_pass_bytes`), which a whole backward pass frees at once: the price of splitting it.
+Its assumptions, each with its source, are set out in ``docs/planner.md`` (under this module's name); the
+coefficients are constants of the code, each with its source beside it.
 """
 
 from __future__ import annotations
@@ -87,6 +60,8 @@ class Memory:
     optimizer: float
     activations: float
     logits: float = 0.0  # the last stage's float32 logits of one microbatch, kept for the loss's backward
+    buffers: float = 0.0  # what one layer's backward pass holds beside the kept arrays (fused programs)
+    grads_apart: bool = False  # a fused program: the gradients are made as the activations are freed
 
     @property
     def state(self) -> float:
@@ -94,10 +69,15 @@ class Memory:
 
     @property
     def total(self) -> float:
-        return self.state + self.activations + self.logits
+        """The most held at once: the state, the activations, the logits and the buffers; for a fused program the
+        gradients or the activations with the logits, whichever is larger, not both (the module's "A fused
+        program")."""
+        if self.grads_apart:
+            return self.params + self.optimizer + self.buffers + max(self.grads, self.activations + self.logits)
+        return self.state + self.activations + self.logits + self.buffers
 
     def __str__(self) -> str:
-        parts = ("params", "grads", "optimizer", "activations", "logits", "total")
+        parts = ("params", "grads", "optimizer", "activations", "logits", "buffers", "total")
         return ", ".join(f"{name} {getattr(self, name) / 1e9:.2f} GB" for name in parts)
 
 
@@ -133,6 +113,7 @@ def layer_activation_bytes(
     context_method: str = "ring",
     recompute: str = "none",
     element_bytes: int = 2,
+    fused: bool = False,
 ) -> float:
     """The activations one transformer layer keeps on one device for its backward pass, in bytes.
 
@@ -144,7 +125,9 @@ def layer_activation_bytes(
     (the ring one ``s/c x s/c`` block a step, each kept for the backward pass as automatic
     differentiation keeps a loop's), and it keeps the ``c - 1`` other blocks of keys and values it
     received; under ``"ulysses"`` it holds ``a/c`` heads of ``s x s``. An MoE layer keeps the
-    MLP's arrays for each of a token's ``top_k`` experts.
+    MLP's arrays for each of a token's ``top_k`` experts. ``fused``: a program compiled whole (XLA's), which
+    keeps the layer's input, the queries, keys and values, the attention's output and the MLP's pre-activations,
+    and the probabilities unless recomputed (the module's "A fused program").
 
     >>> gpt = ModelShape(layers=1, d_model=4096, heads=32, ffn=16384, vocab=1, seq=2048, gated=False)
     >>> s, b, h, a = 2048, 1, 4096, 32  # the paper's s b h (34 + 5 a s / h), its 4h GELU block
@@ -166,13 +149,47 @@ def layer_activation_bytes(
         return e * s * b * h / outer_split
     kv = model.kv_heads_ * model.head_dim
     attention = e * (s * b * h + 2 * s * b * kv + s * b * h)  # Q; K and V; the output projection's input
-    mlp = e * (4 if model.gated else 2) * s * b * model.ffn * (model.top_k if model.experts else 1)
+    routed = model.top_k if model.experts else 1
+    mlp = e * (4 if model.gated else 2) * s * b * model.ffn * routed
     queries_heads = a * s if context_method != "ulysses" else a / context * model.seq
     received = 2 * e * (context - 1) * s * b * kv if context_method != "ulysses" else 0.0  # others' K and V
     per_score = 2 * e + mask if model.dropout else e  # probabilities, their mask and the dropped ones; or once
     scores = 0.0 if recompute == "selective" else per_score * queries_heads * model.seq * b
     outer = (4 * e + 2 * mask) * s * b * h  # two norms' inputs, the two blocks' inputs, their dropout masks
+    if fused:  # the module's "what a layer keeps": the input; Q, K, V, attention's output; the pre-activations
+        mlp, outer = e * (2 if model.gated else 1) * s * b * model.ffn * routed, (e + 2 * mask) * s * b * h
     return outer / outer_split + (attention + mlp + scores + received) / tensor
+
+
+def backward_working_bytes(
+    model: ModelShape,
+    micro_batch: int,
+    *,
+    tensor: int = 1,
+    context: int = 1,
+    context_method: str = "ring",
+    fused: bool = False,
+) -> float:
+    """What one layer's backward pass holds for a moment beside the kept activations, in bytes on one device.
+
+    For a fused program (``fused``) whose attention is not fused, as the kit's (:func:`parallelkit.models.layers.
+    attention.dense`: float32 scores), the layer's probabilities and their gradient, ``2 x 4 a s^2 b`` over the
+    ``tensor`` devices that split the heads, ``s / context`` queries against the keys each method's device holds
+    (the module's "One layer's backward pass"). Korthikanti et al.'s accounting (``fused=False``) counts what is
+    kept between the passes only: 0.
+
+    >>> m = ModelShape(layers=1, d_model=8, heads=2, ffn=32, vocab=1, seq=4, gated=False)
+    >>> backward_working_bytes(m, 1, fused=True) == 2 * 4 * 2 * 4 * 4, backward_working_bytes(m, 1)
+    (True, 0.0)
+    """
+    if not fused:
+        return 0.0
+    queries = model.seq / context
+    keys = model.seq if context_method != "ring" else model.seq / context  # the ring: one block at a time
+    heads = model.heads / (context if context_method == "ulysses" else 1)
+    if context_method == "ulysses":
+        queries = model.seq
+    return 2 * 4 * heads * queries * keys * micro_batch / tensor
 
 
 def in_flight(schedule: str, stages: int, microbatches: int, stage: int = 0, virtual: int = 1) -> float:
