@@ -50,7 +50,8 @@ __all__ = sorted(HOMES)
 
 def __getattr__(name: str) -> Any:
     if name in HOMES:
-        return getattr(import_module(f"{__name__}.{HOMES[name]}"), name)
+        value = globals()[name] = getattr(import_module(f"{__name__}.{HOMES[name]}"), name)  # loaded once
+        return value
     if name in HOMES.values():  # a module itself, before anything imported it
         return import_module(f"{__name__}.{name}")
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
