@@ -15,7 +15,7 @@ import jax
 import numpy as np
 
 from ..core.reports import D2D, Flow, StepTraffic
-from .inspect import Collective, collectives
+from .inspect import Collective, collectives, summarize
 from .traffic import batch_flow, bus_bytes, sizes
 
 if TYPE_CHECKING:
@@ -58,13 +58,11 @@ def by_axis(found: Sequence[Collective], mesh: jax.sharding.Mesh) -> dict[tuple[
     of size above one; one whose groups hold a single device (a no-op) under ``()``.
     """
     every = tuple(name for name, size in mesh.shape.items() if size > 1)
-    out: dict[tuple[str, ...], dict[str, dict[str, int]]] = {}
+    grouped: dict[tuple[str, ...], list[Collective]] = {}
     for c in found:
         axes = mesh_axes(c, mesh)
-        row = out.setdefault(every if axes is None else axes, {}).setdefault(c.op, {"count": 0, "bytes": 0})
-        row["count"] += 1
-        row["bytes"] += c.bytes
-    return out
+        grouped.setdefault(every if axes is None else axes, []).append(c)
+    return {axes: summarize(group) for axes, group in grouped.items()}
 
 
 def axis_traffic(
