@@ -15,8 +15,8 @@ import jax
 import numpy as np
 
 from ..core.reports import D2D, Flow, StepTraffic
-from .inspect import Collective, collectives, summarize
-from .traffic import batch_flow, bus_bytes, sizes
+from .inspect import Collective, summarize
+from .traffic import compiled_traffic
 
 if TYPE_CHECKING:
     from ..core.contract import Batch, LossFn
@@ -69,15 +69,21 @@ def axis_traffic(
     strategy: Strategy, loss_fn: LossFn, state: TrainState, batch: Batch, roles: dict[tuple[str, ...], dict[str, str]]
 ) -> StepTraffic:
     """The traffic of one compiled SPMD step, per set of mesh axes: each collective kind over each set of axes
-    the program runs it on (:func:`parallelkit.measure.groups.by_axis`), its formula column the role ``roles``
-    gives it there, or "not in the model" where it gives none (no formula for the bytes either way)."""
-    size = sizes(strategy, loss_fn, state, batch)
-    found = collectives(strategy.step(loss_fn), state, batch)
-    flows = [batch_flow(strategy, batch)]
-    for axes, kinds in by_axis(found, strategy.mesh).items():
-        for op, row in kinds.items():
-            role = roles.get(axes, {}).get(op, "not in the model")
-            over = " x ".join(axes) or "one device"
-            flows.append(Flow(D2D, f"{op} over {over}", row["bytes"], None, role, "compiled HLO"))
-    return StepTraffic(repr(strategy), strategy.pattern, size.replicas, size.params, size.metrics,
-                       tuple(flows), bus_bytes=bus_bytes(found))  # fmt: skip
+    the program runs it on (:func:`by_axis`), its formula column the role ``roles`` gives it there, or "not in
+    the model" where it gives none (no formula for the bytes either way)."""
+
+    def per_axis(found: list[Collective], _) -> list[Flow]:
+        return [
+            Flow(
+                D2D,
+                f"{op} over {' x '.join(axes) or 'one device'}",
+                row["bytes"],
+                None,
+                roles.get(axes, {}).get(op, "not in the model"),
+                "compiled HLO",
+            )  # fmt: skip
+            for axes, kinds in by_axis(found, strategy.mesh).items()
+            for op, row in kinds.items()
+        ]
+
+    return compiled_traffic(strategy, loss_fn, state, batch, per_axis)

@@ -4,7 +4,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 import jax
@@ -111,27 +111,42 @@ def batch_flow(strategy: Strategy, batch: Batch) -> Flow:
     return Flow(H2D, "batch slice", per_replica, expected, "B/n", "placed batch, per device")
 
 
-def compiled_traffic(strategy: Strategy, loss_fn: LossFn, state: TrainState, batch: Batch) -> StepTraffic:
+def compiled_traffic(
+    strategy: Strategy,
+    loss_fn: LossFn,
+    state: TrainState,
+    batch: Batch,
+    collective_flows: Callable[[list[Collective], Sizes], list[Flow]] | None = None,
+) -> StepTraffic:
     """The traffic of a step that is one compiled program: its batch slice and its collectives.
 
-    Each collective kind the strategy expects (:meth:`~parallelkit.Strategy.expected_collectives`)
+    By default each collective kind the strategy expects (:meth:`~parallelkit.Strategy.expected_collectives`)
     becomes a flow whose measured payload is read from the compiled program; kinds it does
     not expect are listed as "other collectives" (expected 0, or no formula when the
-    strategy has none for this model).
+    strategy has none for this model). ``collective_flows(found, sizes)`` lays the program's
+    collectives out as flows another way (per mesh axis: :func:`parallelkit.measure.groups.axis_traffic`).
     """
     size = sizes(strategy, loss_fn, state, batch)
     found = collectives(strategy.step(loss_fn), state, batch)
-    measured = {op: row["bytes"] for op, row in summarize(found).items()}
-    expected = strategy.expected_collectives(size)
-    flows = [batch_flow(strategy, batch)]
-    for e in expected or ():
-        flows.append(Flow(D2D, f"{e.what} ({e.op})", measured.pop(e.op, 0), e.bytes, e.formula, "compiled HLO"))
-    known = expected is not None  # without formulas, what the program moves is reported as it is
-    others = [Flow(D2D, f"other collectives ({op})", b, 0 if known else None, "0" if known else "no formula",
-                   "compiled HLO") for op, b in measured.items()]  # fmt: skip
-    flows += others or ([Flow(D2D, "other collectives", 0, 0, "0", "compiled HLO")] if known else [])
+    flows = [batch_flow(strategy, batch), *(collective_flows or _expected_flows(strategy))(found, size)]
     return StepTraffic(repr(strategy), strategy.pattern, size.replicas, size.params, size.metrics,
                        tuple(flows), bus_bytes=bus_bytes(found))  # fmt: skip
+
+
+def _expected_flows(strategy: Strategy) -> Callable[[list[Collective], Sizes], list[Flow]]:
+    """The program's collectives set against ``strategy``'s formulas, kind by kind (:func:`compiled_traffic`)."""
+
+    def flows(found: list[Collective], size: Sizes) -> list[Flow]:
+        measured = {op: row["bytes"] for op, row in summarize(found).items()}
+        expected = strategy.expected_collectives(size)
+        out = [Flow(D2D, f"{e.what} ({e.op})", measured.pop(e.op, 0), e.bytes, e.formula, "compiled HLO")
+               for e in expected or ()]  # fmt: skip
+        known = expected is not None  # without formulas, what the program moves is reported as it is
+        others = [Flow(D2D, f"other collectives ({op})", b, 0 if known else None, "0" if known else "no formula",
+                       "compiled HLO") for op, b in measured.items()]  # fmt: skip
+        return out + (others or ([Flow(D2D, "other collectives", 0, 0, "0", "compiled HLO")] if known else []))
+
+    return flows
 
 
 def step_traffic(strategy: Strategy, loss_fn: LossFn, state: TrainState, batch: Batch) -> StepTraffic:
