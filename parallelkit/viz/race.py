@@ -44,7 +44,7 @@ def race_figure(standings: RaceStandings, title: str = "") -> Figure:
       ``rows[k].scaling_efficiency``; ``axes[1].lines[0]`` is the ideal throughput.
 
     Example:
-      >>> from parallelkit.widgets.live import RaceRow, RaceStandings
+      >>> from parallelkit.viz.live import RaceRow, RaceStandings
       >>> rows = (RaceRow("one", 1, 9, 9, 0.5, 0.004, 16000.0, 1.0, 1.0, 0.3, True),
       ...         RaceRow("four", 4, 9, 9, 0.9, 0.002, 32000.0, 0.5, 0.5, 0.3, True))
       >>> fig = race_figure(RaceStandings(rows, "one", simulated=False))
