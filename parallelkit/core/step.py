@@ -247,10 +247,12 @@ class Step:
             self._in_flight.append(out[1])
             if len(self._in_flight) > MAX_STEPS_IN_FLIGHT:
                 # Wait for the oldest half at once: each step's program follows the one before it on
-                # every device, so the newest of them done means all are. One wait every few steps.
+                # every device, so the newest of them done means all are. One wait every few steps, on
+                # one array (the program's outputs are ready together).
                 for _ in range(MAX_STEPS_IN_FLIGHT // 2):
                     oldest = self._in_flight.popleft()
-                jax.block_until_ready(oldest)
+                for leaf in jax.tree.leaves(oldest)[:1]:
+                    leaf.block_until_ready()
         return out
 
     def _dispatch(self, fn: Callable, state: TrainState, batch: Batch) -> Any:

@@ -327,9 +327,10 @@ class Parallel(SPMD):
         (:func:`parallelkit.planner.step_time`) charges them to: the tensor axis's activations (gathered and
         scattered under sequence parallelism), the context axis's keys by method, the experts' tokens, and the
         gradients over the axes where the same parameters repeat (dense: ``data x seq x expert``; experts:
-        ``data x seq``): all-reduced, or with ZeRO reduce-scattered and the parameters all-gathered (Rajbhandari
-        et al. 2020: the same bytes as the all-reduce). :meth:`traffic` sets the compiled program's
-        collectives beside it.
+        ``data x seq``): all-reduced; under ZeRO-1, which keeps whole gradients, all-reduced and the updated
+        parameter shards all-gathered (as :class:`~parallelkit.FullySharded` ``(1)`` does); under ZeRO-2 and 3
+        reduce-scattered and the parameters all-gathered (Rajbhandari et al. 2020: the same bytes as the
+        all-reduce). :meth:`traffic` sets the compiled program's collectives beside it.
         """
         roles: dict[tuple[str, ...], dict[str, str]] = {}
         if self.size(MODEL) > 1:
@@ -339,9 +340,9 @@ class Parallel(SPMD):
             roles[(SEQ,)] = _CONTEXT_COLLECTIVES[self.context_method.removesuffix("_zigzag")]
         if self.size(EXPERT) > 1:
             roles[(EXPERT,)] = {"all-to-all": "experts: tokens"}
-        reduce = (
-            {"reduce-scatter": "gradients", "all-gather": "parameters"} if self.zero else {"all-reduce": "gradients"}
-        )
+        reduce = {"reduce-scatter" if self.zero >= 2 else "all-reduce": "gradients"}
+        if self.zero:
+            reduce["all-gather"] = "parameters"
         for axes in ((DATA, SEQ, EXPERT), (DATA, SEQ)):
             repeat = tuple(a for a in axes if self.size(a) > 1)
             if repeat:
@@ -373,7 +374,8 @@ class Parallel(SPMD):
 
 def _activation_rules(mesh: Mesh, sequence_parallel: bool) -> AxisRules:
     """The logical axis rules of a mesh: the batch over ``data`` (and ``expert``), the tokens over ``seq``,
-    Megatron's sequence parallelism's over ``model``, the experts over ``expert``."""
+    Megatron's sequence parallelism's over ``model``, the experts over ``expert`` (their hidden units over
+    ``model``, as the dense MLP's)."""
     has = set(mesh.shape)
     rules: list[tuple[str, object]] = [(BATCH, (DATA, EXPERT) if EXPERT in has else DATA)]
     if SEQ in has:
@@ -384,6 +386,8 @@ def _activation_rules(mesh: Mesh, sequence_parallel: bool) -> AxisRules:
         rules += [rule for rule in SEQUENCE_PARALLEL.rules if rule[0] not in {name for name, _ in rules}]
     if EXPERT in has:
         rules.append((EXPERT, EXPERT))
+        if MODEL in has and not sequence_parallel:  # each expert's hidden units, as the weights hold them
+            rules.append(("mlp", MODEL))
     return AxisRules(tuple(rules))
 
 

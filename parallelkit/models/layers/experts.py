@@ -149,9 +149,9 @@ def moe_layer(
         mesh, rules = active
         axis = rules.mesh_axes(EXPERT)
         if axes.split_size(mesh, axis) > 1:
-            return expert_parallel(
-                x, params, mesh=mesh, axis=axis, top_k=top_k, capacity_factor=capacity_factor, groups=groups
-            )
+            hidden = rules.mesh_axes("mlp")  # each expert's hidden units, split as the dense MLP's are
+            return expert_parallel(x, params, mesh=mesh, axis=axis, hidden_axis=hidden, top_k=top_k,
+                                   capacity_factor=capacity_factor, groups=groups)  # fmt: skip
     tokens, dim, _, cap = _check(x, params, top_k, capacity_factor, groups)
     y, sums = _moe_groups(x.reshape(groups, -1, dim), params, top_k, cap, _experts)
     return y.reshape(x.shape), _aux(sums, tokens, top_k)
@@ -163,6 +163,7 @@ def expert_parallel(
     *,
     mesh: Mesh,
     axis: MeshAxes = EXPERT,
+    hidden_axis: MeshAxes = None,
     top_k: int = 2,
     capacity_factor: float = 1.25,
     groups: int | None = None,
@@ -182,10 +183,16 @@ def expert_parallel(
     leading (expert) axis over ``axis`` (``P(axis)``), the router replicated; the aux
     sums meet in a ``psum`` over the whole mesh. Usable under ``jax.jit`` or eagerly.
 
+    With ``hidden_axis``, each expert's hidden units are split over it too, as a tensor-parallel
+    MLP's are (Megatron's expert tensor parallelism): ``mine`` is all-gathered over ``hidden_axis``
+    (every slice of an expert sees the tokens of all its ``hidden_axis`` peers), and the partial
+    outputs are reduce-scattered back (``jax.lax.psum_scatter``) before ``b_out`` is added.
+
     Args:
       x, params, top_k, capacity_factor: as for :func:`moe_layer`.
       mesh: the devices; other axes than ``axis`` (``data``, say) split only the tokens.
       axis: the mesh axis (or axes) that splits the experts.
+      hidden_axis: the mesh axis (or axes) that splits each expert's hidden units (``None``: whole).
       groups: must be the mesh's device count (``None``: that count).
 
     Returns:
@@ -200,6 +207,18 @@ def expert_parallel(
     names = axes.axis_names(axis)
     if not names or any(name not in mesh.shape for name in names):
         raise ValueError(f"expert_parallel(axis={axis!r}): the mesh has axes {dict(mesh.shape)}; name one of them.")
+    tensor = axes.axis_names(hidden_axis)
+    if any(name not in mesh.shape or name in names for name in tensor):
+        raise ValueError(
+            f"expert_parallel(hidden_axis={hidden_axis!r}): name axes of the mesh {dict(mesh.shape)} other than "
+            f"the experts' {axis!r}, or None."
+        )
+    hidden, t = params["w_in"].shape[-1], axes.split_size(mesh, hidden_axis)
+    if hidden % t:
+        raise ValueError(
+            f"Each expert's {hidden} hidden units do not split over the {t} devices of hidden_axis "
+            f"{hidden_axis!r}: use a hidden width that is a multiple of {t}."
+        )
     n = axes.split_size(mesh, axis)
     if experts % n:
         raise ValueError(
@@ -213,16 +232,24 @@ def expert_parallel(
             f"pass groups={mesh.size} (and the same groups to the single-device run it should equal)."
         )
 
+    def sliced_experts(mine: jax.Array, local: _Params) -> jax.Array:  # each device a slice of every expert
+        gathered = jax.lax.all_gather(mine, tensor, axis=1, tiled=True)
+        out = jax.lax.psum_scatter(_expert_sums(gathered, local), tensor, scatter_dimension=1, tiled=True)
+        return out + local["b_out"][:, None, None, :] if "b_out" in local else out
+
     def exchange(dispatched: jax.Array, local: _Params) -> jax.Array:
         mine = jax.lax.all_to_all(dispatched, axis, 0, 1, tiled=True)  # each expert's slots to its device
-        return jax.lax.all_to_all(_experts(mine, local), axis, 1, 0, tiled=True)  # the results back
+        out = sliced_experts(mine, local) if tensor else _experts(mine, local)
+        return jax.lax.all_to_all(out, axis, 1, 0, tiled=True)  # the results back
 
     def body(group: jax.Array, local: _Params) -> tuple[jax.Array, dict[str, jax.Array]]:
         y, sums = _moe_groups(group, local, top_k, cap, exchange)
         return y, jax.lax.psum(sums, tuple(mesh.axis_names))
 
     everywhere = P(tuple(mesh.axis_names))
-    specs = {name: P() if name == "router" else P(axis) for name in params}
+    split = hidden_axis if tensor else None
+    hidden_dim = {"w_in": (None, split), "w_out": (split,), "b_in": (split,), "b_out": ()}
+    specs = {name: P() if name == "router" else P(axis, *hidden_dim[name]) for name in params}
     # On an Explicit mesh the regrouped tokens' place is said: each device's tokens are its one group.
     said = axes.explicit_active()
     grouped = jnp.reshape(x, (groups, -1, dim), out_sharding=everywhere if said else None)
@@ -340,13 +367,18 @@ def _moe_groups(
 
 def _experts(tokens: jax.Array, params: _Params) -> jax.Array:
     """Each expert's feed-forward network on its slots: ``(e, g, cap, dim)`` with ``e`` the experts of ``params``."""
-    h = jnp.einsum("egcd,edh->egch", tokens, params["w_in"])
-    if "b_in" in params:
-        h = h + params["b_in"][:, None, None, :]
-    out = jnp.einsum("egch,ehd->egcd", jax.nn.gelu(h), params["w_out"])
+    out = _expert_sums(tokens, params)
     if "b_out" in params:
         out = out + params["b_out"][:, None, None, :]
     return out
+
+
+def _expert_sums(tokens: jax.Array, params: _Params) -> jax.Array:
+    """:func:`_experts` before ``b_out``: the sums over ``params``' hidden units (a slice of them, or all)."""
+    h = jnp.einsum("egcd,edh->egch", tokens, params["w_in"])
+    if "b_in" in params:
+        h = h + params["b_in"][:, None, None, :]
+    return jnp.einsum("egch,ehd->egcd", jax.nn.gelu(h), params["w_out"])
 
 
 def _aux(sums: dict[str, jax.Array], tokens: int, top_k: int) -> dict[str, jax.Array]:
