@@ -2,9 +2,9 @@
 
 A write-exercise is a code cell tagged ``exercise`` whose stub a checker rejects (``not yet: ...``).
 The next code cell, tagged ``solution`` and hidden (``jupyter.source_hidden``), passes the same
-checker. A predict-a-number cell shows the measurement; the assertion of what it teaches lives in
-the hidden solution cell after it, not in plain sight. The notebook test runs every cell and
-checks the stubs' and solutions' outputs with :func:`assert_exercises_judged`.
+checker. A predict-a-number cell shows the measurement only beside a prediction; the assertion of
+what it teaches lives in the hidden solution cell after it, not in plain sight. The notebook test
+runs every cell and checks the stubs' and solutions' outputs with :func:`assert_exercises_judged`.
 """
 
 from __future__ import annotations

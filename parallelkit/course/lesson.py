@@ -91,12 +91,20 @@ def fallback_line(accelerators: int, n_devices: int, needs: int) -> str:
     )
 
 
+NO_PREDICTION = (
+    "no prediction yet for {what}: set prediction = <your answer> in this cell and run it again; "
+    "the measured value shows beside your prediction."
+)  # what check prints without a prediction: no measured value, so that a plain run reveals no answer
+
+
 def check(prediction: Any, measured: Any, *, rtol: float = 0.1, what: str = "the answer") -> bool | None:
     """Say how a learner's prediction compares with the measured value.
 
-    A number within ``rtol`` of a measured number counts as right; any other answer (a
-    name, a tuple) must equal the measurement. ``None`` means no prediction yet: the
-    measurement is shown so that the learner can compare in their head.
+    A number within ``rtol`` of a measured number counts as right, and so does a tuple of
+    numbers each within ``rtol`` of its measured one (an exercise that asks for two numbers);
+    any other answer (a name, a tuple of names) must equal the measurement. ``None`` means no prediction yet: the
+    measurement stays hidden, so that running the whole notebook reveals no answer, and
+    the line says how to enter one. The measured value shows beside the verdict.
 
     Returns:
       True or False for a prediction, None without one.
@@ -107,22 +115,35 @@ def check(prediction: Any, measured: Any, *, rtol: float = 0.1, what: str = "the
     >>> check("P()", "P('data')", what="the spec")
     your prediction for the spec: 'P()', not quite (measured "P('data')")
     False
-    >>> check(None, 0.5)
-    measured the answer: 0.5 (set the prediction above and run the cell again to compare)
+    >>> check((2, 1), (2.0, 1.04), what="the two growths")
+    your prediction for the two growths: (2, 1), right (measured (2, 1.04))
+    True
+    >>> check(None, 0.5)  # doctest: +NORMALIZE_WHITESPACE
+    no prediction yet for the answer: set prediction = <your answer> in this cell and run it again;
+    the measured value shows beside your prediction.
     """
     if prediction is None:
-        print(f"measured {what}: {_show(measured)} (set the prediction above and run the cell again to compare)")
+        print(NO_PREDICTION.format(what=what))
         return None
-    if is_number(prediction) and is_number(measured):
-        right = abs(prediction - measured) <= rtol * abs(measured)
-    else:
-        right = prediction == measured
+    right = _close(prediction, measured, rtol)
     verdict = "right" if right else "not quite"
     print(f"your prediction for {what}: {_show(prediction)}, {verdict} (measured {_show(measured)})")
     return bool(right)
 
 
+def _close(prediction: Any, measured: Any, rtol: float) -> bool:
+    """Whether a prediction matches: numbers within ``rtol``, tuples element by element, anything else equal."""
+    if is_number(prediction) and is_number(measured):
+        return bool(abs(prediction - measured) <= rtol * abs(measured))
+    if isinstance(prediction, tuple) and isinstance(measured, tuple) and len(prediction) == len(measured):
+        return all(_close(mine, theirs, rtol) for mine, theirs in zip(prediction, measured, strict=True))
+    return bool(prediction == measured)
+
+
 def _show(x: Any) -> str:
+    """A number to 4 significant figures, a tuple element by element, anything else as its repr."""
+    if isinstance(x, tuple):
+        return f"({', '.join(map(_show, x))}{',' * (len(x) == 1)})"
     return f"{x:.4g}" if is_number(x) else repr(x)
 
 
