@@ -247,7 +247,9 @@ def gradient_seconds(model: ModelShape, layout: Layout, cluster: Cluster, elemen
     """The gradients' (and ZeRO-3's parameters') collectives over the axes where the same parameters repeat.
 
     The dense parameters repeat over ``expert x context x data`` (contiguous in :data:`_MESH_ORDER`,
-    neighbours ``tensor`` apart); the experts' over ``context x data``.
+    neighbours ``tensor`` apart); the experts' over ``context x data``. ZeRO-1 keeps whole gradients: an
+    all-reduce, then an all-gather of the updated shards (the kit's ``Parallel(zero=1)`` compiles to both);
+    ZeRO-2 reduce-scatters each microbatch's gradients; ZeRO-3 also gathers the parameters twice a microbatch.
     """
     apart, cluster = strides(layout), achieved(cluster)
     experts = model.routed_params
@@ -260,5 +262,5 @@ def gradient_seconds(model: ModelShape, layout: Layout, cluster: Cluster, elemen
         nbytes = params * element_bytes
         reduce = _axis_seconds(cluster, size, stride, nbytes, "all-reduce")
         half = _axis_seconds(cluster, size, stride, nbytes, "all-gather")
-        total += {0: reduce, 1: reduce, 2: m * half + half, 3: 3 * m * half}[layout.zero]
+        total += {0: reduce, 1: reduce + half, 2: m * half + half, 3: 3 * m * half}[layout.zero]
     return total
