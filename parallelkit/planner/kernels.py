@@ -20,7 +20,8 @@ from .model import ModelShape
 # The share of the peak a large matrix product reaches: the best of a brute-force search over shapes of BF16 matmuls
 # (S. Bekman, "Machine Learning Engineering", compute/accelerator/README.md, "Maximum Achievable Matmul FLOPS
 # comparison table": H100 SXM 794.5 of 989 TFLOP/s, A100 SXM 271.2 of 312). A chip this dict does not hold (the TPUs,
-# the B200) takes the H100's share, and FP8 products the bf16 share of the FP8 peak: assumptions.
+# the B200, the H800, the H100 NVL, the MI300X) takes the H100's share, and FP8 products the bf16 share of the FP8
+# peak: assumptions.
 ACHIEVABLE = {"H100 SXM": 794.5 / 989, "A100 SXM 80GB": 271.2 / 312}
 _ACHIEVABLE_ELSE = ACHIEVABLE["H100 SXM"]
 # The share of the peak a product reaches by its size, (at least this many FLOPs in one kernel, share), largest
