@@ -226,8 +226,13 @@ def head_seconds(model: ModelShape, layout: Layout, cluster: Cluster, micro: int
     """The output layer's seconds for one microbatch on one device: its product with the vocabulary (split over
     ``tensor``), forward and both gradients, and the loss's passes over the logits (read and written forward, read
     and the gradient written backward)."""
-    tokens = micro * model.seq / layout.context
-    vocab = model.vocab / layout.tensor
+    return _head(model, cluster, micro, layout.tensor, layout.context, precision)
+
+
+@functools.lru_cache(maxsize=65536)  # the planner asks for the same head for many layouts
+def _head(model: ModelShape, cluster: Cluster, micro: int, tensor: int, context: int, precision: str) -> float:
+    tokens = micro * model.seq / context
+    vocab = model.vocab / tensor
     logits = ELEMENT_BYTES[precision] * tokens * vocab
     product = matmul_seconds(tokens, model.d_model, vocab, cluster, precision)
     return 3 * product + 2 * memory_seconds(2 * logits, cluster)

@@ -270,7 +270,7 @@ def assess(
     used = batch // layout.replicas * layout.replicas
     if reason := check(model, layout, used):
         return Candidate(layout, used, Memory(0, 0, 0, 0), rejected=reason)
-    memory = memory_per_device(model, layout, used, precision=precision, optimizer=optimizer)
+    memory = _memory(model, layout, used, precision, optimizer)
     budget = (1 - reserve) * cluster.memory_bytes
     if memory.total > budget:
         return Candidate(layout, used, memory, rejected=_too_large(memory, budget))
@@ -283,6 +283,12 @@ def assess(
     return Candidate(
         layout, used, memory, time, flops_utilisation(per_device, time.total, cluster.peak_flops(precision))
     )
+
+
+@functools.lru_cache(maxsize=65536)  # a weighing asks for a variant's memory, then for it again with its time
+def _memory(model: ModelShape, layout: Layout, batch: int, precision: str, optimizer: str) -> Memory:
+    """:func:`.layout.memory_per_device`, remembered."""
+    return memory_per_device(model, layout, batch, precision=precision, optimizer=optimizer)
 
 
 def _too_large(memory: Memory, budget: float, smallest: str = "") -> str:
@@ -313,13 +319,12 @@ def weigh(model: ModelShape, layout: Layout, cluster: Cluster, batch: int, **opt
         )
 
     def trial(microbatches: int, variant: Layout, timed: bool = True) -> Candidate:
-        if microbatches != variant.microbatches:
-            variant = replace(variant, microbatches=microbatches)
-        return assess(model, variant, cluster, batch, **options, timed=timed)
+        return assess(model, _variant(variant, microbatches, variant.recompute), cluster, batch, **options,
+                      timed=timed)  # fmt: skip
 
     def fewest(recompute: str, least: int = counts[0]) -> Candidate:
         """The fewest steps that fit, found by memory alone, then timed."""
-        variant = layout if recompute == layout.recompute else replace(layout, recompute=recompute)
+        variant = _variant(layout, layout.microbatches, recompute)
         found = _fewest_that_fit(counts[counts.index(least) :], functools.partial(trial, variant=variant, timed=False))
         return trial(found.layout.microbatches, found.layout) if found.fits else found
 
@@ -332,18 +337,28 @@ def weigh(model: ModelShape, layout: Layout, cluster: Cluster, batch: int, **opt
             return found
         best, best_s = found.layout, found.time.total  # more microbatches need less memory: each fits
         for m in counts[counts.index(best.microbatches) + 1 :]:
-            variant = replace(found.layout, microbatches=m)
+            variant = _variant(found.layout, m, found.layout.recompute)
             if (seconds := step_time(model, variant, cluster, found.batch, **timing).total) < best_s:
                 best, best_s = variant, seconds
         return found if best is found.layout else assess(model, best, cluster, batch, **options)
 
-    if not (smallest := trial(counts[-1], replace(layout, recompute="full"), timed=False)).fits:  # the least memory
+    if not (
+        smallest := trial(counts[-1], _variant(layout, layout.microbatches, "full"), timed=False)
+    ).fits:  # the least memory
         return rejection(smallest, layout, batch, (1 - options["reserve"]) * cluster.memory_bytes)
     selective = fewest("selective")
     tried = [fewest("none", selective.layout.microbatches), selective] if selective.fits else [selective]
     if not any(v.fits and v.layout.microbatches == counts[0] for v in tried):
         tried.append(fewest("full"))
     return max((fastest(v) for v in tried if v.fits), key=lambda v: v.mfu)  # full recomputation fits, at least
+
+
+@functools.lru_cache(maxsize=65536)  # a weighing asks for the same variants many times: each is built once
+def _variant(layout: Layout, microbatches: int, recompute: str) -> Layout:
+    """``layout`` with ``microbatches`` and ``recompute``."""
+    if microbatches == layout.microbatches and recompute == layout.recompute:
+        return layout
+    return replace(layout, microbatches=microbatches, recompute=recompute)
 
 
 def rejection(smallest: Candidate, layout: Layout, batch: int, budget: float) -> Candidate:
