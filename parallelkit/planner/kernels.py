@@ -81,9 +81,27 @@ def compute_seconds(
         passes = _even_passes(compute / (layers * m), extra / per_token * 3, attention_flops / per_token)
         return compute, passes, efficiency
     passes = layer_passes(model, layout, cluster, micro, precision, attention)
-    compute = layers * m * passes.total + m * head_seconds(model, layout, cluster, micro, precision) / stages
+    compute = m * slowest_stage(model, layout, passes.total, head_seconds(model, layout, cluster, micro, precision))
     compute += optimizer_seconds(model, layout, cluster, precision)
     return compute, passes, flops / (compute * peak)
+
+
+def slowest_stage(model: ModelShape, layout: Layout, layer: float, head: float) -> float:
+    """One microbatch's seconds on the slowest pipeline stage: the first stages' ``ceil(layers / stages)`` layers
+    of ``layer`` seconds each, or the last stage's (what is left of the layers) with the output layer's ``head``
+    seconds, whichever is longer. Each stage sends its microbatch on when its neighbour takes it, so every stage
+    runs at the slowest one's pace; the output layer and the loss run on the last stage alone (Megatron-LM splits
+    the layers evenly over the stages and puts them there; Megatron-Core's ``account_for_loss_in_pipeline_split``
+    exists to count them as a layer). Without a pipeline: the layers and the head.
+
+    >>> from parallelkit.planner.model import ModelShape
+    >>> gpt = ModelShape(layers=8, d_model=64, heads=4, ffn=256, vocab=100, seq=16)
+    >>> slowest_stage(gpt, Layout(), 1.0, 0.5), slowest_stage(gpt, Layout(stages=4), 1.0, 0.5)
+    (8.5, 2.5)
+    """
+    first = math.ceil(model.layers / layout.stages)
+    last = max(model.layers - (layout.stages - 1) * first, 0)
+    return max(first * layer, last * layer + head)
 
 
 def _even_passes(seconds: float, recomputed: float, attention: float) -> Passes:
