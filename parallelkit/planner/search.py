@@ -138,6 +138,7 @@ def schedules(layers: int, stages: int, per_replica: int) -> Iterator[tuple[str,
                 yield schedule, virtual, counts[0]
 
 
+@functools.lru_cache(maxsize=4096)
 def _pipeline_counts(stages: int, virtual: int, per_replica: int) -> tuple[int, ...]:
     """The microbatch counts a pipeline of ``stages`` is weighed at: every divisor of a replica's sequences from
     ``stages`` up (fewer leave a stage idle for most of the step), multiples of ``stages`` under interleaved
@@ -355,10 +356,14 @@ def weigh(model: ModelShape, layout: Layout, cluster: Cluster, batch: int, **opt
 
 @functools.lru_cache(maxsize=65536)  # a weighing asks for the same variants many times: each is built once
 def _variant(layout: Layout, microbatches: int, recompute: str) -> Layout:
-    """``layout`` with ``microbatches`` and ``recompute``."""
+    """``layout`` with ``microbatches`` and ``recompute``, built without ``Layout``'s checks (tens of thousands a
+    plan): ``layout`` passed them, and the search's counts (divisors, :func:`_pipeline_counts`) and recomputations
+    (:data:`.memory.RECOMPUTE`'s names) pass them too."""
     if microbatches == layout.microbatches and recompute == layout.recompute:
         return layout
-    return replace(layout, microbatches=microbatches, recompute=recompute)
+    variant = object.__new__(Layout)
+    variant.__dict__.update(layout.__dict__, microbatches=microbatches, recompute=recompute)
+    return variant
 
 
 def rejection(smallest: Candidate, layout: Layout, batch: int, budget: float) -> Candidate:
