@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import pytest
 
-from parallelkit.planner import MODELS, Cluster, kernels, layout, memory_per_device, plan, search, step_time
+from parallelkit.planner import MODELS, Cluster, kernels, memory_per_device, plan, search, step_time
 
 CASES = [
     ("llama3-8b", "A100 SXM 80GB", 8, 4, 2**21, {}),
     ("gpt2-xl", "H100 SXM", 8, 2, 2**20, {"precision": "fp8", "overlap": ("gradients", "tensor")}),
 ]
-CACHES = (search._memory, search._variant, layout._layer_bytes, layout._pending_bytes, layout._state, kernels._head)
 
 
 def _ranking(answer) -> list[tuple[str, float, float]]:
@@ -21,8 +20,8 @@ def _ranking(answer) -> list[tuple[str, float, float]]:
 @pytest.mark.parametrize(("name", "chip", "per_node", "nodes", "tokens", "options"), CASES)
 def test_cached_answers_are_the_uncached_functions(name, chip, per_node, nodes, tokens, options):
     model, cluster = MODELS[name], Cluster.published(chip, per_node=per_node, nodes=nodes)
-    for cache in CACHES:
-        cache.cache_clear()
+    search.clear_caches()
+    assert search._memory.cache_info().currsize == 0 and kernels._passes.cache_info().currsize == 0
     cold = plan(model, cluster, global_batch_tokens=tokens, **options)
     warm = plan(model, cluster, global_batch_tokens=tokens, **options)
     assert _ranking(cold) == _ranking(warm) and len(cold.ranked) > 10

@@ -22,7 +22,11 @@ import heapq
 from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass, replace
 
+from ..measure.costmodel import links as _links
 from ..measure.roofline import flops_utilisation
+from . import kernels as _kernels
+from . import layout as _layout
+from . import steptime as _steptime
 from .build import unsupported
 from .cluster import Cluster
 from .kernels import compute_seconds
@@ -364,6 +368,15 @@ def _variant(layout: Layout, microbatches: int, recompute: str) -> Layout:
     variant = object.__new__(Layout)
     variant.__dict__.update(layout.__dict__, microbatches=microbatches, recompute=recompute)
     return variant
+
+
+def clear_caches() -> None:
+    """Forget what earlier plans remembered (the planner's and the cost model's caches): the next plan takes the
+    time a plan takes in a fresh process."""
+    for cache in (divisors, _pipeline_counts, _memory, _variant, _kernels._passes, _kernels._head,
+                  _layout._layer_bytes, _layout._pending_bytes, _layout._state, _steptime.achieved,
+                  _steptime._axis_seconds, _links.shifted_round):  # fmt: skip
+        cache.cache_clear()
 
 
 def rejection(smallest: Candidate, layout: Layout, batch: int, budget: float) -> Candidate:
