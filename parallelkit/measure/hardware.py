@@ -1,4 +1,5 @@
-"""Published figures of common accelerators (:data:`PUBLISHED`), every figure with its source."""
+"""Published figures of common accelerators (:data:`PUBLISHED`), every figure with its source (the few no datasheet
+prints are assumptions, each said so in its chip's note)."""
 
 from __future__ import annotations
 
