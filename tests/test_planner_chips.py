@@ -27,8 +27,8 @@ def test_b200_is_dense_not_sparse():
     b200 = PUBLISHED["B200"]
     assert b200.bf16_flops == 4500e12 / 2  # printed 4,500 TFLOPS sparse (HGX B200, 1,000 W)
     assert b200.fp8_flops == 9000e12 / 2  # printed 9,000 sparse, not the 9,000 "dense" some pages say
-    assert b200.tf32_flops == 2200e12 / 2 and b200.fp32_flops == 80e12
-    assert b200.memory_bytes == 1440e9 / 8 and b200.hbm_bytes_per_s == 8e12  # 180 GB of the DGX B200's 1,440
+    assert b200.tf32_flops == 2200e12 / 2 and b200.fp32_flops == 75e12  # NVIDIA's HGX page, per GPU
+    assert b200.memory_bytes == 1440e9 / 8 and b200.hbm_bytes_per_s == 7.7e12  # 180 GB of the DGX B200's 1,440
     assert b200.link_bytes_per_s == 14.4e12 / 8 / 2  # NVLink 5: 14.4 TB/s for 8 GPUs, both directions
     assert b200.link_axes == 1 and b200.network_bytes_per_s == 400e9 / 8  # one 400 Gb/s adapter a GPU
 
@@ -47,7 +47,7 @@ def test_the_table_has_an_fp8_column_and_every_chip():
     assert lines[0].split()[1:3] == ["fp8", "TFLOP/s"] and len(lines) == 1 + len(PUBLISHED)
     rows = {chip.name: line for chip, line in zip(PUBLISHED.values(), lines[1:], strict=True)}
     assert rows["Google Cloud TPU v6e"].split()[-7:] == ["-", "918", "-", "-", "1638", "400", "12.5"]
-    assert rows["NVIDIA B200 (180 GB)"].split()[-7:] == ["4500", "2250", "1100", "80", "8000", "900", "50"]
+    assert rows["NVIDIA B200 (180 GB)"].split()[-7:] == ["4500", "2250", "1100", "75", "7700", "900", "50"]
 
 
 @pytest.mark.parametrize("chip", NEW)

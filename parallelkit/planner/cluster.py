@@ -105,7 +105,8 @@ class Cluster(costmodel.Cluster):
         rate is TensorFloat-32's where the chip has it (JAX's default for float32 products on
         those GPUs), else plain float32's; the FP8 rate is the chip's dense FP8 peak, None where it
         has none. Latencies: :data:`_INSIDE_LATENCY_US`,
-        :data:`_NETWORK_LATENCY_US` (an assumption for every chip).
+        :data:`_NETWORK_LATENCY_US` (an assumption for every chip). A chip whose links join fewer
+        devices than ``per_node`` (``Chip.link_domain``: an H100 NVL's bridge joins 2) is refused.
 
         >>> two = Cluster.published("H100 SXM", per_node=8, nodes=2)
         >>> two.devices, two.inside.GBps, two.network.GBps, two.memory_bytes / 1e9
@@ -115,6 +116,10 @@ class Cluster(costmodel.Cluster):
             raise ValueError(f"Cluster.published({chip!r}): choose one of {sorted(PUBLISHED)}.")
         per_node, nodes = whole(per_node, "Cluster.published", "per_node"), whole(nodes, "Cluster.published", "nodes")
         c = PUBLISHED[chip]
+        if c.link_domain is not None and per_node > c.link_domain:
+            raise ValueError(f"Cluster.published({chip!r}, per_node={per_node}): its {c.link_name} joins at most "
+                             f"{c.link_domain} devices. Give per_node <= {c.link_domain} and count the rest as "
+                             "nodes (they talk over the network).")  # fmt: skip
         source = ", ".join(c.sources)
         inside = Link(c.link_name, c.axis_link_bytes_per_s / 1e9, _INSIDE_LATENCY_US, source)
         network = Link(f"{per_node} x network", per_node * c.network_bytes_per_s / 1e9, _NETWORK_LATENCY_US, source)

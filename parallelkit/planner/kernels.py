@@ -20,7 +20,8 @@ from .model import ModelShape
 # The share of the peak a large matrix product reaches: the best of a brute-force search over shapes of BF16 matmuls
 # (S. Bekman, "Machine Learning Engineering", compute/accelerator/README.md, "Maximum Achievable Matmul FLOPS
 # comparison table": H100 SXM 794.5 of 989 TFLOP/s, A100 SXM 271.2 of 312). A chip this dict does not hold (the TPUs,
-# the B200) takes the H100's share, and FP8 products the bf16 share of the FP8 peak: assumptions.
+# the B200, the H800, the H100 NVL, the MI300X) takes the H100's share, and FP8 products the bf16 share of the FP8
+# peak: assumptions.
 ACHIEVABLE = {"H100 SXM": 794.5 / 989, "A100 SXM 80GB": 271.2 / 312}
 _ACHIEVABLE_ELSE = ACHIEVABLE["H100 SXM"]
 # The share of the peak a product reaches by its size, (at least this many FLOPs in one kernel, share), largest
@@ -80,9 +81,27 @@ def compute_seconds(
         passes = _even_passes(compute / (layers * m), extra / per_token * 3, attention_flops / per_token)
         return compute, passes, efficiency
     passes = layer_passes(model, layout, cluster, micro, precision, attention)
-    compute = layers * m * passes.total + m * head_seconds(model, layout, cluster, micro, precision) / stages
+    compute = m * slowest_stage(model, layout, passes.total, head_seconds(model, layout, cluster, micro, precision))
     compute += optimizer_seconds(model, layout, cluster, precision)
     return compute, passes, flops / (compute * peak)
+
+
+def slowest_stage(model: ModelShape, layout: Layout, layer: float, head: float) -> float:
+    """One microbatch's seconds on the slowest pipeline stage: the first stages' ``ceil(layers / stages)`` layers
+    of ``layer`` seconds each, or the last stage's (what is left of the layers) with the output layer's ``head``
+    seconds, whichever is longer. Each stage sends its microbatch on when its neighbour takes it, so every stage
+    runs at the slowest one's pace; the output layer and the loss run on the last stage alone (Megatron-LM splits
+    the layers evenly over the stages and puts them there; Megatron-Core's ``account_for_loss_in_pipeline_split``
+    exists to count them as a layer). Without a pipeline: the layers and the head.
+
+    >>> from parallelkit.planner.model import ModelShape
+    >>> gpt = ModelShape(layers=8, d_model=64, heads=4, ffn=256, vocab=100, seq=16)
+    >>> slowest_stage(gpt, Layout(), 1.0, 0.5), slowest_stage(gpt, Layout(stages=4), 1.0, 0.5)
+    (8.5, 2.5)
+    """
+    first = math.ceil(model.layers / layout.stages)
+    last = max(model.layers - (layout.stages - 1) * first, 0)
+    return max(first * layer, last * layer + head)
 
 
 def _even_passes(seconds: float, recomputed: float, attention: float) -> Passes:
@@ -225,8 +244,13 @@ def head_seconds(model: ModelShape, layout: Layout, cluster: Cluster, micro: int
     """The output layer's seconds for one microbatch on one device: its product with the vocabulary (split over
     ``tensor``), forward and both gradients, and the loss's passes over the logits (read and written forward, read
     and the gradient written backward)."""
-    tokens = micro * model.seq / layout.context
-    vocab = model.vocab / layout.tensor
+    return _head(model, cluster, micro, layout.tensor, layout.context, precision)
+
+
+@functools.lru_cache(maxsize=65536)  # the planner asks for the same head for many layouts
+def _head(model: ModelShape, cluster: Cluster, micro: int, tensor: int, context: int, precision: str) -> float:
+    tokens = micro * model.seq / context
+    vocab = model.vocab / tensor
     logits = ELEMENT_BYTES[precision] * tokens * vocab
     product = matmul_seconds(tokens, model.d_model, vocab, cluster, precision)
     return 3 * product + 2 * memory_seconds(2 * logits, cluster)

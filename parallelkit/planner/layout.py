@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -68,7 +69,7 @@ class Layout:
             value = getattr(self, axis)
             if not (type(value) is int and value >= 1 or is_count(value)):  # the common case first: the planner's
                 raise ValueError(f"Layout({axis}={value!r}): a whole number >= 1.")
-        if not is_zero_stage(self.zero):
+        if not (type(self.zero) is int and 0 <= self.zero <= 3 or is_zero_stage(self.zero)):
             raise ValueError(f"Layout(zero={self.zero!r}) is not a ZeRO stage: give 0 (none), 1 (the optimizer "
                              "state split), 2 (the gradients too) or 3 (the parameters too).")  # fmt: skip
         if not isinstance(self.sequence_parallel, bool):
@@ -189,19 +190,14 @@ def activations(
     (:func:`.memory.layer_activation_bytes`).
     """
     micro = batch // (layout.replicas * layout.microbatches)
-    split = {"tensor": layout.tensor, "sequence_parallel": layout.sequence_parallel, "context": layout.context,
-             "context_method": layout.context_method, "element_bytes": ELEMENT_BYTES[precision],
-             "fused": fused}  # fmt: skip
-    per_layer = layer_activation_bytes(model, micro, recompute=layout.recompute, **split)
-    rebuilt = (
-        layer_activation_bytes(model, micro, recompute="selective", **split) if layout.recompute == "full" else 0.0
-    )
+    split = (layout.tensor, layout.sequence_parallel, layout.context, layout.context_method, ELEMENT_BYTES[precision])
+    per_layer = _layer_bytes(model, micro, *split, layout.recompute, fused)
+    rebuilt = _layer_bytes(model, micro, *split, "selective", fused) if layout.recompute == "full" else 0.0
     logits = 4 * micro * (model.seq / layout.context) * model.vocab / layout.tensor
     stage_layers = math.ceil(model.layers / layout.stages)
     if layout.stages == 1:  # one stage: the first is the last
         return Activations(model.layers, 1, micro, per_layer, rebuilt, logits, True)
-    pending = weight_pass_bytes(model, micro, tensor=layout.tensor, sequence_parallel=layout.sequence_parallel,
-                                context=layout.context, element_bytes=ELEMENT_BYTES[precision])  # fmt: skip
+    pending = _pending_bytes(model, micro, *split[:3], split[4])
     pipeline = (layout.schedule, layout.stages, layout.microbatches)
     first = Activations(stage_layers, in_flight(*pipeline, virtual=layout.virtual), micro, per_layer, rebuilt, 0.0,
                         False, weight_passes_pending(*pipeline), pending)  # fmt: skip
@@ -210,6 +206,34 @@ def activations(
     deferred = weight_passes_pending(*pipeline, stage=layout.stages - 1)
     last = Activations(last_layers, held, micro, per_layer, rebuilt, logits, True, deferred, pending)
     return first if first.total >= last.total + last.logits else last
+
+
+@functools.lru_cache(maxsize=65536)  # the planner counts the same layer for many layouts and microbatch counts
+def _layer_bytes(model: ModelShape, micro: int, tensor: int, sequence_parallel: bool, context: int,
+                 context_method: str, element_bytes: int, recompute: str, fused: bool) -> float:  # fmt: skip
+    """:func:`.memory.layer_activation_bytes`, remembered."""
+    return layer_activation_bytes(model, micro, tensor=tensor, sequence_parallel=sequence_parallel, context=context,
+                                  context_method=context_method, recompute=recompute, element_bytes=element_bytes,
+                                  fused=fused)  # fmt: skip
+
+
+@functools.lru_cache(maxsize=65536)
+def _pending_bytes(model: ModelShape, micro: int, tensor: int, sequence_parallel: bool, context: int,
+                   element_bytes: int) -> float:  # fmt: skip
+    """:func:`.memory.weight_pass_bytes`, remembered."""
+    return weight_pass_bytes(model, micro, tensor=tensor, sequence_parallel=sequence_parallel, context=context,
+                             element_bytes=element_bytes)  # fmt: skip
+
+
+@functools.lru_cache(maxsize=65536)  # one layout's state whatever its microbatches, recomputation or schedule
+def _state(model: ModelShape, split: int, expert: int, context: int, data: int, zero: int, precision: str,
+           optimizer: str) -> tuple[float, float, float]:  # fmt: skip
+    """The (parameters, gradients, optimizer state) bytes of one device: :func:`memory_per_device`'s state."""
+    experts = model.routed_params
+    kinds = {"zero": zero, "precision": precision, "optimizer": optimizer}
+    dense = state_bytes((model.params - experts) / split, data=expert * context * data, **kinds)
+    routed = state_bytes(experts / (split * expert), data=context * data, **kinds)
+    return tuple(a + b for a, b in zip(dense, routed, strict=True))
 
 
 def memory_per_device(
@@ -241,12 +265,8 @@ def memory_per_device(
                         "compiled whole (the kit's steps), False for Korthikanti et al.'s accounting.")  # fmt: skip
     if reason := check(model, layout, batch):
         raise ValueError(f"{layout.name} cannot train {model.name or 'this model'}: {reason}.")
-    experts = model.routed_params
-    split = layout.tensor * layout.stages
-    kinds = {"zero": layout.zero, "precision": precision, "optimizer": optimizer}
-    dense = state_bytes((model.params - experts) / split, data=layout.expert * layout.context * layout.data, **kinds)
-    expert = state_bytes(experts / (split * layout.expert), data=layout.context * layout.data, **kinds)
-    params, grads, opt = (a + b for a, b in zip(dense, expert, strict=True))
+    params, grads, opt = _state(model, layout.tensor * layout.stages, layout.expert, layout.context, layout.data,
+                                layout.zero, precision, optimizer)  # fmt: skip
     act = activations(model, layout, batch, precision=precision, fused=fused)
     working = backward_working_bytes(model, act.micro, tensor=layout.tensor, context=layout.context,
                                      context_method=layout.context_method, fused=fused)  # fmt: skip

@@ -3,11 +3,11 @@
 >>> from parallelkit.planner import MODELS, Cluster
 >>> answer = plan(MODELS["llama3-8b"], Cluster.published("H100 SXM", per_node=8), global_batch_tokens=1_048_576)
 >>> answer.best.name, answer.batch  # 128 sequences of 8192 tokens
-('data 2 x stages 4, ZeRO-1, interleaved v=8 m=64, remat selective', 128)
+('data 4 x context 2, ZeRO-1, allgather, accumulate 32, remat selective', 128)
 >>> print(answer.table(1))  # doctest: +NORMALIZE_WHITESPACE
-  #  layout                                                            GB/dev   step s    MFU  binds
-  1  data 2 x stages 4, ZeRO-1, interleaved v=8 m=64, remat selective    68.2   12.607  64.2%  compute
-(469 layouts fit, 2 do not: plan.rejected; 206 could not reach the first 10, not weighed)
+  #  layout                                                                 GB/dev   step s    MFU  binds
+  1  data 4 x context 2, ZeRO-1, allgather, accumulate 32, remat selective    68.8   12.906  62.7%  compute
+(439 layouts fit, 6 do not: plan.rejected; 232 could not reach the first 10, not weighed)
 """
 
 from __future__ import annotations

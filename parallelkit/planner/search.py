@@ -22,7 +22,11 @@ import heapq
 from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass, replace
 
+from ..measure.costmodel import links as _links
 from ..measure.roofline import flops_utilisation
+from . import kernels as _kernels
+from . import layout as _layout
+from . import steptime as _steptime
 from .build import unsupported
 from .cluster import Cluster
 from .kernels import compute_seconds
@@ -138,6 +142,7 @@ def schedules(layers: int, stages: int, per_replica: int) -> Iterator[tuple[str,
                 yield schedule, virtual, counts[0]
 
 
+@functools.lru_cache(maxsize=4096)
 def _pipeline_counts(stages: int, virtual: int, per_replica: int) -> tuple[int, ...]:
     """The microbatch counts a pipeline of ``stages`` is weighed at: every divisor of a replica's sequences from
     ``stages`` up (fewer leave a stage idle for most of the step), multiples of ``stages`` under interleaved
@@ -270,7 +275,7 @@ def assess(
     used = batch // layout.replicas * layout.replicas
     if reason := check(model, layout, used):
         return Candidate(layout, used, Memory(0, 0, 0, 0), rejected=reason)
-    memory = memory_per_device(model, layout, used, precision=precision, optimizer=optimizer)
+    memory = _memory(model, layout, used, precision, optimizer)
     budget = (1 - reserve) * cluster.memory_bytes
     if memory.total > budget:
         return Candidate(layout, used, memory, rejected=_too_large(memory, budget))
@@ -283,6 +288,12 @@ def assess(
     return Candidate(
         layout, used, memory, time, flops_utilisation(per_device, time.total, cluster.peak_flops(precision))
     )
+
+
+@functools.lru_cache(maxsize=65536)  # a weighing asks for a variant's memory, then for it again with its time
+def _memory(model: ModelShape, layout: Layout, batch: int, precision: str, optimizer: str) -> Memory:
+    """:func:`.layout.memory_per_device`, remembered."""
+    return memory_per_device(model, layout, batch, precision=precision, optimizer=optimizer)
 
 
 def _too_large(memory: Memory, budget: float, smallest: str = "") -> str:
@@ -313,13 +324,12 @@ def weigh(model: ModelShape, layout: Layout, cluster: Cluster, batch: int, **opt
         )
 
     def trial(microbatches: int, variant: Layout, timed: bool = True) -> Candidate:
-        if microbatches != variant.microbatches:
-            variant = replace(variant, microbatches=microbatches)
-        return assess(model, variant, cluster, batch, **options, timed=timed)
+        return assess(model, _variant(variant, microbatches, variant.recompute), cluster, batch, **options,
+                      timed=timed)  # fmt: skip
 
     def fewest(recompute: str, least: int = counts[0]) -> Candidate:
         """The fewest steps that fit, found by memory alone, then timed."""
-        variant = layout if recompute == layout.recompute else replace(layout, recompute=recompute)
+        variant = _variant(layout, layout.microbatches, recompute)
         found = _fewest_that_fit(counts[counts.index(least) :], functools.partial(trial, variant=variant, timed=False))
         return trial(found.layout.microbatches, found.layout) if found.fits else found
 
@@ -332,18 +342,41 @@ def weigh(model: ModelShape, layout: Layout, cluster: Cluster, batch: int, **opt
             return found
         best, best_s = found.layout, found.time.total  # more microbatches need less memory: each fits
         for m in counts[counts.index(best.microbatches) + 1 :]:
-            variant = replace(found.layout, microbatches=m)
+            variant = _variant(found.layout, m, found.layout.recompute)
             if (seconds := step_time(model, variant, cluster, found.batch, **timing).total) < best_s:
                 best, best_s = variant, seconds
         return found if best is found.layout else assess(model, best, cluster, batch, **options)
 
-    if not (smallest := trial(counts[-1], replace(layout, recompute="full"), timed=False)).fits:  # the least memory
+    if not (
+        smallest := trial(counts[-1], _variant(layout, layout.microbatches, "full"), timed=False)
+    ).fits:  # the least memory
         return rejection(smallest, layout, batch, (1 - options["reserve"]) * cluster.memory_bytes)
     selective = fewest("selective")
     tried = [fewest("none", selective.layout.microbatches), selective] if selective.fits else [selective]
     if not any(v.fits and v.layout.microbatches == counts[0] for v in tried):
         tried.append(fewest("full"))
     return max((fastest(v) for v in tried if v.fits), key=lambda v: v.mfu)  # full recomputation fits, at least
+
+
+@functools.lru_cache(maxsize=65536)  # a weighing asks for the same variants many times: each is built once
+def _variant(layout: Layout, microbatches: int, recompute: str) -> Layout:
+    """``layout`` with ``microbatches`` and ``recompute``, built without ``Layout``'s checks (tens of thousands a
+    plan): ``layout`` passed them, and the search's counts (divisors, :func:`_pipeline_counts`) and recomputations
+    (:data:`.memory.RECOMPUTE`'s names) pass them too."""
+    if microbatches == layout.microbatches and recompute == layout.recompute:
+        return layout
+    variant = object.__new__(Layout)
+    variant.__dict__.update(layout.__dict__, microbatches=microbatches, recompute=recompute)
+    return variant
+
+
+def clear_caches() -> None:
+    """Forget what earlier plans remembered (the planner's and the cost model's caches): the next plan takes the
+    time a plan takes in a fresh process."""
+    for cache in (divisors, _pipeline_counts, _memory, _variant, _kernels._passes, _kernels._head,
+                  _layout._layer_bytes, _layout._pending_bytes, _layout._state, _steptime.achieved,
+                  _steptime._axis_seconds, _links.shifted_round):  # fmt: skip
+        cache.cache_clear()
 
 
 def rejection(smallest: Candidate, layout: Layout, batch: int, budget: float) -> Candidate:

@@ -197,9 +197,11 @@ def communication_seconds(model: ModelShape, layout: Layout, cluster: Cluster, m
     if layout.expert > 1:
         routed = activation * model.top_k
         comm["experts"] = layers * m * (6 if refwd else 4) * along("expert", routed, "all-to-all")
-    if stages > 1:
-        sent = activation / (layout.tensor if layout.sequence_parallel else 1)
-        comm["pipeline"] = 2 * (layout.virtual * m + stages - 1) * along("stages", sent, "permute")
+    if stages > 1:  # each tensor rank sends its share (module's assumptions: Megatron-LM's scatter/gather)
+        slots = 2 * (layout.virtual * m + stages - 1)
+        comm["pipeline"] = slots * along("stages", activation / layout.tensor, "permute")
+        if layout.tensor > 1 and not layout.sequence_parallel:  # the receiving stage gathers the whole activation
+            comm["pipeline"] += slots * along("tensor", activation, "all-gather")
     if grads := gradient_seconds(model, layout, cluster, e):
         comm["gradients"] = grads
     return comm
