@@ -81,7 +81,9 @@ def lab(browser_ready, tmp_path_factory):
     home = tmp_path_factory.mktemp("lab")
     root = home / "root"
     shutil.copytree(ROOT / "notebooks", root, ignore=shutil.ignore_patterns(".ipynb_checkpoints"))
-    nbformat.write(nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(s) for s in LIVE_CELLS]), root / LIVE)
+    kernel = nbformat.read(root / MIRRORED, as_version=4).metadata  # its kernel, so Lab asks for none
+    live = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(s) for s in LIVE_CELLS], metadata=kernel)
+    nbformat.write(live, root / LIVE)
     settings = home / "settings" / "@jupyterlab" / "apputils-extension"
     settings.mkdir(parents=True)
     notebook_settings = home / "settings" / "@jupyterlab" / "notebook-extension"
