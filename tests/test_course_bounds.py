@@ -3,7 +3,8 @@
 Each bound is a sentence of a notebook: data parallelism's tokens per device (02), tensor
 parallelism's width (05) and the workers one parameter-server link carries (04). The cost model
 must agree with each where the notebook says it does, for chips and links other than the H100
-the notebooks evaluate, and the numbers their prose quotes must follow from the published figures.
+the notebooks evaluate, and the numbers their prose quotes must follow from the published figures. Two of the exercises built
+on them (05's choice, 04's fewest shards) must judge a wrong answer wrong and the derived one right.
 """
 
 from __future__ import annotations
@@ -124,3 +125,44 @@ def test_data_parallelism_beats_tensor_parallelism_when_the_tokens_exceed_the_wi
 def test_a_notebook_rewritten_for_one_sitting_stays_short(stem):
     path = next(p for p in NOTEBOOKS if p.stem == stem)
     assert len(nbformat.read(path, as_version=4).cells) <= MAX_CELLS
+
+
+def _exercise(stem: str, cell_id: str) -> tuple[str, str]:
+    """An exercise cell's source and its hidden solution's (the code cell after it)."""
+    cells = [c for c in nbformat.read(next(p for p in NOTEBOOKS if p.stem == stem), as_version=4).cells]
+    at = [c.id for c in cells].index(cell_id)
+    solution = next(c for c in cells[at + 1 :] if c.cell_type == "code")
+    assert "solution" in solution.metadata.get("tags", []), f"{stem} {cell_id} has no hidden solution after it"
+    return cells[at].source, solution.source
+
+
+def _judged(source: str, prediction: object, names: dict, capsys) -> bool | None:
+    """Run an exercise cell with ``prediction`` entered (and a sentence of reasons); the check's verdict."""
+    entered = source.replace("prediction = None", f"prediction = {prediction!r}", 1)
+    entered = entered.replace('reasons = ""', 'reasons = "the tokens per device exceed the width"', 1)
+    assert entered != source, "the cell sets no prediction = None"
+    exec(compile(entered, "<exercise>", "exec"), names)
+    out = capsys.readouterr().out
+    return "right" in out and "not quite" not in out
+
+
+# The names the two exercises read from the cells above them, as those cells define them.
+CHOICE_NAMES = {"cm": cm, "h100": H100, "nvlink4": cm.PRESETS["nvlink4"]}
+SHARDS_NAMES = {"cm": cm, "h100": H100, "gpt2_xl": GPT2_XL, "math": math,
+                "f_over_b": H100.bf16_flops / H100.network_bytes_per_s}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("stem", "cell_id", "names", "right", "wrong", "stated"),
+    [
+        ("05_model_parallel", "c05-ex1", CHOICE_NAMES, "data", "tensor", 'shorter == "data"'),
+        ("04_parameter_servers", "c03-ex1", SHARDS_NAMES, 18, 17, "== 18"),
+    ],
+    ids=["05-choice", "04-shards"],
+)
+def test_a_new_exercise_fails_a_wrong_answer_and_passes_the_derived_one(stem, cell_id, names, right, wrong, stated,
+                                                                        capsys):  # fmt: skip
+    exercise, solution = _exercise(stem, cell_id)
+    assert stated in solution, f"{stem}'s hidden solution no longer derives {right!r}"
+    assert _judged(exercise, right, {"pk": pk, **names}, capsys) is True
+    assert _judged(exercise, wrong, {"pk": pk, **names}, capsys) is False
