@@ -3,8 +3,9 @@
 Each bound is a sentence of a notebook: data parallelism's tokens per device (02), tensor
 parallelism's width (05) and the workers one parameter-server link carries (04). The cost model
 must agree with each where the notebook says it does, for chips and links other than the H100
-the notebooks evaluate, and the numbers their prose quotes must follow from the published figures. Two of the exercises built
-on them (05's choice, 04's fewest shards) must judge a wrong answer wrong and the derived one right.
+the notebooks evaluate, and the numbers their prose quotes must follow from the published figures.
+Two of the exercises built on them (05's choice, 04's fewest shards) must judge a wrong answer
+wrong and the derived one right.
 """
 
 from __future__ import annotations
