@@ -122,10 +122,26 @@ def test_data_parallelism_beats_tensor_parallelism_when_the_tokens_exceed_the_wi
         assert min(layouts, key=lambda name: layouts[name].step_s) == shorter
 
 
-@pytest.mark.parametrize("stem", ["01_mirrored", "05_model_parallel"])
+@pytest.mark.parametrize("stem", ["01_mirrored", "02_collectives_and_scaling", "05_model_parallel"])
 def test_a_notebook_rewritten_for_one_sitting_stays_short(stem):
     path = next(p for p in NOTEBOOKS if p.stem == stem)
     assert len(nbformat.read(path, as_version=4).cells) <= MAX_CELLS
+
+
+PUBLISHED_RUNS = "cost_model.md#the-cost-model-against-published-runs"  # where 02's published comparisons went
+
+
+def test_what_02_moved_out_is_on_the_page_it_links():
+    """02's comparisons with published runs (Horovod, a saturating parameter server, the hierarchical
+    all-reduce timed) sit in a section of the cost model's page that 02 links, with their code."""
+    notebook = next(p for p in NOTEBOOKS if p.stem == "02_collectives_and_scaling")
+    markdown = " ".join(c.source for c in nbformat.read(notebook, as_version=4).cells if c.cell_type == "markdown")
+    assert f"../docs/{PUBLISHED_RUNS}" in markdown
+    page = (NOTEBOOKS[0].parents[1] / "docs" / "cost_model.md").read_text()
+    section = page.split("\n## The cost model against published runs\n", 1)[1].split("\n## ", 1)[0]
+    for taught in ("### The hierarchical all-reduce, timed", "### Horovod's 90 %", "### A parameter server saturating",
+                   "def forward_only", "the parameter-server notebook (04)"):  # fmt: skip
+        assert taught in section, taught
 
 
 def _exercise(stem: str, cell_id: str) -> tuple[str, str]:

@@ -178,7 +178,6 @@ def test_the_stage_0_backward_pass_of_zb_h1_computes_nothing():
 
 
 REFERENCES = [  # (notebook, cell id, the reference, the notebook it names, what that notebook must say)
-    ("02", "c08-33-md", "the parameter-server notebook (04)", "04", "pk.ParameterServer"),
     ("12", "cell-17", "Notebook 02's cost model puts times on it (its section 8)", "02",
      "## 8 · The claim: 8 GPUs in one machine vs 16 across machines"),
     ("14", "c2b1d7c5", "Notebook 02 (section 8) set 8 GPUs in one machine against 16 across machines", "02",
