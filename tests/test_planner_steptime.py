@@ -10,7 +10,7 @@ from parallelkit.measure.costmodel import axis_seconds
 from parallelkit.planner import MODELS, Cluster, Layout, ModelShape, plan, step_time
 from parallelkit.planner.kernels import Passes, layer_passes, matmul_share, optimizer_seconds
 from parallelkit.planner.search import only_full_fits, weigh
-from parallelkit.planner.steptime import LINK_SHARE, achieved, bubble_share, hidden_families
+from parallelkit.planner.steptime import LINK_SHARE, achieved, bubble_share, gradient_seconds, hidden_families
 
 A100 = "A100 SXM 80GB"
 SMALL = ModelShape(8, 1024, 16, 4096, 32000, 2048, kv_heads=4, dropout=False, name="small")
@@ -83,6 +83,17 @@ def test_a_datasheets_links_carry_collectives_at_calculons_share():
     assert t.communication["tensor"] == pytest.approx(8 * 4 * one, rel=1e-12)  # 8 layers, 2 + 2 all-reduces
     measured = replace(cluster, chip="measured here")  # a cluster of measured links keeps them
     assert achieved(measured) is measured
+
+
+def test_the_gradients_take_the_link_share_once_as_the_search_weighs_them():
+    cluster = Cluster.published(A100, per_node=8)
+    layout = Layout(data=8)
+    t = step_time(SMALL, layout, cluster, 8)
+    # a ring all-reduce of the bf16 gradients: 2 x 7 steps, each an eighth of them over the link at its share
+    link = cluster.inside
+    once = 2 * 7 * (link.latency_us * 1e-6 + SMALL.params * 2 / 8 / (link.GBps * 1e9 * LINK_SHARE["inside"]))
+    assert t.communication["gradients"] == pytest.approx(gradient_seconds(SMALL, layout, cluster, 2), rel=1e-12)
+    assert t.communication["gradients"] == pytest.approx(once, rel=1e-9)
 
 
 def test_sequence_parallelism_gathers_the_inputs_again_in_the_backward_pass():

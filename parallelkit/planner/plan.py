@@ -6,8 +6,8 @@
 ('data 4 x context 2, ZeRO-1, allgather, accumulate 32, remat selective', 128)
 >>> print(answer.table(1))  # doctest: +NORMALIZE_WHITESPACE
   #  layout                                                                 GB/dev   step s    MFU  binds
-  1  data 4 x context 2, ZeRO-1, allgather, accumulate 32, remat selective    68.8   12.906  62.7%  compute
-(439 layouts fit, 6 do not: plan.rejected; 232 could not reach the first 10, not weighed)
+  1  data 4 x context 2, ZeRO-1, allgather, accumulate 32, remat selective    68.8   12.902  62.7%  compute
+(439 layouts fit, 4 do not: plan.rejected; 234 could not reach the first 10, not weighed)
 """
 
 from __future__ import annotations

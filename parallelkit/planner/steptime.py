@@ -171,7 +171,7 @@ def achieved(cluster: Cluster) -> Cluster:
 
 def communication_seconds(model: ModelShape, layout: Layout, cluster: Cluster, micro: int, e: int) -> dict:
     """Each collective family's seconds in one step, before any hides (the module's assumptions)."""
-    cluster = achieved(cluster)
+    datasheet, cluster = cluster, achieved(cluster)
     apart, m, stages = strides(layout), layout.microbatches, layout.stages
     tokens = micro * model.seq // layout.context  # one microbatch's tokens on one device
     activation = tokens * model.d_model * e
@@ -202,7 +202,7 @@ def communication_seconds(model: ModelShape, layout: Layout, cluster: Cluster, m
         comm["pipeline"] = slots * along("stages", activation / layout.tensor, "permute")
         if layout.tensor > 1 and not layout.sequence_parallel:  # the receiving stage gathers the whole activation
             comm["pipeline"] += slots * along("tensor", activation, "all-gather")
-    if grads := gradient_seconds(model, layout, cluster, e):
+    if grads := gradient_seconds(model, layout, datasheet, e):  # it takes the link share once itself
         comm["gradients"] = grads
     return comm
 
