@@ -98,15 +98,25 @@ def reveals(source: str) -> list[str]:
         if len(values) != 1 or not (isinstance(values[0], ast.Constant) and values[0].value is None):
             problems.append(f"{guess.id} is not set once, to None: {[ast.unparse(v) for v in values]}")
         tied = _tied_to(measured, tree) - {"pk"}
+        guarded = _once_predicted(tree, guess.id)
         for node in _shown(tree):
-            if _names(node) & tied:
+            if _names(node) & tied and id(node) not in guarded:
                 problems.append(f"{ast.unparse(node)!r} shows {sorted(_names(node) & tied)}, tied to the answer")
     return problems
 
 
-# Notebook 14 prints each answer beside its check (a table whose first row is the best layout, the
-# best layouts' names and MFU); its rewrite for issue 55 is to keep them for the verdict.
-REVEALING = {"14_which_strategy"}
+def _once_predicted(tree: ast.Module, guess: str) -> set[int]:
+    """The nodes (by ``id``) that run only once a prediction is entered: inside ``if <guess> is not None:``."""
+    inside: set[int] = set()
+    for node in ast.walk(tree):
+        test = node.test if isinstance(node, ast.If) else None
+        if test is not None and ast.unparse(test) == f"{guess} is not None":
+            inside |= {id(n) for statement in node.body for n in ast.walk(statement)}
+    return inside
+
+
+# Notebooks whose committed exercises still show an answer before the prediction (none).
+REVEALING: set[str] = set()
 
 
 @pytest.mark.parametrize(
@@ -144,6 +154,10 @@ def test_reveals_finds_an_answer_given_away(source: str):
 def test_reveals_passes_a_cell_that_keeps_the_answer():
     source = 'prediction = None\nratio = a / b\nprint("a table of other things", c)\npk.lesson.check(prediction, ratio)'
     assert reveals(source) == []
+    guarded = "prediction = None\nratio = a / b\nif prediction is not None:\n    print(a, b)\n"
+    guarded += "pk.lesson.check(prediction, ratio)"
+    assert reveals(guarded) == []  # shown only once a prediction is entered
+    assert reveals(guarded.replace("is not None", "is None"))  # shown before one is
 
 
 @pytest.mark.parametrize(
