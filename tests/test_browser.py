@@ -135,7 +135,8 @@ def lab(browser_ready, tmp_path_factory):
 def _run_all(page, base: str, token: str, notebook: str) -> None:
     """Open ``notebook`` in Lab, wait for its kernel, record widget updates, and run every cell."""
     page.goto(f"{base}/lab/tree/{notebook}?token={token}")
-    page.wait_for_selector(".jp-Notebook .jp-Cell", timeout=60_000)
+    # a cell of the notebook in front: a tab restored from an earlier test keeps its cells, hidden, in the page
+    page.wait_for_selector(".jp-Notebook .jp-Cell >> visible=true", timeout=60_000)
     # Lab restores the tabs a previous test opened: wait until the tab in front is this notebook's, or
     # run-all would run the other one.
     page.wait_for_function(
