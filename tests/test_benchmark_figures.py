@@ -46,14 +46,18 @@ def sci(x: float) -> str:
     return f"{mantissa}e{int(exponent)}"
 
 
+def _ratio_rows(summary: dict, pairs: tuple[str, ...]) -> list[str]:
+    """An overhead record's table, a row per device count: each pair's ratio as the median of the runs [the
+    smallest, the largest]."""
+    cell = "{median:.3f} [{min:.3f}, {max:.3f}]"
+    return [f"| {n} | " + " | ".join(cell.format(**r[pair]) for pair in pairs) + " |" for n, r in summary.items()]
+
+
 def _overhead() -> list[str]:
     record = load("overhead.json")
     summary, runs, steps = record["summary"], record["args"]["repeats"], record["args"]["steps"]
 
-    def cell(r: dict) -> str:
-        return f"{r['median']:.3f} [{r['min']:.3f}, {r['max']:.3f}]"
-
-    rows = [f"| {n} | {cell(r['jit'])} | {cell(r['pmap'])} |" for n, r in summary.items()]
+    rows = _ratio_rows(summary, ("jit", "pmap"))
     diffs = {r["devices"]: r["max_param_diff"]["jit_vs_pmap"] for r in record["results"]}
     single_max = max(r["max"] for backends in summary.values() for r in backends.values())
     return [
@@ -72,12 +76,7 @@ def test_what_the_overhead_prose_says_holds():
 
 
 def _overhead_composed() -> list[str]:
-    summary = load("overhead_composed.json")["summary"]
-
-    def cell(r: dict) -> str:
-        return f"{r['median']:.3f} [{r['min']:.3f}, {r['max']:.3f}]"
-
-    return [f"| {n} | {cell(r['composed'])} | {cell(r['jit'])} | {cell(r['pmap'])} |" for n, r in summary.items()]
+    return _ratio_rows(load("overhead_composed.json")["summary"], ("composed", "jit", "pmap"))
 
 
 def test_the_composed_step_on_one_axis_costs_nothing_over_its_preset():
@@ -90,12 +89,7 @@ def test_the_composed_step_on_one_axis_costs_nothing_over_its_preset():
 
 
 def _overhead_random() -> list[str]:
-    summary = load("overhead_random.json")["summary"]
-
-    def cell(r: dict) -> str:
-        return f"{r['median']:.3f} [{r['min']:.3f}, {r['max']:.3f}]"
-
-    return [f"| {n} | {cell(r['jit'])} | {cell(r['pmap'])} | {cell(r['composed'])} |" for n, r in summary.items()]
+    return _ratio_rows(load("overhead_random.json")["summary"], ("jit", "pmap", "composed"))
 
 
 def test_what_the_random_order_prose_says_holds():

@@ -132,6 +132,13 @@ def lab(browser_ready, tmp_path_factory):
         log.close()
 
 
+def _screenshot(page, selector: str, name: str) -> None:
+    """Keep a picture of the view ``selector`` finds, scrolled into sight, as ``SCREENSHOTS / name``."""
+    SCREENSHOTS.mkdir(parents=True, exist_ok=True)
+    page.locator(selector).scroll_into_view_if_needed()
+    page.screenshot(path=str(SCREENSHOTS / name))
+
+
 def _run_all(page, base: str, token: str, notebook: str) -> None:
     """Open ``notebook`` in Lab, wait for its kernel, record widget updates, and run every cell."""
     page.goto(f"{base}/lab/tree/{notebook}?token={token}")
@@ -195,10 +202,7 @@ def test_timing_dashboard_updates_live_in_chromium(lab):
         assert page.locator(".pk-dashboard svg.pk-line polyline").get_attribute("points")
         page.locator(".jp-OutputArea-output", has_text="redraws").wait_for(timeout=60_000)
         _no_traceback(page)
-
-        SCREENSHOTS.mkdir(parents=True, exist_ok=True)
-        page.locator(".pk-dashboard").scroll_into_view_if_needed()
-        page.screenshot(path=str(SCREENSHOTS / "timing_dashboard.png"))
+        _screenshot(page, ".pk-dashboard", "timing_dashboard.png")
 
 
 def test_gradient_explorer_updates_in_chromium(lab):
@@ -219,10 +223,7 @@ def test_gradient_explorer_updates_in_chromium(lab):
             "src => document.querySelector('.pk-gradsync img').src !== src", arg=first, timeout=30_000
         )
         _no_traceback(page)
-
-        SCREENSHOTS.mkdir(parents=True, exist_ok=True)
-        page.locator(".pk-gradsync").scroll_into_view_if_needed()
-        page.screenshot(path=str(SCREENSHOTS / "01_mirrored_gradsync.png"))
+        _screenshot(page, ".pk-gradsync", "01_mirrored_gradsync.png")
 
 
 def test_strategy_race_updates_live_in_chromium(lab):
@@ -256,7 +257,4 @@ def test_strategy_race_updates_live_in_chromium(lab):
             timeout=180_000
         )
         _no_traceback(page)
-
-        SCREENSHOTS.mkdir(parents=True, exist_ok=True)
-        page.locator(".pk-race").scroll_into_view_if_needed()
-        page.screenshot(path=str(SCREENSHOTS / "13_strategy_lab_race.png"))
+        _screenshot(page, ".pk-race", "13_strategy_lab_race.png")
