@@ -189,9 +189,10 @@ class Step:
 
     Dispatch stays asynchronous: a call returns before the device finishes, so a
     plain ``for batch in batches: state, metrics = step(state, batch)`` keeps the
-    devices busy. On several CPU devices, once more than ``MAX_STEPS_IN_FLIGHT`` calls
-    are queued the step waits for the oldest half of them, so the loop can never queue
-    enough work to deadlock XLA's CPU runtime; on accelerators nothing waits.
+    devices busy. On several CPU devices every ``MAX_STEPS_IN_FLIGHT // 2``-th call waits for
+    the call that many calls before it, so no more than ``MAX_STEPS_IN_FLIGHT`` steps are ever
+    queued and the loop can never queue enough work to deadlock XLA's CPU runtime; on
+    accelerators nothing waits.
 
     Passing a state that an earlier call already consumed (its buffers are donated
     to the step) raises a ``ValueError`` that says so. With a dynamic loss scale
@@ -219,7 +220,9 @@ class Step:
         self.precision = precision
         devices = strategy.devices
         paced = len(devices) > 1 and all(d.platform == "cpu" for d in devices)
+        # The outputs of every (MAX_STEPS_IN_FLIGHT // 2)-th call, kept to wait on; None: no pacing.
         self._in_flight: deque | None = deque() if paced else None
+        self._calls = 0
         scaled = precision is not None and precision.loss_scale is not None
         # Warns of a run whose steps are all skipped; None turns it off (pk.fit stops such a run itself).
         self.watch: StepWatch | None = StepWatch(precision) if scaled else None
@@ -244,16 +247,24 @@ class Step:
         if self.watch is not None:
             self.watch.observe(out[1])
         if self._in_flight is not None:
-            self._in_flight.append(out[1])
-            if len(self._in_flight) > MAX_STEPS_IN_FLIGHT:
-                # Wait for the oldest half at once: each step's program follows the one before it on
-                # every device, so the newest of them done means all are. One wait every few steps, on
-                # one array (the program's outputs are ready together).
-                for _ in range(MAX_STEPS_IN_FLIGHT // 2):
-                    oldest = self._in_flight.popleft()
-                for leaf in jax.tree.leaves(oldest)[:1]:
-                    leaf.block_until_ready()
+            self._pace(out[1])
         return out
+
+    def _pace(self, metrics: Metrics) -> None:
+        """Every ``MAX_STEPS_IN_FLIGHT // 2``-th call, wait for the one that many calls before it.
+
+        Each step's program follows the one before it on every device, so that call done means all
+        before it are: at most ``MAX_STEPS_IN_FLIGHT`` steps are queued. The other calls pay one
+        addition (queueing every call's output, and waiting for the oldest half of them, cost about
+        1 % of a small step on simulated CPU devices: ``benchmarks/overhead.py``).
+        """
+        self._calls += 1
+        if self._calls % (MAX_STEPS_IN_FLIGHT // 2):
+            return
+        self._in_flight.append(metrics)
+        if len(self._in_flight) > 1:
+            for leaf in jax.tree.leaves(self._in_flight.popleft())[:1]:  # the outputs are ready together
+                leaf.block_until_ready()
 
     def _dispatch(self, fn: Callable, state: TrainState, batch: Batch) -> Any:
         """``fn(state, placed batch)``, traced (if it traces now) to keep the state of a non-finite step."""
