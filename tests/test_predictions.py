@@ -184,7 +184,7 @@ def test_check_takes_a_tuple_of_numbers_element_by_element(prediction, measured,
 DERIVED = [
     ("09_pipeline", "c06-ex1", 3 / 11, "3 / 11"),  # the bubble (p - 1) / (m + p - 1), p = 4, m = 8
     ("09_pipeline", "c06-ex3", 35, "fewest == 35"),  # 3 / (m + 3) < 0.08 from m = 35
-    ("11_multi_host", "c04-ex1", 4, "== (4, 5)"),  # 3 workers take ids 0 to 2, then PS task 0 is 3, PS task 1 is 4
+    ("11_multi_host", "c04-ex1", 27, "== 27"),  # Young's interval sqrt(2 S M): sqrt(2 x 30 s x 12 h) = 26.8 minutes
 ]
 
 
@@ -200,7 +200,7 @@ def _run(source: str, prediction: object) -> tuple[object, dict]:
     """Run an exercise cell with ``prediction`` entered; the check's verdict and the cell's names."""
     entered = source.replace("prediction = None", f"prediction = {prediction!r}", 1)
     assert entered != source, "the cell sets no prediction = None"
-    tree, names = ast.parse(entered), {"pk": pk}
+    tree, names = ast.parse(entered), {"pk": pk, "np": np}
     exec(compile(ast.Module(tree.body[:-1], type_ignores=[]), "<exercise>", "exec"), names)
     return eval(compile(ast.Expression(tree.body[-1].value), "<exercise>", "eval"), names), names
 
