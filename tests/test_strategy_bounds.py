@@ -1,4 +1,4 @@
-"""Exercises of notebooks 06 to 12 that apply a bound the notebook derives, entered as a learner would.
+"""Exercises of notebooks 07 to 12 that apply a bound the notebook derives, entered as a learner would.
 
 Each predict cell runs with the answer its hidden solution derives, and with a wrong one: the first
 must be judged right, the second not (a mutation test of the check), and the hidden solution's own
