@@ -279,7 +279,7 @@ def _product_types(hlo: str) -> set[str]:
 @needs_libtpu
 @pytest.mark.slow
 def test_bf16_compute_multiplies_in_bf16_with_the_same_state_and_a_lower_peak():
-    # Notebook 07's lesson, which the CPU cannot show: it computes a bfloat16 product in float32.
+    # Notebook 06's lesson, which the CPU cannot show: it computes a bfloat16 product in float32.
     apply, params = functional(nnx.eval_shape(lambda: MLP(64, (256, 256), 10, rngs=nnx.Rngs(0))))
     batch = {"x": jax.ShapeDtypeStruct((8192, 64), np.float32), "y": jax.ShapeDtypeStruct((8192,), np.int32)}
     target = pk.aot.devices("v5e:2x4")

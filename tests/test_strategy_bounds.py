@@ -1,4 +1,4 @@
-"""Exercises of notebooks 06 to 12 that apply a bound the notebook derives, entered as a learner would.
+"""Exercises of notebooks 07 to 12 that apply a bound the notebook derives, entered as a learner would.
 
 Each predict cell runs with the answer its hidden solution derives, and with a wrong one: the first
 must be judged right, the second not (a mutation test of the check), and the hidden solution's own
@@ -22,8 +22,8 @@ LINKS = pk.costmodel.PRESETS
 # setting named BEFORE lists cells of the notebook to run first (the derivation whose function the cell calls)
 BEFORE = "before"
 DERIVED = [
-    ("06_hybrid", "c07-ex1", {BEFORE: ("c06-bound",)}, 7, 6),
-    ("07_when", "c10-29", {"hardware": hardware}, (80 / 4.75, 80 / 2.875), (5.0, 40.0)),
+    ("07_hybrid", "c07-ex1", {BEFORE: ("c06-bound",)}, 7, 6),
+    ("07_hybrid", "c10-29", {"hardware": hardware}, (80 / 4.75, 80 / 2.875), (5.0, 40.0)),
     ("08_when", "nb11-26", {"N_DEVICES": 4, "BATCH": 4, "LENGTH": 64, "DEPTH": 2, "DIM": 32}, 7 / 6, 1.0),
     ("09_pipeline", "c06-ex2", {}, 6, 8),
     ("09_pipeline", "c09-choose", {}, "pipeline", "data"),

@@ -279,7 +279,7 @@ class Tower(nnx.Module):
     ``(depth, width)``), and ``jax.lax.scan`` runs them one layer's weights at a time:
     each layer is ``x + tanh(x @ kernel[i] + bias[i])``. This is how large models are
     written for fully sharded training: the compiled program holds one layer's gathered
-    weights at a time instead of every layer's (notebook 06 measures the difference
+    weights at a time instead of every layer's (notebook 07 measures the difference
     against :class:`MLP`, whose layers are separate leaves in an unrolled loop).
     ``remat=True`` wraps each layer with :func:`parallelkit.models.remat` under the
     ``nothing_saveable`` policy: the backward pass recomputes the layer's activations
