@@ -13,7 +13,6 @@ import re
 import nbformat
 import pytest
 from helpers import NOTEBOOKS, ROOT, run_python
-from test_course_bounds import MAX_CELLS
 
 from parallelkit.measure import aot
 
@@ -40,11 +39,6 @@ def _anchor(heading: str) -> str:
 
 def _numbers(said: str) -> list[float]:
     return [float(n) for n in re.findall(r"\d+\.\d+", said)]
-
-
-def test_notebook_14_is_taught_in_one_sitting():
-    cells = nbformat.read(NOTEBOOK, as_version=4).cells
-    assert len(cells) <= MAX_CELLS, f"{NOTEBOOK.name} has {len(cells)} cells, over {MAX_CELLS}"
 
 
 def test_notebook_14_links_the_section_that_holds_what_it_moved():
