@@ -255,8 +255,8 @@ class Step:
 
         Each step's program follows the one before it on every device, so that call done means all
         before it are: at most ``MAX_STEPS_IN_FLIGHT`` steps are queued. The other calls pay one
-        addition (queueing every call's output, and waiting for the oldest half of them, cost about
-        1 % of a small step on simulated CPU devices: ``benchmarks/overhead.py``).
+        addition (queueing every call's output and waiting for the oldest half of them cost about 1 % of
+        a small step on simulated CPU devices: ``benchmarks/README.md``, "Pacing one call in four").
         """
         self._calls += 1
         if self._calls % (MAX_STEPS_IN_FLIGHT // 2):
