@@ -1,8 +1,9 @@
-"""Test helpers: fresh processes with their own device count, tree comparison, recompilation check."""
+"""Test helpers: fresh processes with their own device count, tree comparison, recompilation check, docs sections."""
 
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -31,6 +32,20 @@ CHROMIUM_ARGS = [
     "--no-first-run",
     "--disable-quic",
 ]
+
+
+def heading_anchor(heading: str) -> str:
+    """A Markdown heading's anchor as GitHub and the static course write it: lower case, punctuation dropped,
+    spaces as hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.lstrip("# ").lower()).replace(" ", "-")
+
+
+def docs_section(page: Path, anchor: str) -> str:
+    """The text of ``page``'s ``## `` section whose heading has ``anchor``, heading included, up to the next one."""
+    for part in page.read_text().split("\n## ")[1:]:
+        if heading_anchor(part.split("\n", 1)[0]) == anchor:
+            return "## " + part
+    raise AssertionError(f"{page.relative_to(ROOT)} has no section #{anchor}")
 
 
 def browser_missing() -> str | None:

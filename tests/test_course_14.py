@@ -12,7 +12,7 @@ import re
 
 import nbformat
 import pytest
-from helpers import NOTEBOOKS, ROOT, run_python
+from helpers import NOTEBOOKS, ROOT, docs_section, heading_anchor, run_python
 
 from parallelkit.measure import aot
 
@@ -22,19 +22,11 @@ SECTION = "## The planner's memory beside a compiler's"
 
 def _section() -> str:
     """The planner page's section that holds what notebook 14 moved out, to the next section."""
-    text = (ROOT / "docs" / "planner.md").read_text()
-    start = text.index(SECTION)
-    return text[start : text.index("\n## ", start + len(SECTION))]
+    return docs_section(ROOT / "docs" / "planner.md", heading_anchor(SECTION))
 
 
 def _snippets() -> list[str]:
     return re.findall(r"```python\n(.*?)```", _section(), flags=re.S)
-
-
-def _anchor(heading: str) -> str:
-    """A Markdown heading's anchor as GitHub and the static course write it."""
-    words = re.sub(r"[^\w\- ]", "", heading.lstrip("# ").lower())
-    return words.replace(" ", "-")
 
 
 def _numbers(said: str) -> list[float]:
@@ -43,7 +35,7 @@ def _numbers(said: str) -> list[float]:
 
 def test_notebook_14_links_the_section_that_holds_what_it_moved():
     markdown = " ".join(c.source for c in nbformat.read(NOTEBOOK, as_version=4).cells if c.cell_type == "markdown")
-    assert f"../docs/planner.md#{_anchor(SECTION)})" in markdown
+    assert f"../docs/planner.md#{heading_anchor(SECTION)})" in markdown
     code = " ".join(_snippets())
     assert "pk.inspect.memory_per_device" in code and 'pk.aot.devices("v5e:16x16")' in code
 

@@ -14,7 +14,7 @@ import re
 import jax
 import nbformat
 import pytest
-from helpers import NOTEBOOKS, ROOT
+from helpers import NOTEBOOKS, ROOT, docs_section
 
 PAGE = ROOT / "docs" / "pipelines.md"
 MOVED = {  # the page's section anchor: a sentence of the section that says what it teaches
@@ -28,20 +28,11 @@ def _cells() -> list:
     return nbformat.read(next(p for p in NOTEBOOKS if p.stem == "09_pipeline"), as_version=4).cells
 
 
-def _section(anchor: str) -> str:
-    """The text of the page's section whose heading gives ``anchor``, up to the next section."""
-    for part in PAGE.read_text().split("\n## ")[1:]:
-        heading = part.split("\n", 1)[0]
-        if re.sub(r"[^a-z0-9 -]", "", heading.lower()).replace(" ", "-") == anchor:
-            return part
-    raise AssertionError(f"docs/pipelines.md has no section #{anchor}")
-
-
 @pytest.mark.parametrize("anchor", MOVED)
 def test_what_09_moved_out_is_on_the_page_it_links(anchor):
     markdown = " ".join(c.source for c in _cells() if c.cell_type == "markdown")
     assert f"../docs/pipelines.md#{anchor}" in markdown
-    assert MOVED[anchor] in _section(anchor)
+    assert MOVED[anchor] in docs_section(PAGE, anchor)
 
 
 def test_the_moved_code_runs_as_the_page_shows_it():
@@ -50,7 +41,7 @@ def test_the_moved_code_runs_as_the_page_shows_it():
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         for anchor in MOVED:
-            (snippet,) = re.findall(r"```python\n(.*?)```", _section(anchor), re.S)
+            (snippet,) = re.findall(r"```python\n(.*?)```", docs_section(PAGE, anchor), re.S)
             exec(compile(snippet, f"docs/pipelines.md#{anchor}", "exec"), {})
     printed = out.getvalue()
     assert "2 collective-permutes in the compiled program" in printed
