@@ -11,7 +11,8 @@
 
 By default no communication hides (``overlap="none"``): ZeRO-3's gathers would cost 2.3 s a step in the
 open, and a context axis keeps the activations within memory instead. Hiding the gradients' collectives
-behind compute, as FSDP does, the first choice is torchtitan's published layout for this model and cluster:
+behind compute, as FSDP does, the first choice is torchtitan's published layout for this model and cluster
+(FSDP over the 8, selective recomputation), accumulating microbatches up to this batch:
 
 >>> plan(MODELS["llama3-8b"], Cluster.published("H100 SXM", per_node=8), global_batch_tokens=1_048_576,
 ...      overlap="full").best.name
