@@ -40,7 +40,9 @@ def test_tensor_parallel_all_reduces_by_hand():
     t = step_time(model, layout, _cluster(), batch)
     activation = (batch // 2) * 512 * 1024 * 2  # a replica's 4 sequences, bf16
     one = 2 * 3 * (2e-6 + activation / 4 / 100e9)  # a ring over 4 neighbours: 6 rounds of a quarter
-    assert t.communication["tensor"] == pytest.approx(4 * 4 * one)  # 4 layers x (2 forward + 2 backward)
+    loss = 2 * 3 * (2e-6 + (batch // 2) * 512 * 4 / 4 / 100e9)  # a float a token: the loss's 3 all-reduces
+    ends = 2 * one + 3 * loss  # the embedding's output and the output layer's input, no pipeline: same device
+    assert t.communication["tensor"] == pytest.approx(4 * 4 * one + ends)  # 4 layers x (2 forward + 2 backward)
 
 
 def test_the_bubble_and_what_binds():

@@ -10,7 +10,14 @@ from parallelkit.measure.costmodel import axis_seconds
 from parallelkit.planner import MODELS, Cluster, Layout, ModelShape, plan, step_time
 from parallelkit.planner.kernels import Passes, layer_passes, matmul_share, optimizer_seconds
 from parallelkit.planner.search import only_full_fits, weigh
-from parallelkit.planner.steptime import LINK_SHARE, achieved, bubble_share, gradient_seconds, hidden_families
+from parallelkit.planner.steptime import (
+    LINK_SHARE,
+    achieved,
+    bubble_share,
+    gradient_seconds,
+    hidden_families,
+    vocabulary_ends,
+)
 
 A100 = "A100 SXM 80GB"
 SMALL = ModelShape(8, 1024, 16, 4096, 32000, 2048, kv_heads=4, dropout=False, name="small")
@@ -66,12 +73,17 @@ def test_wide_models_reach_more_of_the_peak_and_mfu_above_half_remains_reachable
     assert step_time(wide, layout, h100, 64).efficiency > 0.5
 
 
-def test_the_optimizer_update_reads_and_writes_the_state_each_device_holds():
+def test_the_optimizer_step_is_megatrons_passes_over_the_state_each_device_holds():
     h100 = Cluster.published("H100 SXM", per_node=8)
     model = MODELS["llama3-8b"]
+    # bytes a parameter: gradient to float32 (2 + 4), its norm (4), Adam (16 read, 12 written), the master to the
+    # 16-bit parameter (4 + 2), then the gradient zeroed (2); every pass large enough for 0.9 of the bandwidth
+    update, zeroing = (2 + 4) + 4 + (16 + 12) + (4 + 2), 2
     whole = optimizer_seconds(model, Layout(data=8), h100, "bf16")
-    assert whole == pytest.approx(2 * 16 * model.params / (0.9 * 3.35e12), rel=1e-12)  # Adam's 16 bytes, twice
-    assert optimizer_seconds(model, Layout(data=8, zero=1), h100, "bf16") == pytest.approx(whole / 8, rel=1e-12)
+    assert whole == pytest.approx((update + zeroing) * model.params / (0.9 * 3.35e12), rel=1e-12)
+    zero1 = (update / 8 + zeroing) * model.params / (0.9 * 3.35e12)  # ZeRO-1 keeps whole gradients to zero
+    assert optimizer_seconds(model, Layout(data=8, zero=1), h100, "bf16") == pytest.approx(zero1, rel=1e-12)
+    assert optimizer_seconds(model, Layout(data=8, zero=2), h100, "bf16") == pytest.approx(whole / 8, rel=1e-12)
 
 
 def test_a_datasheets_links_carry_collectives_at_calculons_share():
@@ -80,7 +92,9 @@ def test_a_datasheets_links_carry_collectives_at_calculons_share():
     assert slower.inside.GBps == pytest.approx(cluster.inside.GBps * LINK_SHARE["inside"])
     t = step_time(SMALL, Layout(tensor=8), cluster, 8)
     one = axis_seconds(slower, 8, 1, 8 * 2048 * 1024 * 2, "all-reduce")
-    assert t.communication["tensor"] == pytest.approx(8 * 4 * one, rel=1e-12)  # 8 layers, 2 + 2 all-reduces
+    loss = axis_seconds(slower, 8, 1, 8 * 2048 * 4, "all-reduce")  # a float a token
+    ends = 2 * one + 3 * loss  # the embedding's output, the output layer's input, the loss's 3 all-reduces
+    assert t.communication["tensor"] == pytest.approx(8 * 4 * one + ends, rel=1e-12)  # 8 layers, 2 + 2 all-reduces
     measured = replace(cluster, chip="measured here")  # a cluster of measured links keeps them
     assert achieved(measured) is measured
 
@@ -171,3 +185,14 @@ def test_a_layout_that_fits_only_with_full_recomputation_is_known_before_it_is_w
     timing = {"efficiency": None, "overlap": "none"}
     assert weigh(MODELS["llama3-70b"], fsdp, cluster, 64, **options, **timing).layout.recompute == "full"
     assert not only_full_fits(SMALL, Layout(data=64), cluster, 64, **options)
+
+
+def test_the_vocabulary_ends_count_the_embedding_only_where_the_output_layer_is():
+    def along(axis: str, nbytes: float, collective: str) -> float:  # a collective's seconds: its bytes
+        assert (axis, collective) == ("tensor", "all-reduce")
+        return nbytes
+
+    # the output layer's input (100) and the loss's three floats a token (3 x 10 tokens x 4 bytes) ...
+    assert vocabulary_ends(Layout(stages=2, microbatches=2, tensor=4), 10, 100, along) == 100 + 3 * 40
+    # ... and without a pipeline the embedding's output (100) on the same device
+    assert vocabulary_ends(Layout(tensor=4), 10, 100, along) == 2 * 100 + 3 * 40

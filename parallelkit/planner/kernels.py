@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from .cluster import Cluster
-from .layout import Layout
+from .layout import Layout, _state
 from .memory import ELEMENT_BYTES, STATE_BYTES
 from .model import ModelShape
 
@@ -36,6 +36,14 @@ MEMORY_SHARE = ((100e6, 0.90), (10e6, 0.75), (1e6, 0.60), (0.0, 0.30))
 # bf16 tensor once (2 bytes) and writes its FP8 copy (1 byte); its current scaling reads it once more for the amax
 # (https://nvidia.github.io/TransformerEngine/features/low_precision_training/fp8_delayed_scaling/fp8_delayed_scaling.html).
 FP8_CAST_BYTES = 2 + 1
+# The optimizer's step, as Megatron-LM's mixed-precision optimizer runs it (megatron/core/optimizer/optimizer.py,
+# Float16OptimizerWithFloat16Params.step, with apex's FusedAdam), each pass one kernel over the state a device holds,
+# in bytes moved a parameter: the 16-bit gradient copied to float32 (read 2, write 4), the gradients' norm for
+# clipping (read 4), Adam (read the gradient, the float32 master, m and v; write the last three), the master copied
+# to the 16-bit parameter (read 4, write 2), the 16-bit gradient zeroed for the next step (write 2). fp16's
+# unscaling and the clip's scaling (only when the norm passes the limit) are not counted. Under "fp32" (no master,
+# no copies): the norm, Adam and the zeroing. Adam's passes are timed whatever optimizer the memory counts.
+OPTIMIZER_PASSES = {"bf16": (2 + 4, 4, 16 + 12, 4 + 2, 2), "fp8": (2 + 4, 4, 16 + 12, 4 + 2, 2), "fp32": (4, 28, 4)}
 # FlashAttention-2's backward pass runs five matrix products to its forward's two (it recomputes the scores):
 # Dao, "FlashAttention-2", 2023, section 3.1 (Algorithms 1 and 2). An unfused backward runs four.
 FLASH_BACKWARD = 5 / 2
@@ -257,9 +265,12 @@ def _head(model: ModelShape, cluster: Cluster, micro: int, tensor: int, context:
 
 
 def optimizer_seconds(model: ModelShape, layout: Layout, cluster: Cluster, precision: str) -> float:
-    """The optimizer's update on one device: Adam reads and writes each parameter's state it holds once
-    (:data:`.memory.STATE_BYTES`' parameter, gradient and optimizer bytes, twice), as one kernel."""
-    held = model.params / (layout.tensor * layout.stages)
-    if layout.zero:
-        held /= layout.expert * layout.context * layout.data
-    return memory_seconds(2 * sum(STATE_BYTES[precision, "adam"]) * held, cluster)
+    """The optimizer's step on one device: :data:`OPTIMIZER_PASSES`, each a kernel over the parameters whose Adam
+    state it holds (:func:`.layout.memory_per_device`'s split); the last, the gradients' zeroing, over the
+    gradients it holds (whole below ZeRO-2)."""
+    _, grads, state = _state(model, layout.tensor * layout.stages, layout.expert, layout.context, layout.data,
+                             layout.zero, precision, "adam")  # fmt: skip
+    _, grad_bytes, state_bytes = STATE_BYTES[precision, "adam"]
+    *update, zeroing = OPTIMIZER_PASSES[precision]
+    seconds = sum(memory_seconds(nbytes * state / state_bytes, cluster) for nbytes in update)
+    return seconds + memory_seconds(zeroing * grads / grad_bytes, cluster)

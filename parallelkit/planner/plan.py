@@ -6,7 +6,7 @@
 ('data 4 x context 2, ZeRO-1, allgather, accumulate 32, remat selective', 128)
 >>> print(answer.table(1))  # doctest: +NORMALIZE_WHITESPACE
   #  layout                                                                 GB/dev   step s    MFU  binds
-  1  data 4 x context 2, ZeRO-1, allgather, accumulate 32, remat selective    68.8   12.902  62.7%  compute
+  1  data 4 x context 2, ZeRO-1, allgather, accumulate 32, remat selective    68.8   12.911  62.7%  compute
 (439 layouts fit, 4 do not: plan.rejected; 234 could not reach the first 10, not weighed)
 
 By default no communication hides (``overlap="none"``): ZeRO-3's gathers would cost 2.3 s a step in the

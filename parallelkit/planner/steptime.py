@@ -8,14 +8,14 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field, replace
 
 from ..core.types import is_number
 from ..measure.costmodel import axis_seconds
 from ..measure.hardware import PUBLISHED
 from .cluster import Cluster
-from .kernels import Passes, compute_seconds
+from .kernels import Passes, compute_seconds, optimizer_seconds
 from .layout import Layout
 from .memory import ELEMENT_BYTES
 from .model import ModelShape
@@ -138,7 +138,7 @@ def step_time(
     >>> t.total == MODELS["llama3-8b"].flops_per_token() * 8192 / (0.5 * 989.5e12), t.binding
     (True, 'compute')
     >>> round(step_time(MODELS["llama3-8b"], Layout(), one, batch=1).efficiency, 3)  # each operation's own time
-    0.628
+    0.601
     """
     hides = hidden_families(overlap)
     if efficiency is not None and not (is_number(efficiency) and 0 < efficiency <= 1):
@@ -150,11 +150,14 @@ def step_time(
     if layout.devices != cluster.devices:
         raise ValueError(f"{layout.name} uses {layout.devices} devices; the cluster has {cluster.devices}.")
     cluster.peak_flops(precision)  # a precision the planner knows, and a chip that has its peak, or a clear error
+    # the optimizer's step, in the compute when each operation is timed: nothing hides behind it (the parameters
+    # it updates are what ZeRO-3 gathers next)
+    update = optimizer_seconds(model, layout, cluster, precision) if efficiency is None else 0.0
     compute, passes, efficiency = compute_seconds(model, layout, cluster, batch, precision, efficiency, attention)
     bubble = compute * bubble_share(layout, passes)
     micro = batch // (layout.replicas * layout.microbatches)
     comm = communication_seconds(model, layout, cluster, micro, ELEMENT_BYTES[precision])
-    exposed = exposed_seconds(comm, hides, layout, math.ceil(model.layers / layout.stages), passes, compute)
+    exposed = exposed_seconds(comm, hides, layout, math.ceil(model.layers / layout.stages), passes, compute - update)
     return StepTime(compute, bubble, comm, exposed, efficiency)
 
 
@@ -186,6 +189,7 @@ def communication_seconds(model: ModelShape, layout: Layout, cluster: Cluster, m
         comm["tensor"] = layers * m * (6 if refwd else 4) * along("tensor", activation, "all-reduce")
         if layout.sequence_parallel:  # the backward pass gathers the two products' inputs again
             comm["tensor"] += layers * m * 2 * along("tensor", activation, "all-gather")
+        comm["tensor"] += m * vocabulary_ends(layout, tokens, activation, along)
     if layout.context > 1:
         kv = 2 * tokens * model.kv_heads_ * model.head_dim * e / layout.tensor  # K and V
         if layout.context_method == "ulysses":  # q and the output, k and v: one all-to-all each
@@ -207,6 +211,20 @@ def communication_seconds(model: ModelShape, layout: Layout, cluster: Cluster, m
     return comm
 
 
+def vocabulary_ends(layout: Layout, tokens: int, activation: float, along: Callable[[str, float, str], float]) -> float:
+    """One microbatch's seconds of the vocabulary-parallel ends' collectives over ``tensor`` (Megatron-LM's
+    ``VocabParallelEmbedding``, ``parallel_lm_logits`` and ``vocab_parallel_cross_entropy``): the output layer's
+    input gathered forward and its gradient reduced backward (an all-reduce's time, with sequence parallelism or
+    without), the loss's three all-reduces of a float a token (the logits' maximum, the target's logit, the sum of
+    the exponentials), and without a pipeline the embedding's output reduced forward (its gradient gathered
+    backward under sequence parallelism) on the same device; with one, the embedding is on the first stage and the
+    output layer on the last, and only the last's are counted."""
+    seconds = along("tensor", activation, "all-reduce") + 3 * along("tensor", tokens * 4, "all-reduce")
+    if layout.stages == 1:
+        seconds += along("tensor", activation, "all-reduce")
+    return seconds
+
+
 @functools.lru_cache(maxsize=65536)  # layouts of one mesh repeat their collectives
 def _axis_seconds(cluster: Cluster, size: int, stride: int, nbytes: float, collective: str) -> float:
     return axis_seconds(cluster, size, stride, nbytes, collective)
@@ -220,10 +238,11 @@ def exposed_seconds(
     - ``"gradients"`` behind the backward passes they follow: ZeRO 0 and 1 reduce once, after the last
       microbatch's backward pass begins (its ``layers`` backward and weight passes); ZeRO-2 reduce-scatters behind
       every microbatch's backward; ZeRO-3 gathers behind the previous layer's work, forward and backward (the
-      whole compute). The last layer's share (``1 / layers``) is always exposed: nothing follows it.
+      whole ``compute`` it is given: :func:`step_time` leaves the optimizer's step out). The last layer's share
+      (``1 / layers``) is always exposed: nothing follows it.
     - ``"tensor"`` (async tensor parallelism) behind the linear layers' products;
     - ``"context"`` behind the attention's products (the ring's permutes behind each block's);
-    - ``"experts"`` behind the other microbatch's compute (DualPipe's pairing): the whole compute.
+    - ``"experts"`` behind the other microbatch's compute (DualPipe's pairing): the whole ``compute``.
 
     Families not in ``hides``, and the pipeline's sends, are exposed whole.
     """
