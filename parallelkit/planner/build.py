@@ -9,12 +9,18 @@ import jax
 
 from ..core.devices import resolve_devices
 from ..core.protocol import StrategyProtocol
+from ..models.recompute import RECOMPUTE
 from ..strategies import Mirrored, Parallel, SingleDevice
 from ..strategies.pipeline import Pipeline
 
 
 def unsupported(layout: Any) -> str | None:
     """Why the kit has no strategy for ``layout``; None when it has one."""
+    if layout.recompute not in RECOMPUTE:
+        return (
+            f"its transformers recompute {', '.join(RECOMPUTE)}, not {layout.recompute!r} (torchtitan's op-level "
+            "recomputation, which the planner only counts and times): choose 'selective' or 'full' to build it"
+        )
     if layout.stages > 1 and layout.expert > 1:
         return "the kit's MoE GPT is not a list of layers (its blocks return the router's aux), so it has no pipeline"
     return None

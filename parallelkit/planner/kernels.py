@@ -12,8 +12,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from .cluster import Cluster
-from .layout import Layout, _state
-from .memory import ELEMENT_BYTES, STATE_BYTES
+from .layout import Layout, device_state
+from .memory import ELEMENT_BYTES, OP_LEVEL, STATE_BYTES, Product, block_products, op_level_kept
 from .model import ModelShape
 
 # ---- The table of assumptions: every coefficient of the compute model, each with its source. ----
@@ -82,7 +82,10 @@ def compute_seconds(
     layers = math.ceil(model.layers / stages)
     per_token = model.flops_per_token()
     attention_flops = per_token - 6 * model.active_params
-    extra = {"none": 0.0, "selective": attention_flops / 3, "full": per_token / 3}[layout.recompute]
+    if layout.recompute == OP_LEVEL:  # the products it did not keep, forward once more
+        extra = model.layers * sum(2 * p.inner * p.outer * _copies(model, p) for p in op_level_recomputed(model))
+    else:
+        extra = {"none": 0.0, "selective": attention_flops / 3, "full": per_token / 3}[layout.recompute]
     flops = (per_token + extra) * batch * model.seq / layout.devices  # one device's
     if efficiency is not None:
         compute = flops / (efficiency * peak)
@@ -186,6 +189,7 @@ def _passes(
     tokens = micro * model.seq / context
     kv = model.kv_heads_ * model.head_dim
     linear = [(tokens, h, (h + 2 * kv) / t, 1), (tokens, h / t, h, 1)]  # (m, k, n, kernels of it)
+    routed, local = tokens, 1.0
     if model.experts:  # each of the device's experts on the tokens routed to it
         routed, local = max(tokens * model.top_k * expert / model.experts, 1.0), model.experts / expert
         linear += [(routed, h, (2 if model.gated else 1) * f / t, local), (routed, f / t, h, local)]
@@ -210,9 +214,26 @@ def _passes(
         core_back, core_vector = 2 * core, _score_passes(scores, e, model.dropout, cluster)
     forward_vector, backward_vector = elementwise(model, cluster, tokens / (t if sp else 1), mlp_tokens * f / t, e)
     forward = products + core + core_vector[0] + forward_vector
-    again = {"none": 0.0, "selective": core + core_vector[0], "full": forward}[recompute]
+    if recompute == OP_LEVEL:  # the products it does not keep, each one kernel, and everything but the products
+        rows = {False: (tokens, 1), True: (routed, local) if model.experts else (tokens, 1)}
+        again = forward_vector + sum(
+            matmul_seconds(rows[p.mlp][0], p.inner / (1 if p.column else t), p.outer / (t if p.column else 1), cluster,
+                           precision) * rows[p.mlp][1]
+            for p in op_level_recomputed(model))  # fmt: skip
+    else:
+        again = {"none": 0.0, "selective": core + core_vector[0], "full": forward}[recompute]
     backward = products + core_back + core_vector[1] + backward_vector + again
     return Passes(forward, backward, products, products=3 * products, core=core + core_back)
+
+
+def op_level_recomputed(model: ModelShape) -> tuple[Product, ...]:
+    """The products :data:`.memory.OP_LEVEL` recomputation runs again in the backward pass: those it does not keep."""
+    return tuple(p for p in block_products(model) if p not in op_level_kept(model))
+
+
+def _copies(model: ModelShape, product: Product) -> int:
+    """How many times a token runs ``product``: an MoE layer's MLP products once for each of its ``top_k`` experts."""
+    return model.top_k if product.mlp and model.experts else 1
 
 
 def _score_passes(scores: float, e: int, dropout: bool, cluster: Cluster) -> tuple[float, float]:
@@ -268,8 +289,14 @@ def optimizer_seconds(model: ModelShape, layout: Layout, cluster: Cluster, preci
     """The optimizer's step on one device: :data:`OPTIMIZER_PASSES`, each a kernel over the parameters whose Adam
     state it holds (:func:`.layout.memory_per_device`'s split); the last, the gradients' zeroing, over the
     gradients it holds (whole below ZeRO-2)."""
-    _, grads, state = _state(model, layout.tensor * layout.stages, layout.expert, layout.context, layout.data,
-                             layout.zero, precision, "adam")  # fmt: skip
+    return _optimizer(model, cluster, precision, layout.tensor * layout.stages, layout.expert, layout.context,
+                      layout.data, layout.zero)  # fmt: skip
+
+
+@functools.lru_cache(maxsize=65536)  # the planner asks for the same split for many layouts
+def _optimizer(model: ModelShape, cluster: Cluster, precision: str, split: int, expert: int, context: int, data: int,
+               zero: int) -> float:  # fmt: skip
+    _, grads, state = device_state(model, split, expert, context, data, zero, precision, "adam")
     _, grad_bytes, state_bytes = STATE_BYTES[precision, "adam"]
     *update, zeroing = OPTIMIZER_PASSES[precision]
     seconds = sum(memory_seconds(nbytes * state / state_bytes, cluster) for nbytes in update)

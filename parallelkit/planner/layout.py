@@ -13,7 +13,8 @@ from .build import kit_strategy
 from .memory import (
     CONTEXT_METHODS,
     ELEMENT_BYTES,
-    RECOMPUTE,
+    OP_LEVEL,
+    PLANNED_RECOMPUTE,
     SCHEDULES,
     Memory,
     backward_working_bytes,
@@ -25,6 +26,8 @@ from .memory import (
     weight_passes_pending,
 )
 from .model import ModelShape
+
+REBUILT = ("full", OP_LEVEL)  # recomputations that rebuild a layer's arrays in its backward pass
 
 
 @dataclass(frozen=True)
@@ -45,7 +48,9 @@ class Layout:
         interleaved 1F1B, the kit's ``pk.Pipeline(..., schedule="interleaved", virtual=)``): 2 or more
         there, 1 under every other schedule.
       expert: devices the experts are split over (MoE models); they take a share of the batch too.
-      recompute: ``"none"``, ``"selective"`` (attention's scores, as FlashAttention does) or ``"full"``.
+      recompute: ``"none"``, ``"selective"`` (attention's scores, as FlashAttention does), ``"full"``, or
+        ``"op"``: torchtitan's op-level selective recomputation (:data:`.memory.OP_LEVEL`), which the planner
+        counts and times and the kit does not build.
 
     >>> Layout(data=2, tensor=4).devices, Layout(data=2, tensor=4).name
     (8, 'data 2 x tensor 4')
@@ -76,8 +81,8 @@ class Layout:
             raise ValueError(f"Layout(sequence_parallel={self.sequence_parallel!r}) is not a bool: give True or False.")
         if self.schedule not in SCHEDULES:
             raise ValueError(f"Layout(schedule={self.schedule!r}): one of {SCHEDULES}.")
-        if self.recompute not in RECOMPUTE:
-            raise ValueError(f"Layout(recompute={self.recompute!r}): one of {RECOMPUTE}.")
+        if self.recompute not in PLANNED_RECOMPUTE:
+            raise ValueError(f"Layout(recompute={self.recompute!r}): one of {PLANNED_RECOMPUTE}.")
         if self.context_method not in CONTEXT_METHODS:
             raise ValueError(f"Layout(context_method={self.context_method!r}): one of {CONTEXT_METHODS}.")
         if (self.schedule == "interleaved") != (self.virtual > 1):
@@ -181,8 +186,8 @@ def activations(
 
     One layer's (:func:`.memory.layer_activation_bytes`) for a microbatch of ``batch / (replicas
     x microbatches)`` sequences, times the layers of a stage, times the microbatches in flight on
-    that stage (:func:`.memory.in_flight`), and under full recomputation one layer more, rebuilt in
-    the backward pass with its attention computed block by block (FlashAttention: no ``s x s``
+    that stage (:func:`.memory.in_flight`), and under full (or op-level) recomputation one layer more, rebuilt
+    in the backward pass with its attention computed block by block (FlashAttention: no ``s x s``
     scores). Under ZB-H1 each weight pass a stage defers keeps its outputs' gradients too
     (:func:`.memory.weight_pass_bytes`, :func:`.memory.weight_passes_pending`). The last stage also
     holds one microbatch's float32 logits (``4 s b V / tensor``). The first stages hold
@@ -192,7 +197,7 @@ def activations(
     micro = batch // (layout.replicas * layout.microbatches)
     split = (layout.tensor, layout.sequence_parallel, layout.context, layout.context_method, ELEMENT_BYTES[precision])
     per_layer = _layer_bytes(model, micro, *split, layout.recompute, fused)
-    rebuilt = _layer_bytes(model, micro, *split, "selective", fused) if layout.recompute == "full" else 0.0
+    rebuilt = _layer_bytes(model, micro, *split, "selective", fused) if layout.recompute in REBUILT else 0.0
     logits = 4 * micro * (model.seq / layout.context) * model.vocab / layout.tensor
     stage_layers = math.ceil(model.layers / layout.stages)
     if layout.stages == 1:  # one stage: the first is the last
@@ -226,8 +231,8 @@ def _pending_bytes(model: ModelShape, micro: int, tensor: int, sequence_parallel
 
 
 @functools.lru_cache(maxsize=65536)  # one layout's state whatever its microbatches, recomputation or schedule
-def _state(model: ModelShape, split: int, expert: int, context: int, data: int, zero: int, precision: str,
-           optimizer: str) -> tuple[float, float, float]:  # fmt: skip
+def device_state(model: ModelShape, split: int, expert: int, context: int, data: int, zero: int, precision: str,
+                 optimizer: str) -> tuple[float, float, float]:  # fmt: skip
     """The (parameters, gradients, optimizer state) bytes of one device: :func:`memory_per_device`'s state."""
     experts = model.routed_params
     kinds = {"zero": zero, "precision": precision, "optimizer": optimizer}
@@ -265,8 +270,9 @@ def memory_per_device(
                         "compiled whole (the kit's steps), False for Korthikanti et al.'s accounting.")  # fmt: skip
     if reason := check(model, layout, batch):
         raise ValueError(f"{layout.name} cannot train {model.name or 'this model'}: {reason}.")
-    params, grads, opt = _state(model, layout.tensor * layout.stages, layout.expert, layout.context, layout.data,
-                                layout.zero, precision, optimizer)  # fmt: skip
+    split = layout.tensor * layout.stages
+    params, grads, opt = device_state(model, split, layout.expert, layout.context, layout.data, layout.zero,
+                                      precision, optimizer)  # fmt: skip
     act = activations(model, layout, batch, precision=precision, fused=fused)
     working = backward_working_bytes(model, act.micro, tensor=layout.tensor, context=layout.context,
                                      context_method=layout.context_method, fused=fused)  # fmt: skip

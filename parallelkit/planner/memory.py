@@ -37,6 +37,16 @@ STATE_BYTES = {
 # side for "does it fit").
 ELEMENT_BYTES = {"bf16": 2, "fp32": 4, "fp8": 2}
 SCHEDULES = tuple(PIPELINE_SCHEDULES)  # the kit's named pipeline schedules, each one the planner times
+# torchtitan's op-level selective recomputation (activation_checkpoint.selective_ac_option = "op", the setting of
+# its Llama 3 8B benchmarks: pytorch/torchtitan commit 9dec370, torchtitan/parallelisms/parallelize_llama.py,
+# _save_list and _apply_ac_to_transformer_block; train_configs/llama3_8b.toml): a block keeps its input and the
+# outputs of the operations it saves, the attention kernel's and every second matrix product's in the order the block
+# runs them (it counts them from one and recomputes the even ones: for a Llama block q, v, the gate and the down
+# projection are kept; k, the attention's output projection and the up projection recomputed), and recomputes
+# everything else from them in the backward pass. The planner counts and times it; the kit's transformers recompute
+# none, selective or full (build.unsupported).
+OP_LEVEL = "op"
+PLANNED_RECOMPUTE = (*RECOMPUTE, OP_LEVEL)
 # The kit's context methods but the zig-zag ring, which sends the ring's bytes in a balanced order: the planner
 # times it as the ring.
 CONTEXT_METHODS = tuple(method for method in METHODS if method != "ring_zigzag")
@@ -103,6 +113,42 @@ def state_bytes(
     return split["parameters"], split["gradients"], split["optimizer"]
 
 
+@dataclass(frozen=True)
+class Product:
+    """One matrix product of a block, a token's: ``inner`` by ``outer`` features; ``column``: split over tensor by its
+    output (Megatron's column-parallel), else by its input (row-parallel: each device holds a partial sum of the
+    whole output); ``mlp``: one of the MLP's (an MoE layer runs it for each of a token's ``top_k`` experts)."""
+
+    name: str
+    inner: float
+    outer: float
+    column: bool
+    mlp: bool = False
+
+
+def block_products(model: ModelShape) -> tuple[Product, ...]:
+    """A block's matrix products in the order torchtitan's Llama runs them: q, k, v, the attention's output
+    projection, the MLP's gate (a gated MLP's), up and down projections.
+
+    >>> [p.name for p in block_products(ModelShape(1, 64, 4, 256, 10, 8))]
+    ['q', 'k', 'v', 'o', 'gate', 'up', 'down']
+    """
+    h, f, kv = model.d_model, model.ffn, model.kv_heads_ * model.head_dim
+    gate = (Product("gate", h, f, True, True),) if model.gated else ()
+    return (Product("q", h, h, True), Product("k", h, kv, True), Product("v", h, kv, True), Product("o", h, h, False),
+            *gate, Product("up", h, f, True, True), Product("down", f, h, False, True))  # fmt: skip
+
+
+def op_level_kept(model: ModelShape) -> tuple[Product, ...]:
+    """The products whose outputs :data:`OP_LEVEL` recomputation keeps: the first, third, fifth... of
+    :func:`block_products` (torchtitan recomputes the second, fourth, sixth...).
+
+    >>> [p.name for p in op_level_kept(ModelShape(1, 64, 4, 256, 10, 8))]
+    ['q', 'v', 'gate', 'down']
+    """
+    return block_products(model)[0::2]
+
+
 def layer_activation_bytes(
     model: ModelShape,
     micro_batch: int,
@@ -125,7 +171,10 @@ def layer_activation_bytes(
     (the ring one ``s/c x s/c`` block a step, each kept for the backward pass as automatic
     differentiation keeps a loop's), and it keeps the ``c - 1`` other blocks of keys and values it
     received; under ``"ulysses"`` it holds ``a/c`` heads of ``s x s``. An MoE layer keeps the
-    MLP's arrays for each of a token's ``top_k`` experts. ``fused``: a program compiled whole (XLA's), which
+    MLP's arrays for each of a token's ``top_k`` experts. Under ``"op"`` (:data:`OP_LEVEL`, torchtitan's): the
+    layer's input, the attention kernel's output and the outputs of :func:`op_level_kept`'s products (a
+    row-parallel product's whole partial sum), whether ``fused`` or not. ``fused``: a program compiled whole (XLA's),
+    which
     keeps the layer's input, the queries, keys and values, the attention's output and the MLP's pre-activations,
     and the probabilities unless recomputed (the module's "A fused program").
 
@@ -136,8 +185,8 @@ def layer_activation_bytes(
     >>> layer_activation_bytes(gpt, b, tensor=8, sequence_parallel=True) == s * b * h / 8 * (34 + 5 * a * s / h)
     True
     """
-    if recompute not in RECOMPUTE or context_method not in CONTEXT_METHODS:
-        raise ValueError(f"recompute={recompute!r} (one of {RECOMPUTE}), context_method={context_method!r} "
+    if recompute not in PLANNED_RECOMPUTE or context_method not in CONTEXT_METHODS:
+        raise ValueError(f"recompute={recompute!r} (one of {PLANNED_RECOMPUTE}), context_method={context_method!r} "
                          f"(one of {CONTEXT_METHODS}).")  # fmt: skip
     if min(micro_batch, tensor, context, element_bytes) < 1:
         raise ValueError(f"micro_batch={micro_batch}, tensor={tensor}, context={context}, "
@@ -148,11 +197,14 @@ def layer_activation_bytes(
     if recompute == "full":
         return e * s * b * h / outer_split
     kv = model.kv_heads_ * model.head_dim
-    attention = e * (s * b * h + 2 * s * b * kv + s * b * h)  # Q; K and V; the output projection's input
     routed = model.top_k if model.experts else 1
+    received = 2 * e * (context - 1) * s * b * kv if context_method != "ulysses" else 0.0  # others' K and V
+    if recompute == OP_LEVEL:  # the input; the attention kernel's output; every second product's output
+        kept = sum(p.outer * (routed if p.mlp else 1) / (tensor if p.column else 1) for p in op_level_kept(model))
+        return e * s * b * (h / outer_split + h / tensor + kept) + received / tensor
+    attention = e * (s * b * h + 2 * s * b * kv + s * b * h)  # Q; K and V; the output projection's input
     mlp = e * (4 if model.gated else 2) * s * b * model.ffn * routed
     queries_heads = a * s if context_method != "ulysses" else a / context * model.seq
-    received = 2 * e * (context - 1) * s * b * kv if context_method != "ulysses" else 0.0  # others' K and V
     per_score = 2 * e + mask if model.dropout else e  # probabilities, their mask and the dropped ones; or once
     scores = 0.0 if recompute == "selective" else per_score * queries_heads * model.seq * b
     outer = (4 * e + 2 * mask) * s * b * h  # two norms' inputs, the two blocks' inputs, their dropout masks

@@ -29,10 +29,12 @@ from ..core.types import is_count, is_number
 from .build import unsupported
 from .cluster import Cluster
 from .layout import Layout, activations
-from .memory import STATE_BYTES
+from .memory import OP_LEVEL, STATE_BYTES
 from .model import MODELS, ModelShape
 from .search import RESERVE, TOP, Candidate, assess, layouts, search, simpler_first, weigh
 from .steptime import ATTENTION, HIDEABLE, OVERLAP, hidden_families
+
+ACCOUNTING = {OP_LEVEL: "torchtitan's op-level policy", None: "Korthikanti et al.'s accounting"}  # whose count
 
 
 @dataclass(frozen=True)
@@ -150,7 +152,8 @@ class Plan:
             f"    activations {m.activations / gb:.2f} GB"
             + (f" on {stage}" if c.layout.stages > 1 else "")
             + f": {act.layers} layers x {act.in_flight:g} microbatch(es) of {act.micro} sequence(s) in flight x "
-            f"{act.per_layer / gb:.3f} GB a layer (Korthikanti et al.'s accounting, recompute {c.layout.recompute}: "
+            f"{act.per_layer / gb:.3f} GB a layer ({ACCOUNTING.get(c.layout.recompute, ACCOUNTING[None])}, recompute "
+            f"{c.layout.recompute}: "
             "memory.layer_activation_bytes)"
             + (f", and {act.pending} deferred weight pass(es) x {act.per_pending / gb:.3f} GB a layer (ZB-H1: "
                "memory.weight_pass_bytes)" if act.pending else "")

@@ -373,8 +373,8 @@ def _variant(layout: Layout, microbatches: int, recompute: str) -> Layout:
 def clear_caches() -> None:
     """Forget what earlier plans remembered (the planner's and the cost model's caches): the next plan takes the
     time a plan takes in a fresh process."""
-    for cache in (divisors, _pipeline_counts, _memory, _variant, _kernels._passes, _kernels._head,
-                  _layout._layer_bytes, _layout._pending_bytes, _layout._state, _steptime.achieved,
+    for cache in (divisors, _pipeline_counts, _memory, _variant, _kernels._passes, _kernels._head, _kernels._optimizer,
+                  _layout._layer_bytes, _layout._pending_bytes, _layout.device_state, _steptime.achieved,
                   _steptime._axis_seconds, _links.shifted_round):  # fmt: skip
         cache.cache_clear()
 
