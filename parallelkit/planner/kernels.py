@@ -83,7 +83,7 @@ def compute_seconds(
     per_token = model.flops_per_token()
     attention_flops = per_token - 6 * model.active_params
     if layout.recompute == OP_LEVEL:  # the products it did not keep, forward once more
-        extra = model.layers * sum(2 * p.inner * p.outer * _copies(model, p) for p in op_level_recomputed(model))
+        extra = model.layers * sum(2 * p.inner * p.outer * _copies(model, p) for p in _op_level_recomputed(model))
     else:
         extra = {"none": 0.0, "selective": attention_flops / 3, "full": per_token / 3}[layout.recompute]
     flops = (per_token + extra) * batch * model.seq / layout.devices  # one device's
@@ -219,14 +219,14 @@ def _passes(
         again = forward_vector + sum(
             matmul_seconds(rows[p.mlp][0], p.inner / (1 if p.column else t), p.outer / (t if p.column else 1), cluster,
                            precision) * rows[p.mlp][1]
-            for p in op_level_recomputed(model))  # fmt: skip
+            for p in _op_level_recomputed(model))  # fmt: skip
     else:
         again = {"none": 0.0, "selective": core + core_vector[0], "full": forward}[recompute]
     backward = products + core_back + core_vector[1] + backward_vector + again
     return Passes(forward, backward, products, products=3 * products, core=core + core_back)
 
 
-def op_level_recomputed(model: ModelShape) -> tuple[Product, ...]:
+def _op_level_recomputed(model: ModelShape) -> tuple[Product, ...]:
     """The products :data:`.memory.OP_LEVEL` recomputation runs again in the backward pass: those it does not keep."""
     return tuple(p for p in block_products(model) if p not in op_level_kept(model))
 

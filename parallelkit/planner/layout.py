@@ -27,7 +27,7 @@ from .memory import (
 )
 from .model import ModelShape
 
-REBUILT = ("full", OP_LEVEL)  # recomputations that rebuild a layer's arrays in its backward pass
+_REBUILT = ("full", OP_LEVEL)  # recomputations that rebuild a layer's arrays in its backward pass
 
 
 @dataclass(frozen=True)
@@ -197,7 +197,7 @@ def activations(
     micro = batch // (layout.replicas * layout.microbatches)
     split = (layout.tensor, layout.sequence_parallel, layout.context, layout.context_method, ELEMENT_BYTES[precision])
     per_layer = _layer_bytes(model, micro, *split, layout.recompute, fused)
-    rebuilt = _layer_bytes(model, micro, *split, "selective", fused) if layout.recompute in REBUILT else 0.0
+    rebuilt = _layer_bytes(model, micro, *split, "selective", fused) if layout.recompute in _REBUILT else 0.0
     logits = 4 * micro * (model.seq / layout.context) * model.vocab / layout.tensor
     stage_layers = math.ceil(model.layers / layout.stages)
     if layout.stages == 1:  # one stage: the first is the last
