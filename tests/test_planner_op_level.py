@@ -9,6 +9,7 @@ import pytest
 
 from parallelkit.planner import MODELS, Cluster, Layout, ModelShape, layer_activation_bytes, plan, step_time
 from parallelkit.planner.layout import memory_per_device
+from parallelkit.planner.memory import Product, block_products, op_level_kept, op_level_recomputed
 
 LLAMA = MODELS["llama3-8b"]
 
@@ -63,3 +64,13 @@ def test_the_kit_does_not_build_it_and_the_search_does_not_rank_it():
 def test_the_pages_korthikanti_count_for_a_llama_block_is_the_planners():
     h, kv, f, s = 4096, 1024, 14336, 8192
     assert layer_activation_bytes(LLAMA, 1, recompute="selective") == 2 * s * (6 * h + 2 * kv + 4 * f)
+
+
+def test_kept_and_recomputed_split_the_blocks_products_and_an_moe_runs_its_mlp_per_expert():
+    products = block_products(LLAMA)
+    kept, again = op_level_kept(LLAMA), op_level_recomputed(LLAMA)
+    assert not set(kept) & set(again) and sorted((*kept, *again), key=products.index) == list(products)
+    assert Product("down", 14336, 4096, column=False, mlp=True) in kept  # a row-parallel MLP product, kept
+    moe = ModelShape(2, 64, 4, 256, 100, 16, experts=8, top_k=2)
+    assert [p.copies(moe) for p in block_products(moe)] == [1, 1, 1, 1, 2, 2, 2]  # q k v o; gate up down per expert
+    assert {p.copies(LLAMA) for p in products} == {1}

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from .cluster import Cluster
 from .layout import Layout, device_state
-from .memory import ELEMENT_BYTES, OP_LEVEL, STATE_BYTES, Product, block_products, op_level_kept
+from .memory import ELEMENT_BYTES, OP_LEVEL, STATE_BYTES, op_level_recomputed
 from .model import ModelShape
 
 # ---- The table of assumptions: every coefficient of the compute model, each with its source. ----
@@ -43,7 +43,8 @@ FP8_CAST_BYTES = 2 + 1
 # to the 16-bit parameter (read 4, write 2), the 16-bit gradient zeroed for the next step (write 2). fp16's
 # unscaling and the clip's scaling (only when the norm passes the limit) are not counted. Under "fp32" (no master,
 # no copies): the norm, Adam and the zeroing. Adam's passes are timed whatever optimizer the memory counts.
-OPTIMIZER_PASSES = {"bf16": (2 + 4, 4, 16 + 12, 4 + 2, 2), "fp8": (2 + 4, 4, 16 + 12, 4 + 2, 2), "fp32": (4, 28, 4)}
+_MIXED_PASSES = (2 + 4, 4, 16 + 12, 4 + 2, 2)  # bf16's, and fp8's (its state is bf16's: memory.STATE_BYTES)
+OPTIMIZER_PASSES = {"bf16": _MIXED_PASSES, "fp8": _MIXED_PASSES, "fp32": (4, 28, 4)}
 # FlashAttention-2's backward pass runs five matrix products to its forward's two (it recomputes the scores):
 # Dao, "FlashAttention-2", 2023, section 3.1 (Algorithms 1 and 2). An unfused backward runs four.
 FLASH_BACKWARD = 5 / 2
@@ -83,7 +84,7 @@ def compute_seconds(
     per_token = model.flops_per_token()
     attention_flops = per_token - 6 * model.active_params
     if layout.recompute == OP_LEVEL:  # the products it did not keep, forward once more
-        extra = model.layers * sum(2 * p.inner * p.outer * _copies(model, p) for p in _op_level_recomputed(model))
+        extra = model.layers * sum(2 * p.inner * p.outer * p.copies(model) for p in op_level_recomputed(model))
     else:
         extra = {"none": 0.0, "selective": attention_flops / 3, "full": per_token / 3}[layout.recompute]
     flops = (per_token + extra) * batch * model.seq / layout.devices  # one device's
@@ -215,25 +216,15 @@ def _passes(
     forward_vector, backward_vector = elementwise(model, cluster, tokens / (t if sp else 1), mlp_tokens * f / t, e)
     forward = products + core + core_vector[0] + forward_vector
     if recompute == OP_LEVEL:  # the products it does not keep, each one kernel, and everything but the products
-        rows = {False: (tokens, 1), True: (routed, local) if model.experts else (tokens, 1)}
+        rows = {False: (tokens, 1), True: (routed, local)}  # (m of the product, kernels of it)
         again = forward_vector + sum(
             matmul_seconds(rows[p.mlp][0], p.inner / (1 if p.column else t), p.outer / (t if p.column else 1), cluster,
                            precision) * rows[p.mlp][1]
-            for p in _op_level_recomputed(model))  # fmt: skip
+            for p in op_level_recomputed(model))  # fmt: skip
     else:
         again = {"none": 0.0, "selective": core + core_vector[0], "full": forward}[recompute]
     backward = products + core_back + core_vector[1] + backward_vector + again
     return Passes(forward, backward, products, products=3 * products, core=core + core_back)
-
-
-def _op_level_recomputed(model: ModelShape) -> tuple[Product, ...]:
-    """The products :data:`.memory.OP_LEVEL` recomputation runs again in the backward pass: those it does not keep."""
-    return tuple(p for p in block_products(model) if p not in op_level_kept(model))
-
-
-def _copies(model: ModelShape, product: Product) -> int:
-    """How many times a token runs ``product``: an MoE layer's MLP products once for each of its ``top_k`` experts."""
-    return model.top_k if product.mlp and model.experts else 1
 
 
 def _score_passes(scores: float, e: int, dropout: bool, cluster: Cluster) -> tuple[float, float]:

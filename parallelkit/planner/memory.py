@@ -125,6 +125,10 @@ class Product:
     column: bool
     mlp: bool = False
 
+    def copies(self, model: ModelShape) -> int:
+        """How many times a token runs it: an MoE layer's MLP products once for each of its ``top_k`` experts."""
+        return model.top_k if self.mlp and model.experts else 1
+
 
 def block_products(model: ModelShape) -> tuple[Product, ...]:
     """A block's matrix products in the order torchtitan's Llama runs them: q, k, v, the attention's output
@@ -147,6 +151,16 @@ def op_level_kept(model: ModelShape) -> tuple[Product, ...]:
     ['q', 'v', 'gate', 'down']
     """
     return block_products(model)[0::2]
+
+
+def op_level_recomputed(model: ModelShape) -> tuple[Product, ...]:
+    """The products :data:`OP_LEVEL` recomputation runs again in the backward pass: the second, fourth... of
+    :func:`block_products`, those :func:`op_level_kept` leaves.
+
+    >>> [p.name for p in op_level_recomputed(ModelShape(1, 64, 4, 256, 10, 8))]
+    ['k', 'o', 'up']
+    """
+    return block_products(model)[1::2]
 
 
 def layer_activation_bytes(
@@ -173,10 +187,9 @@ def layer_activation_bytes(
     received; under ``"ulysses"`` it holds ``a/c`` heads of ``s x s``. An MoE layer keeps the
     MLP's arrays for each of a token's ``top_k`` experts. Under ``"op"`` (:data:`OP_LEVEL`, torchtitan's): the
     layer's input, the attention kernel's output and the outputs of :func:`op_level_kept`'s products (a
-    row-parallel product's whole partial sum), whether ``fused`` or not. ``fused``: a program compiled whole (XLA's),
-    which
-    keeps the layer's input, the queries, keys and values, the attention's output and the MLP's pre-activations,
-    and the probabilities unless recomputed (the module's "A fused program").
+    row-parallel product's whole partial sum), whether ``fused`` or not. ``fused``: a program compiled whole
+    (XLA's), which keeps the layer's input, the queries, keys and values, the attention's output and the MLP's
+    pre-activations, and the probabilities unless recomputed (the module's "A fused program").
 
     >>> gpt = ModelShape(layers=1, d_model=4096, heads=32, ffn=16384, vocab=1, seq=2048, gated=False)
     >>> s, b, h, a = 2048, 1, 4096, 32  # the paper's s b h (34 + 5 a s / h), its 4h GELU block
@@ -200,7 +213,7 @@ def layer_activation_bytes(
     routed = model.top_k if model.experts else 1
     received = 2 * e * (context - 1) * s * b * kv if context_method != "ulysses" else 0.0  # others' K and V
     if recompute == OP_LEVEL:  # the input; the attention kernel's output; every second product's output
-        kept = sum(p.outer * (routed if p.mlp else 1) / (tensor if p.column else 1) for p in op_level_kept(model))
+        kept = sum(p.outer * p.copies(model) / (tensor if p.column else 1) for p in op_level_kept(model))
         return e * s * b * (h / outer_split + h / tensor + kept) + received / tensor
     attention = e * (s * b * h + 2 * s * b * kv + s * b * h)  # Q; K and V; the output projection's input
     mlp = e * (4 if model.gated else 2) * s * b * model.ffn * routed

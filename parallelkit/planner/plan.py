@@ -34,8 +34,6 @@ from .model import MODELS, ModelShape
 from .search import RESERVE, TOP, Candidate, assess, layouts, search, simpler_first, weigh
 from .steptime import ATTENTION, HIDEABLE, OVERLAP, hidden_families
 
-ACCOUNTING = {OP_LEVEL: "torchtitan's op-level policy", None: "Korthikanti et al.'s accounting"}  # whose count
-
 
 @dataclass(frozen=True)
 class Plan:
@@ -140,6 +138,7 @@ class Plan:
         where = f"rank {rank} of {len(self.ranked)}" if c in self.ranked else f"would rank {rank} of {len(self.ranked)}"
         lines.append(f"  {where}: MFU {c.mfu:.1%}, {c.time.total:.3f} s a step, bound by {c.time.binding}")
         split = c.layout.tensor * c.layout.stages
+        whose = "torchtitan's op-level policy" if c.layout.recompute == OP_LEVEL else "Korthikanti et al.'s accounting"
         act = activations(self.model, c.layout, c.batch, precision=self.precision)
         stage = "the last stage" if act.last_stage and c.layout.stages > 1 else "the first stage"
         shared = c.layout.expert * c.layout.context * c.layout.data
@@ -152,8 +151,7 @@ class Plan:
             f"    activations {m.activations / gb:.2f} GB"
             + (f" on {stage}" if c.layout.stages > 1 else "")
             + f": {act.layers} layers x {act.in_flight:g} microbatch(es) of {act.micro} sequence(s) in flight x "
-            f"{act.per_layer / gb:.3f} GB a layer ({ACCOUNTING.get(c.layout.recompute, ACCOUNTING[None])}, recompute "
-            f"{c.layout.recompute}: "
+            f"{act.per_layer / gb:.3f} GB a layer ({whose}, recompute {c.layout.recompute}: "
             "memory.layer_activation_bytes)"
             + (f", and {act.pending} deferred weight pass(es) x {act.per_pending / gb:.3f} GB a layer (ZB-H1: "
                "memory.weight_pass_bytes)" if act.pending else "")
