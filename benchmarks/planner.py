@@ -72,26 +72,28 @@ TORCHTITAN = "pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md (co
 MAXTEXT = "AI-Hypercomputer/maxtext docs/reference/models/tiering.md (commit 66266787)"
 LLAMA2_70B = ModelShape(80, 8192, 64, 28672, 32000, 4096, kv_heads=8, dropout=False, name="Llama 2 70B")
 # As published: tokens a second per chip, and the layout each names, in the planner's words. torchtitan's H100s
-# have 96 GB of HBM2e (at a 500 W limit), not the SXM datasheet's 80 GB.
+# have 96 GB of HBM2e (at a 500 W limit), not the SXM datasheet's 80 GB. Its memory is the PyTorch allocator's peak
+# reserved (torchtitan/metrics.py at 9dec370: "reserved_bytes.all.peak"), its loss PyTorch's cross-entropy op by op
+# ("eager": train.py's loss_fn); MaxText's loss is compiled with its step by XLA, counted as Megatron-LM's in place.
 PUBLISHED = [
     {"model": MODELS["llama3-8b"], "chip": "H100 SXM", "chips": 8, "per_node": 8, "memory": 96e9,
      "layout": Layout(data=8, zero=3, recompute="op"), "batch": 16,
-     "tokens_per_s_per_chip": 5762, "memory_gib": 82.4,
+     "tokens_per_s_per_chip": 5762, "memory_gib": 82.4, "loss": "eager",
      "source": TORCHTITAN + ", Table 1: FSDP, local batch 2, selective AC (its op-level policy, the 8B config's "
      "selective_ac_option = 'op' at the benchmarked commit 9dec370), bf16 without torch.compile"},
     {"model": MODELS["llama3-8b"], "chip": "H100 SXM", "chips": 128, "per_node": 8, "memory": 96e9,
      "layout": Layout(data=128, zero=3, recompute="op"), "batch": 256,
-     "tokens_per_s_per_chip": 5605, "memory_gib": 67.0,
+     "tokens_per_s_per_chip": 5605, "memory_gib": 67.0, "loss": "eager",
      "source": TORCHTITAN + ", Table 3: FSDP over 128, local batch 2, selective AC (op-level, as Table 1), bf16 "
      "without torch.compile"},
     {"model": MODELS["llama3-70b"], "chip": "H100 SXM", "chips": 256, "per_node": 8, "memory": 96e9,
-     "batch": 512, "tokens_per_s_per_chip": 829, "memory_gib": 71.9,
+     "batch": 512, "tokens_per_s_per_chip": 829, "memory_gib": 71.9, "loss": "eager",
      "layout": Layout(data=32, zero=3, tensor=8, sequence_parallel=True, recompute="full"),
      "source": TORCHTITAN + ", Table 4: FSDP 32 x TP 8 (its tensor parallelism splits the norms' tokens: "
      "sequence parallelism), local batch 16, full AC, torch.compile and Float8 (not bf16 alone: the nearest "
      "it publishes)"},
     {"model": LLAMA2_70B, "chip": "TPU v5p", "chips": 512, "per_node": 512, "memory": None,
-     "batch": 2048, "tokens_per_s_per_chip": 692, "memory_gib": None,
+     "batch": 2048, "tokens_per_s_per_chip": 692, "memory_gib": None, "loss": "in_place",
      "layout": Layout(data=512, zero=3, recompute="full"),
      "source": MAXTEXT + ": Llama 2 70B on 512 v5p chips, BF16, sequence 4096, 65.4 % MFU as it counts it; its "
      "config (benchmarks/maxtext_v5p_model_configs.py, llama2_70b_v5p_128): FSDP over every chip, 4 sequences a "
@@ -409,8 +411,8 @@ def published() -> list[dict]:
         cluster = Cluster.published(item["chip"], per_node=item["per_node"], nodes=chips // item["per_node"])
         if item["memory"]:
             cluster = dataclasses.replace(cluster, memory_bytes=item["memory"])
-        answer = plan(model, cluster, global_batch_tokens=item["batch"] * model.seq)
-        memory = pk.planner.memory_per_device(model, layout, item["batch"])
+        answer = plan(model, cluster, global_batch_tokens=item["batch"] * model.seq, loss=item["loss"])
+        memory = pk.planner.memory_per_device(model, layout, item["batch"], loss=item["loss"])
         time_ = step_time(model, layout, cluster, item["batch"], efficiency=answer.efficiency)
         mfu = model.flops_per_token() * item["batch"] * model.seq / (time_.total * chips * cluster.bf16_flops)
         theirs = {
@@ -422,7 +424,7 @@ def published() -> list[dict]:
         }
         out.append({
             "model": model.name, "chip": item["chip"], "chips": chips, "batch_sequences": item["batch"],
-            "published": theirs,
+            "loss": item["loss"], "published": theirs,
             "planner_for_their_layout": {"memory_bytes": memory.total, "memory": str(memory), "mfu": mfu,
                                          "binds": time_.binding, "fits": answer.assess(layout).fits},
             "planner_best": {"layout": answer.best.name, "mfu": answer.ranked[0].mfu,

@@ -13,14 +13,18 @@ from .build import kit_strategy
 from .memory import (
     CONTEXT_METHODS,
     ELEMENT_BYTES,
+    LOSSES,
     OP_LEVEL,
     PLANNED_RECOMPUTE,
     SCHEDULES,
+    STATE_BYTES,
     Memory,
     backward_working_bytes,
+    gathered_bytes,
     in_flight,
     is_zero_stage,
     layer_activation_bytes,
+    loss_bytes,
     state_bytes,
     weight_pass_bytes,
     weight_passes_pending,
@@ -168,7 +172,7 @@ class Activations:
     micro: int  # sequences a microbatch
     per_layer: float  # one layer of one microbatch (memory.layer_activation_bytes)
     rebuilt: float  # full recomputation: the one layer rebuilt in the backward pass (0 otherwise)
-    logits: float  # the last stage's float32 logits of one microbatch (0 on another stage)
+    logits: float  # the most the last stage's loss holds at once (memory.loss_bytes; 0 on another stage)
     last_stage: bool  # whether the device counted is the last stage (with the logits) rather than the first
     pending: int = 0  # ZB-H1's weight passes deferred at once (memory.weight_passes_pending)
     per_pending: float = 0.0  # what one layer's deferred weight pass keeps besides (memory.weight_pass_bytes)
@@ -180,8 +184,9 @@ class Activations:
 
 
 def activations(
-    model: ModelShape, layout: Layout, batch: int, *, precision: str = "bf16", fused: bool = False
-) -> Activations:
+    model: ModelShape, layout: Layout, batch: int, *, precision: str = "bf16", fused: bool = False,
+    loss: str = "in_place",
+) -> Activations:  # fmt: skip
     """The activations of the device that holds the most: the first pipeline stage's, or the last's with the logits.
 
     One layer's (:func:`.memory.layer_activation_bytes`) for a microbatch of ``batch / (replicas
@@ -190,7 +195,8 @@ def activations(
     in the backward pass with its attention computed block by block (FlashAttention: no ``s x s``
     scores). Under ZB-H1 each weight pass a stage defers keeps its outputs' gradients too
     (:func:`.memory.weight_pass_bytes`, :func:`.memory.weight_passes_pending`). The last stage also
-    holds one microbatch's float32 logits (``4 s b V / tensor``). The first stages hold
+    holds the loss's peak over one microbatch's logits (:func:`.memory.loss_bytes` of ``loss``, one of
+    :data:`.memory.LOSSES`). The first stages hold
     ``ceil(layers / stages)`` layers each, the last what is left. ``fused``: a program compiled whole
     (:func:`.memory.layer_activation_bytes`).
     """
@@ -198,7 +204,8 @@ def activations(
     split = (layout.tensor, layout.sequence_parallel, layout.context, layout.context_method, ELEMENT_BYTES[precision])
     per_layer = _layer_bytes(model, micro, *split, layout.recompute, fused)
     rebuilt = _layer_bytes(model, micro, *split, "selective", fused) if layout.recompute in _REBUILT else 0.0
-    logits = 4 * micro * (model.seq / layout.context) * model.vocab / layout.tensor
+    logits = loss_bytes(model, micro, tensor=layout.tensor, context=layout.context, loss=loss,
+                        element_bytes=ELEMENT_BYTES[precision], fused=fused)  # fmt: skip
     stage_layers = math.ceil(model.layers / layout.stages)
     if layout.stages == 1:  # one stage: the first is the last
         return Activations(model.layers, 1, micro, per_layer, rebuilt, logits, True)
@@ -249,6 +256,7 @@ def memory_per_device(
     precision: str = "bf16",
     optimizer: str = "adam",
     fused: bool = False,
+    loss: str = "in_place",
 ) -> Memory:
     """The bytes one device holds while ``layout`` trains ``model`` on ``batch`` sequences a step.
 
@@ -257,25 +265,35 @@ def memory_per_device(
     context x data`` for the dense parameters, ``context x data`` for the experts'. The
     activations: :func:`activations`. The parameters are split evenly over the stages. ``fused``: count
     for a program compiled whole, as the kit's steps are (the :mod:`.memory` module's "A fused program": what a
-    layer keeps, one layer's backward pass in ``buffers``, gradients and activations apart), with attention
-    that is not fused, as the kit's (a FlashAttention kernel holds no ``s x s`` arrays, which this count does not
-    model); by default, Korthikanti et al.'s accounting of an unfused framework.
+    layer keeps, one layer's backward pass in ``buffers``, gradients and activations apart, the float32 logits
+    kept, ZeRO-3's gathers left to the compiler), with attention that is not fused, as the kit's (a FlashAttention
+    kernel holds no ``s x s`` arrays, which this count does not model); by default, Korthikanti et al.'s accounting
+    of an unfused framework, with ZeRO-3's gathered parameters at the peak (:func:`.memory.gathered_bytes`) and
+    the cross-entropy ``loss`` it runs (:data:`.memory.LOSSES`: Megatron-LM's ``"in_place"``, PyTorch's
+    ``"eager"``; :func:`.memory.loss_bytes`).
 
     Raises:
       ValueError: the layout cannot run the model on this batch (:func:`check` says why).
       TypeError: ``fused`` that is not a bool.
+      ValueError: a ``loss`` not in :data:`.memory.LOSSES`.
     """
     if not isinstance(fused, bool):
         raise TypeError(f"memory_per_device got fused={fused!r}, which is not a bool. Pass True to count a program "
                         "compiled whole (the kit's steps), False for Korthikanti et al.'s accounting.")  # fmt: skip
+    if loss not in LOSSES:
+        raise ValueError(f"memory_per_device got loss={loss!r}: give one of {LOSSES} (Megatron-LM's cross-entropy "
+                         "in place, or PyTorch's op by op).")  # fmt: skip
     if reason := check(model, layout, batch):
         raise ValueError(f"{layout.name} cannot train {model.name or 'this model'}: {reason}.")
     split = layout.tensor * layout.stages
     params, grads, opt = device_state(model, split, layout.expert, layout.context, layout.data, layout.zero,
                                       precision, optimizer)  # fmt: skip
-    act = activations(model, layout, batch, precision=precision, fused=fused)
+    act = activations(model, layout, batch, precision=precision, fused=fused, loss=loss)
     working = backward_working_bytes(model, act.micro, tensor=layout.tensor, context=layout.context,
                                      context_method=layout.context_method, fused=fused)  # fmt: skip
     if fused:  # the layer rebuilt by full recomputation is held while its backward pass runs, as the working set
         return Memory(params, grads, opt, act.total - act.rebuilt, act.logits, working + act.rebuilt, True)
-    return Memory(params, grads, opt, act.total, act.logits, working)
+    sharded = layout.zero == 3 and layout.expert * layout.context * layout.data > 1
+    gathered = gathered_bytes(model, tensor=layout.tensor, expert=layout.expert, stages=layout.stages,
+                              param_bytes=STATE_BYTES[precision, optimizer][0]) if sharded else 0.0  # fmt: skip
+    return Memory(params, grads, opt, act.total, act.logits, working, gathered=gathered)

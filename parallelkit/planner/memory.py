@@ -36,6 +36,13 @@ STATE_BYTES = {
 # linear layer's saved input may be its FP8 copy (1 byte), a saving this count leaves out (an upper bound, the safe
 # side for "does it fit").
 ELEMENT_BYTES = {"bf16": 2, "fp32": 4, "fp8": 2}
+# The cross-entropy losses the planner counts, by what they hold at their peak (:func:`loss_bytes`).
+# "in_place": Megatron-LM's vocabulary-parallel cross-entropy (megatron/core/tensor_parallel/cross_entropy.py,
+# _VocabParallelCrossEntropy): the logits cast to float32 once, the softmax and then its gradient worked in that copy
+# in place. "eager": PyTorch's torch.nn.functional.cross_entropy on logits.float(), a log-softmax then a negative
+# log-likelihood, each its own kernel, as torchtitan's train.py calls it (pytorch/torchtitan commit 9dec370), and
+# torch's loss_parallel where the vocabulary is split (torch/distributed/tensor/parallel/loss.py).
+LOSSES = ("in_place", "eager")
 SCHEDULES = tuple(PIPELINE_SCHEDULES)  # the kit's named pipeline schedules, each one the planner times
 # torchtitan's op-level selective recomputation (activation_checkpoint.selective_ac_option = "op", the setting of
 # its Llama 3 8B benchmarks: pytorch/torchtitan commit 9dec370, torchtitan/parallelisms/parallelize_llama.py,
@@ -69,9 +76,10 @@ class Memory:
     grads: float
     optimizer: float
     activations: float
-    logits: float = 0.0  # the last stage's float32 logits of one microbatch, kept for the loss's backward
+    logits: float = 0.0  # the most the last stage's loss holds at once, one microbatch's (loss_bytes)
     buffers: float = 0.0  # what one layer's backward pass holds beside the kept arrays (fused programs)
     grads_apart: bool = False  # a fused program: the gradients are made as the activations are freed
+    gathered: float = 0.0  # ZeRO-3's parameters gathered at the peak (gathered_bytes)
 
     @property
     def state(self) -> float:
@@ -79,15 +87,16 @@ class Memory:
 
     @property
     def total(self) -> float:
-        """The most held at once: the state, the activations, the logits and the buffers; for a fused program the
-        gradients or the activations with the logits, whichever is larger, not both (the module's "A fused
-        program")."""
+        """The most held at once: the state, the activations, the loss, the buffers and ZeRO-3's gathered
+        parameters; for a fused program the gradients or the activations with the logits, whichever is larger, not
+        both (the module's "A fused program")."""
+        held = self.params + self.optimizer + self.buffers + self.gathered
         if self.grads_apart:
-            return self.params + self.optimizer + self.buffers + max(self.grads, self.activations + self.logits)
-        return self.state + self.activations + self.logits + self.buffers
+            return held + max(self.grads, self.activations + self.logits)
+        return held + self.grads + self.activations + self.logits
 
     def __str__(self) -> str:
-        parts = ("params", "grads", "optimizer", "activations", "logits", "buffers", "total")
+        parts = ("params", "grads", "optimizer", "activations", "logits", "buffers", "gathered", "total")
         return ", ".join(f"{name} {getattr(self, name) / 1e9:.2f} GB" for name in parts)
 
 
@@ -224,6 +233,68 @@ def layer_activation_bytes(
     if fused:  # the module's "what a layer keeps": the input; Q, K, V, attention's output; the pre-activations
         mlp, outer = e * (2 if model.gated else 1) * s * b * model.ffn * routed, (e + 2 * mask) * s * b * h
     return outer / outer_split + (attention + mlp + scores + received) / tensor
+
+
+def loss_bytes(
+    model: ModelShape,
+    micro_batch: int,
+    *,
+    tensor: int = 1,
+    context: int = 1,
+    loss: str = "in_place",
+    element_bytes: int = 2,
+    fused: bool = False,
+) -> float:
+    """The most the loss holds at once on the device that runs it (the last stage), in bytes.
+
+    A microbatch's ``s b V / tensor`` logits (``s / context`` tokens a sequence, the vocabulary split over
+    ``tensor``), at so many bytes a logit:
+
+    - ``fused`` (a program compiled whole, as the kit's): one float32 copy kept for the backward pass, 4;
+    - ``"in_place"`` (:data:`LOSSES`, Megatron-LM's): the float32 copy beside the ``element_bytes`` logits in
+      the forward pass and beside their gradient cast back in the backward pass, ``4 + element_bytes`` (4 in
+      float32, where the cast is the array itself);
+    - ``"eager"`` (PyTorch's, torchtitan's): in the backward pass the log-softmax's output, kept from the
+      forward pass, the likelihood's gradient and the log-softmax's gradient at once, 12; with the vocabulary
+      split (``tensor > 1``: loss_parallel, which computes both gradients in one function) four at once, 16: the
+      kept output and the likelihood's gradient, beside the output's exponential and the sum of the two, then
+      beside that sum and its product with the incoming gradient.
+
+    >>> m = ModelShape(layers=1, d_model=8, heads=2, ffn=32, vocab=100, seq=4)
+    >>> [loss_bytes(m, 1, loss=kind) / (4 * 100) for kind in LOSSES], loss_bytes(m, 1, tensor=2, loss="eager") / 200
+    ([6.0, 12.0], 16.0)
+    """
+    if loss not in LOSSES:
+        raise ValueError(f"loss={loss!r} is not a cross-entropy the planner counts: give one of {LOSSES}.")
+    logits = micro_batch * (model.seq / context) * model.vocab / tensor
+    if fused:
+        return 4 * logits
+    if loss == "in_place":
+        return (4 + (element_bytes if element_bytes < 4 else 0)) * logits
+    return (16 if tensor > 1 else 12) * logits
+
+
+def gathered_bytes(
+    model: ModelShape, *, tensor: int = 1, expert: int = 1, stages: int = 1, param_bytes: int = 2
+) -> float:
+    """What ZeRO-3 holds gathered at the step's peak, the loss's backward pass, in bytes on one device.
+
+    The ends' parameters, gathered for the whole step (PyTorch's FSDP2 keeps its root unit, which torchtitan's
+    Llama leaves the embedding, the final norm and the output head in, gathered from the forward pass to the end
+    of the backward pass: ``FSDPState._lazy_init``, "for the root, do not reshard after forward"), both tables on one
+    stage and one table at each end of a pipeline; and the last layer's, the first the backward pass needs
+    (torchtitan leaves it gathered after the forward pass; a prefetch would gather it as early). Each in its
+    ``param_bytes`` copy, its matrices over ``tensor`` (the experts' over ``expert`` too; the norms' few scales
+    are counted split as well).
+
+    >>> m = ModelShape(layers=2, d_model=8, heads=2, ffn=32, vocab=100, seq=4, gated=False)
+    >>> gathered_bytes(m) == 2 * (m.embedding_params + m.layer_params)
+    True
+    """
+    ends = model.embedding_params if stages == 1 else model.vocab * model.d_model
+    routed = model.experts * model.expert_params
+    layer = (model.layer_params - routed) / tensor + routed / (tensor * expert)
+    return param_bytes * (ends / tensor + layer)
 
 
 def backward_working_bytes(

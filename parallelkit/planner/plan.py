@@ -6,8 +6,8 @@
 ('data 4 x context 2, ZeRO-1, allgather, accumulate 32, remat selective', 128)
 >>> print(answer.table(1))  # doctest: +NORMALIZE_WHITESPACE
   #  layout                                                                 GB/dev   step s    MFU  binds
-  1  data 4 x context 2, ZeRO-1, allgather, accumulate 32, remat selective    68.8   12.911  62.7%  compute
-(439 layouts fit, 4 do not: plan.rejected; 234 could not reach the first 10, not weighed)
+  1  data 4 x context 2, ZeRO-1, allgather, accumulate 32, remat selective    69.9   12.911  62.7%  compute
+(436 layouts fit, 4 do not: plan.rejected; 237 could not reach the first 10, not weighed)
 
 By default no communication hides (``overlap="none"``): ZeRO-3's gathers would cost 2.3 s a step in the
 open, and a context axis keeps the activations within memory instead. Hiding the gradients' collectives
@@ -29,7 +29,7 @@ from ..core.types import is_count, is_number
 from .build import unsupported
 from .cluster import Cluster
 from .layout import Layout, activations
-from .memory import OP_LEVEL, STATE_BYTES
+from .memory import LOSSES, OP_LEVEL, STATE_BYTES
 from .model import MODELS, ModelShape
 from .search import RESERVE, TOP, Candidate, assess, layouts, search, simpler_first, weigh
 from .steptime import ATTENTION, HIDEABLE, OVERLAP, hidden_families
@@ -54,6 +54,7 @@ class Plan:
     unweighed: int = 0  # layouts left unweighed: none could reach the first TOP (search.search)
     unbuilt: tuple[Candidate, ...] = ()
     attention: str = "flash"  # the attention kernel timed (steptime.ATTENTION)
+    loss: str = "in_place"  # the cross-entropy counted (memory.LOSSES)
 
     @property
     def best(self) -> Layout:
@@ -92,7 +93,7 @@ class Plan:
         self._check(layout)
         options = {
             name: getattr(self, name)
-            for name in ("precision", "optimizer", "efficiency", "overlap", "reserve", "attention")
+            for name in ("precision", "optimizer", "efficiency", "overlap", "reserve", "attention", "loss")
         }
         return assess(self.model, layout, self.cluster, self.batch, **options)
 
@@ -139,9 +140,10 @@ class Plan:
         lines.append(f"  {where}: MFU {c.mfu:.1%}, {c.time.total:.3f} s a step, bound by {c.time.binding}")
         split = c.layout.tensor * c.layout.stages
         whose = "torchtitan's op-level policy" if c.layout.recompute == OP_LEVEL else "Korthikanti et al.'s accounting"
-        act = activations(self.model, c.layout, c.batch, precision=self.precision)
+        act = activations(self.model, c.layout, c.batch, precision=self.precision, loss=self.loss)
         stage = "the last stage" if act.last_stage and c.layout.stages > 1 else "the first stage"
         shared = c.layout.expert * c.layout.context * c.layout.data
+        logits = act.micro * self.model.seq / c.layout.context * self.model.vocab / c.layout.tensor
         lines += [
             f"  memory {m.total / gb:.1f} GB of {self.cluster.memory_bytes / gb:.0f} GB ({self.reserve:.0%} kept "
             "back):",
@@ -156,8 +158,11 @@ class Plan:
             + (f", and {act.pending} deferred weight pass(es) x {act.per_pending / gb:.3f} GB a layer (ZB-H1: "
                "memory.weight_pass_bytes)" if act.pending else "")
             + (f" + {act.rebuilt / gb:.3f} GB for the layer being rebuilt" if act.rebuilt else ""),
-            f"    logits {m.logits / gb:.2f} GB: 4 bytes x {act.micro} x {self.model.seq // c.layout.context} tokens x "
+            f"    loss {m.logits / gb:.2f} GB: {m.logits / logits:g} bytes a logit ({self.loss} cross-entropy at its "
+            f"peak: memory.loss_bytes) x {act.micro} x {self.model.seq // c.layout.context} tokens x "
             f"{self.model.vocab} vocabulary / tensor {c.layout.tensor}",
+            *([f"    gathered {m.gathered / gb:.2f} GB: ZeRO-3's parameters at the peak, the ends and one layer "
+               "(memory.gathered_bytes)"] if m.gathered else []),
             f"  time: compute {c.time.compute:.3f} s at {c.time.efficiency:.0%} of the peak"
             + (" (each operation's own time)" if self.efficiency is None else "")
             + ", "
@@ -190,6 +195,7 @@ def plan(
     reserve: float = RESERVE,
     exhaustive: bool = False,
     attention: str = "flash",
+    loss: str = "in_place",
 ) -> Plan:
     """Rank every layout of ``cluster``'s devices that trains ``model`` on ``global_batch_tokens`` tokens a step.
 
@@ -201,7 +207,8 @@ def plan(
     ``"none"``, ``"full"`` (the gradients) or a collection of :data:`.steptime.HIDEABLE` families
     (:func:`.steptime.exposed_seconds` says behind what); ``attention``: ``"flash"`` or
     ``"unfused"`` (:func:`.steptime.step_time`); ``reserve``:
-    the share of each device's memory kept back (:mod:`.search`).
+    the share of each device's memory kept back (:mod:`.search`); ``loss``: the framework's cross-entropy,
+    Megatron-LM's ``"in_place"`` or PyTorch's ``"eager"`` (:func:`.memory.loss_bytes`).
     The first :data:`.search.TOP` (10) of the ranking are exact; a layout that could not reach them
     is not weighed (:func:`.search.search`; ``Plan.unweighed`` counts them) unless ``exhaustive``.
 
@@ -227,9 +234,12 @@ def plan(
     if attention not in ATTENTION:
         raise ValueError(f"plan(attention={attention!r}) is not an attention kernel the planner times: give one of "
                          f"{ATTENTION}.")  # fmt: skip
+    if loss not in LOSSES:
+        raise ValueError(f"plan(loss={loss!r}) is not a cross-entropy the planner counts: give one of {LOSSES} "
+                         "(Megatron-LM's in place, or PyTorch's op by op, as torchtitan runs it).")  # fmt: skip
     batch = max(1, round(Fraction(int(global_batch_tokens), model.seq)))  # exact: a float loses huge counts
     options = {"precision": precision, "optimizer": optimizer, "efficiency": efficiency, "overlap": overlap,
-               "reserve": reserve, "attention": attention}  # fmt: skip
+               "reserve": reserve, "attention": attention, "loss": loss}  # fmt: skip
     if not isinstance(exhaustive, bool):
         raise ValueError(f"plan(exhaustive={exhaustive!r}) is not a bool: give True to weigh every layout, or False "
                          f"(the default) to leave those that could not reach the first {TOP}.")  # fmt: skip
@@ -242,7 +252,7 @@ def plan(
     ranked = tuple(c for c, ok in zip(fitting, built, strict=True) if ok)
     unbuilt = tuple(c for c, ok in zip(fitting, built, strict=True) if not ok)
     return Plan(model, cluster, batch, precision, optimizer, efficiency, overlap, reserve, ranked, rejected, unweighed,
-                unbuilt, attention)  # fmt: skip
+                unbuilt, attention, loss)  # fmt: skip
 
 
 def _overlap_ok(overlap: object) -> bool:
@@ -289,7 +299,7 @@ def _nothing_fits(model: ModelShape, cluster: Cluster, batch: int, rejected, **o
     if state > usable:
         why = f"its state alone, {state / 1e9:.1f} GB, is over it: only more devices (or less optimizer state) help"
     else:
-        why = f"its state is {state / 1e9:.1f} GB, the rest activations and logits: shorter sequences would help too"
+        why = f"its state is {state / 1e9:.1f} GB, the rest activations and the loss: shorter sequences would help too"
     tried = "recomputation and accumulation down to one sequence a replica were already tried"
     return f"{said}. The closest {closest.rejected}; {why}. {hint}; {tried}."
 

@@ -221,7 +221,8 @@ def only_full_fits(model: ModelShape, layout: Layout, cluster: Cluster, batch: i
     used = batch // layout.replicas * layout.replicas
     if check(model, selective, used) is not None:
         return False
-    memory = memory_per_device(model, selective, used, precision=options["precision"], optimizer=options["optimizer"])
+    memory = memory_per_device(model, selective, used, precision=options["precision"], optimizer=options["optimizer"],
+                               loss=options.get("loss", "in_place"))  # fmt: skip
     return memory.total > (1 - options["reserve"]) * cluster.memory_bytes
 
 
@@ -269,13 +270,14 @@ def _mesh(layout: Layout) -> tuple[int, ...]:
 def assess(
     model: ModelShape, layout: Layout, cluster: Cluster, batch: int, *, precision: str, optimizer: str,
     efficiency: float, overlap: str | Collection[str], reserve: float, attention: str = "flash", timed: bool = True,
+    loss: str = "in_place",
 ) -> Candidate:  # fmt: skip
     """``layout`` exactly as given: its memory, and its step time and MFU when it fits in the memory kept free
-    (``timed=False``: whether it fits alone, no time)."""
+    (``timed=False``: whether it fits alone, no time); ``loss``: the cross-entropy counted (:data:`.memory.LOSSES`)."""
     used = batch // layout.replicas * layout.replicas
     if reason := check(model, layout, used):
         return Candidate(layout, used, Memory(0, 0, 0, 0), rejected=reason)
-    memory = _memory(model, layout, used, precision, optimizer)
+    memory = _memory(model, layout, used, precision, optimizer, loss)
     budget = (1 - reserve) * cluster.memory_bytes
     if memory.total > budget:
         return Candidate(layout, used, memory, rejected=_too_large(memory, budget))
@@ -291,9 +293,9 @@ def assess(
 
 
 @functools.lru_cache(maxsize=65536)  # a weighing asks for a variant's memory, then for it again with its time
-def _memory(model: ModelShape, layout: Layout, batch: int, precision: str, optimizer: str) -> Memory:
+def _memory(model: ModelShape, layout: Layout, batch: int, precision: str, optimizer: str, loss: str) -> Memory:
     """:func:`.layout.memory_per_device`, remembered."""
-    return memory_per_device(model, layout, batch, precision=precision, optimizer=optimizer)
+    return memory_per_device(model, layout, batch, precision=precision, optimizer=optimizer, loss=loss)
 
 
 def _too_large(memory: Memory, budget: float, smallest: str = "") -> str:
