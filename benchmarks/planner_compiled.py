@@ -129,7 +129,7 @@ def planned(case: Case, chips: int, depth: int, recompute: str, fused: bool = Tr
     memory = pk.planner.memory_per_device(shape, plan, plan.data * case.per_replica, precision="fp32", fused=fused)
     return {"params": memory.params, "grads": memory.grads, "optimizer": memory.optimizer,
             "activations": memory.activations, "logits": memory.logits, "buffers": memory.buffers,
-            "total": memory.total}  # fmt: skip
+            "gathered": memory.gathered, "total": memory.total}  # fmt: skip
 
 
 def at_depth(low: int, high: int, figures: dict, layers: int) -> dict:
