@@ -13,7 +13,6 @@ from .build import kit_strategy
 from .memory import (
     CONTEXT_METHODS,
     ELEMENT_BYTES,
-    LOSSES,
     OP_LEVEL,
     PLANNED_RECOMPUTE,
     SCHEDULES,
@@ -275,14 +274,11 @@ def memory_per_device(
     Raises:
       ValueError: the layout cannot run the model on this batch (:func:`check` says why).
       TypeError: ``fused`` that is not a bool.
-      ValueError: a ``loss`` not in :data:`.memory.LOSSES`.
+      ValueError: a ``loss`` not in :data:`.memory.LOSSES` (:func:`.memory.bytes_a_logit` says so).
     """
     if not isinstance(fused, bool):
         raise TypeError(f"memory_per_device got fused={fused!r}, which is not a bool. Pass True to count a program "
                         "compiled whole (the kit's steps), False for Korthikanti et al.'s accounting.")  # fmt: skip
-    if loss not in LOSSES:
-        raise ValueError(f"memory_per_device got loss={loss!r}: give one of {LOSSES} (Megatron-LM's cross-entropy "
-                         "in place, or PyTorch's op by op).")  # fmt: skip
     if reason := check(model, layout, batch):
         raise ValueError(f"{layout.name} cannot train {model.name or 'this model'}: {reason}.")
     split = layout.tensor * layout.stages

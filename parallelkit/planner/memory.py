@@ -245,10 +245,20 @@ def loss_bytes(
     element_bytes: int = 2,
     fused: bool = False,
 ) -> float:
-    """The most the loss holds at once on the device that runs it (the last stage), in bytes.
+    """The most the loss holds at once on the device that runs it (the last stage), in bytes: a microbatch's
+    ``s b V / tensor`` logits (``s / context`` tokens a sequence, the vocabulary split over ``tensor``) at
+    :func:`bytes_a_logit`.
 
-    A microbatch's ``s b V / tensor`` logits (``s / context`` tokens a sequence, the vocabulary split over
-    ``tensor``), at so many bytes a logit:
+    >>> m = ModelShape(layers=1, d_model=8, heads=2, ffn=32, vocab=100, seq=4)
+    >>> loss_bytes(m, 2, context=2, loss="eager") == 12 * 2 * (4 / 2) * 100
+    True
+    """
+    per_logit = bytes_a_logit(loss, tensor=tensor, element_bytes=element_bytes, fused=fused)
+    return per_logit * micro_batch * (model.seq / context) * model.vocab / tensor
+
+
+def bytes_a_logit(loss: str = "in_place", *, tensor: int = 1, element_bytes: int = 2, fused: bool = False) -> int:
+    """The bytes a logit the loss holds at its peak (:func:`loss_bytes`):
 
     - ``fused`` (a program compiled whole, as the kit's): one float32 copy kept for the backward pass, 4;
     - ``"in_place"`` (:data:`LOSSES`, Megatron-LM's): the float32 copy beside the ``element_bytes`` logits in
@@ -260,18 +270,17 @@ def loss_bytes(
       kept output and the likelihood's gradient, beside the output's exponential and the sum of the two, then
       beside that sum and its product with the incoming gradient.
 
-    >>> m = ModelShape(layers=1, d_model=8, heads=2, ffn=32, vocab=100, seq=4)
-    >>> [loss_bytes(m, 1, loss=kind) / (4 * 100) for kind in LOSSES], loss_bytes(m, 1, tensor=2, loss="eager") / 200
-    ([6.0, 12.0], 16.0)
+    >>> [bytes_a_logit(kind) for kind in LOSSES], bytes_a_logit("eager", tensor=2), bytes_a_logit(element_bytes=4)
+    ([6, 12], 16, 4)
     """
     if loss not in LOSSES:
-        raise ValueError(f"loss={loss!r} is not a cross-entropy the planner counts: give one of {LOSSES}.")
-    logits = micro_batch * (model.seq / context) * model.vocab / tensor
+        raise ValueError(f"loss={loss!r} is not a cross-entropy the planner counts: give one of {LOSSES} "
+                         "(Megatron-LM's in place, or PyTorch's op by op, as torchtitan runs it).")  # fmt: skip
     if fused:
-        return 4 * logits
+        return 4
     if loss == "in_place":
-        return (4 + (element_bytes if element_bytes < 4 else 0)) * logits
-    return (16 if tensor > 1 else 12) * logits
+        return 4 + (element_bytes if element_bytes < 4 else 0)
+    return 16 if tensor > 1 else 12
 
 
 def gathered_bytes(

@@ -29,7 +29,7 @@ from ..core.types import is_count, is_number
 from .build import unsupported
 from .cluster import Cluster
 from .layout import Layout, activations
-from .memory import LOSSES, OP_LEVEL, STATE_BYTES
+from .memory import ELEMENT_BYTES, LOSSES, OP_LEVEL, STATE_BYTES, bytes_a_logit
 from .model import MODELS, ModelShape
 from .search import RESERVE, TOP, Candidate, assess, layouts, search, simpler_first, weigh
 from .steptime import ATTENTION, HIDEABLE, OVERLAP, hidden_families
@@ -143,7 +143,8 @@ class Plan:
         act = activations(self.model, c.layout, c.batch, precision=self.precision, loss=self.loss)
         stage = "the last stage" if act.last_stage and c.layout.stages > 1 else "the first stage"
         shared = c.layout.expert * c.layout.context * c.layout.data
-        logits = act.micro * self.model.seq / c.layout.context * self.model.vocab / c.layout.tensor
+        per_logit = bytes_a_logit(self.loss, tensor=c.layout.tensor, element_bytes=ELEMENT_BYTES[self.precision])
+        per_logit = per_logit if m.logits else 0  # a first pipeline stage runs no loss
         lines += [
             f"  memory {m.total / gb:.1f} GB of {self.cluster.memory_bytes / gb:.0f} GB ({self.reserve:.0%} kept "
             "back):",
@@ -158,8 +159,8 @@ class Plan:
             + (f", and {act.pending} deferred weight pass(es) x {act.per_pending / gb:.3f} GB a layer (ZB-H1: "
                "memory.weight_pass_bytes)" if act.pending else "")
             + (f" + {act.rebuilt / gb:.3f} GB for the layer being rebuilt" if act.rebuilt else ""),
-            f"    loss {m.logits / gb:.2f} GB: {m.logits / logits:g} bytes a logit ({self.loss} cross-entropy at its "
-            f"peak: memory.loss_bytes) x {act.micro} x {self.model.seq // c.layout.context} tokens x "
+            f"    loss {m.logits / gb:.2f} GB: {per_logit} bytes a logit ({self.loss} cross-entropy at its peak: "
+            f"memory.loss_bytes) x {act.micro} x {self.model.seq // c.layout.context} tokens x "
             f"{self.model.vocab} vocabulary / tensor {c.layout.tensor}",
             *([f"    gathered {m.gathered / gb:.2f} GB: ZeRO-3's parameters at the peak, the ends and one layer "
                "(memory.gathered_bytes)"] if m.gathered else []),
